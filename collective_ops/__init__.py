@@ -1,0 +1,62 @@
+"""collective-ops: fast data-parallel gradient communication for Ascend (HCCL), CUDA (NCCL) and CPU (Gloo).
+
+Importing this package imports no deep-learning framework; each is loaded when used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .bucketing import GradientBucket as _CoreGradientBucket
+from .primitives import allgather, allreduce, broadcast, reduce_scatter
+from .runtime import (
+    DistContext,
+    barrier,
+    context,
+    engine_for_tensor,
+    get_rank,
+    get_world_size,
+    init,
+    init_hccl,
+    is_initialized,
+    shutdown,
+)
+
+__version__ = "0.1.0"
+
+
+class GradientBucket(_CoreGradientBucket):
+    """Manual bucketing: ``add`` gradients, ``allreduce()`` them in as few collectives as the cap allows.
+
+    Works for torch tensors, MindSpore tensors and numpy arrays, through the engine
+    ``init`` started for their framework.
+    """
+
+    def __init__(self, bucket_size_mb: float = 25.0, reduce_op: Any = "sum") -> None:
+        super().__init__(bucket_size_mb, reduce_op, engine_for=engine_for_tensor)
+
+
+def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
+    """Make ``model`` data-parallel: a ``torch.nn.Module`` or a ``mindspore.nn.Cell``."""
+    from .adapters import wrap as _wrap
+
+    return _wrap(model, bucket_size_mb=bucket_size_mb, **options)
+
+
+__all__ = [
+    "DistContext",
+    "GradientBucket",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "context",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "init_hccl",
+    "is_initialized",
+    "reduce_scatter",
+    "shutdown",
+    "wrap",
+]

@@ -1,0 +1,33 @@
+"""The framework-free bucketing core: planner, bucket manager, communication hooks.
+
+Nothing here imports a deep-learning framework; adapters pass a ``BucketEngine``.
+"""
+
+from .gradient_bucket import GradientBucket
+from .hooks import BucketContext, CommHook, allreduce_hook, compression_hook, hook_for_compression
+from .interfaces import BucketEngine, CompletedHandle, Handle, ThenHandle
+from .manager import BucketManager, BucketTiming, StepStats
+from .plan import MIB, BucketPlan, BucketSpec, ParamSpec, complete_order, plan_buckets, validate_bucket_mb
+
+__all__ = [
+    "MIB",
+    "BucketContext",
+    "BucketEngine",
+    "BucketManager",
+    "BucketPlan",
+    "BucketSpec",
+    "BucketTiming",
+    "CommHook",
+    "CompletedHandle",
+    "GradientBucket",
+    "Handle",
+    "ParamSpec",
+    "StepStats",
+    "ThenHandle",
+    "allreduce_hook",
+    "complete_order",
+    "compression_hook",
+    "hook_for_compression",
+    "plan_buckets",
+    "validate_bucket_mb",
+]

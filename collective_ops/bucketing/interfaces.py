@@ -1,0 +1,108 @@
+"""What the bucketing core needs from a framework, and nothing more.
+
+Each framework engine (``collective_ops.comm.torch_engine``, ``...mindspore_engine``)
+implements :class:`BucketEngine`; the core only ever calls these methods, which keeps
+``collective_ops.bucketing`` free of any framework import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An in-flight collective."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class BucketEngine(Protocol):
+    """Flat-buffer tensor operations plus the collectives the core launches."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    # -- tensors ------------------------------------------------------------------
+    def describe(self, tensor: Any) -> tuple[int, str, str]:
+        """(number of elements, dtype name, device name) of ``tensor``."""
+
+    def itemsize(self, tensor: Any) -> int:
+        """Bytes per element of ``tensor``."""
+
+    def is_contiguous(self, tensor: Any) -> bool: ...
+
+    def zeros(self, numel: int, dtype: str, device: str) -> Any:
+        """A new flat, contiguous, zero-filled buffer."""
+
+    def segment(self, buffer: Any, offset: int, numel: int, shape: Sequence[int] | None = None) -> Any:
+        """``buffer[offset:offset+numel]`` (a view where the framework has views), reshaped."""
+
+    def write(self, buffer: Any, offset: int, tensor: Any) -> None:
+        """Copy ``tensor`` (any shape) into ``buffer[offset:offset+tensor.numel]``."""
+
+    def write_back(self, tensor: Any, buffer: Any, offset: int) -> None:
+        """Copy ``buffer[offset:offset+tensor.numel]`` into ``tensor`` in place."""
+
+    def fill_zero(self, buffer: Any, offset: int, numel: int) -> None: ...
+
+    def int_tensor(self, values: Sequence[int], device: str) -> Any:
+        """A new int32 tensor holding ``values``."""
+
+    def to_list(self, tensor: Any) -> list:
+        """The values of ``tensor`` as a Python list (synchronising with the device)."""
+
+    def scale_(self, buffer: Any, factor: float) -> None:
+        """Multiply ``buffer`` in place."""
+
+    def cast(self, buffer: Any, dtype: str) -> Any:
+        """A new buffer with ``buffer``'s values in ``dtype``."""
+
+    def copy_(self, dst: Any, src: Any) -> None:
+        """``dst[:] = src`` (converting dtype if they differ)."""
+
+    # -- collectives --------------------------------------------------------------
+    def allreduce(self, buffer: Any, op: str = "sum", async_op: bool = False) -> Handle | None:
+        """In-place allreduce of a flat buffer; a handle when ``async_op``."""
+
+    def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
+        """``values`` of rank ``src`` on every rank (same length on every rank)."""
+
+
+class CompletedHandle:
+    """A handle for work that finished synchronously."""
+
+    def __init__(self, result: Any = None) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class ThenHandle:
+    """Runs ``then`` once, after ``handle`` completes, on the first ``wait()``."""
+
+    def __init__(self, handle: Handle | None, then: Callable[[], Any]) -> None:
+        self._handle = handle
+        self._then: Callable[[], Any] | None = then
+        self._result: Any = None
+
+    def wait(self) -> Any:
+        if self._handle is not None:
+            self._handle.wait()
+        if self._then is not None:
+            then, self._then = self._then, None
+            self._result = then()
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._handle is None or self._handle.is_completed()

@@ -1,0 +1,268 @@
+"""The bucket manager: fused buffers, readiness tracking, in-order async launch.
+
+One manager serves one wrapped model. Per iteration an adapter calls
+:meth:`BucketManager.mark_ready` from each parameter's gradient hook and
+:meth:`BucketManager.finalize` once backward is over. Buckets are launched strictly in
+plan order, so every rank issues the same sequence of collectives whatever order its
+gradients arrive in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .hooks import BucketContext, CommHook, allreduce_hook
+from .interfaces import BucketEngine, Handle
+from .plan import BucketPlan, complete_order
+
+logger = logging.getLogger(__name__)
+
+REDUCE_OPS = ("avg", "sum")
+
+
+@dataclass
+class BucketTiming:
+    """Per-bucket timestamps of the last synchronised iteration (``time.perf_counter`` seconds)."""
+
+    first_ready: float | None = None
+    last_ready: float | None = None
+    launched: float | None = None
+    completed: float | None = None
+
+
+@dataclass
+class StepStats:
+    """Counters of the last synchronised iteration."""
+
+    step: int = 0
+    collectives: int = 0
+    bytes_communicated: int = 0
+    backward_start: float | None = None  # first gradient ready
+    finalize_start: float | None = None
+    finalize_end: float | None = None
+    exposed_comm_s: float = 0.0  # time finalize waited on communication not hidden by backward
+    buckets: list[BucketTiming] = field(default_factory=list)
+
+
+class BucketManager:
+    """Runtime state of one bucket plan.
+
+    ``engine`` supplies buffers and collectives (see :class:`BucketEngine`).
+    ``reduce_op`` is "avg" (the default, as in DDP) or "sum". ``comm_hook`` reduces
+    one full bucket (default: allreduce in the buffer's dtype). With
+    ``find_unused_parameters`` a parameter that got no gradient counts as zero and a
+    usage map is reduced too, so :attr:`globally_unused` names those no rank used.
+    ``rebuild_after_first_step`` replans from the observed ready order (rank 0's,
+    broadcast) after the first synchronised iteration; ``on_rebuild`` is called with
+    the new plan after buffers moved, so the adapter can re-point gradient views.
+    """
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        engine: BucketEngine,
+        *,
+        reduce_op: str = "avg",
+        comm_hook: CommHook | None = None,
+        find_unused_parameters: bool = False,
+        rebuild_after_first_step: bool = True,
+        on_rebuild: Callable[[BucketPlan], None] | None = None,
+        observer: Any = None,
+    ) -> None:
+        if reduce_op not in REDUCE_OPS:
+            raise ValueError(f"reduce_op must be one of {REDUCE_OPS} for gradient reduction, got {reduce_op!r}")
+        self.engine = engine
+        self.reduce_op = reduce_op
+        self.comm_hook: CommHook = comm_hook or allreduce_hook
+        self.find_unused_parameters = find_unused_parameters
+        self.rebuild_after_first_step = rebuild_after_first_step
+        self.on_rebuild = on_rebuild
+        self.observer = observer
+        self.sync_enabled = True
+        self.steps_synced = 0
+        self.globally_unused: frozenset[int] = frozenset()
+        self.last_stats = StepStats()
+        self.totals = {"collectives": 0, "bytes": 0, "steps": 0, "exposed_comm_s": 0.0}
+        self._set_plan(plan)
+        self.buffers = [engine.zeros(b.numel, b.dtype, b.device) for b in plan.buckets]
+        self._reset_iteration()
+
+    # -- plan & buffers ----------------------------------------------------------
+    def _set_plan(self, plan: BucketPlan) -> None:
+        self.plan = plan
+        self._param_names = [p.name for p in plan.params]
+
+    def param_segment(self, index: int) -> tuple[Any, int, int]:
+        """(buffer, offset, numel) of parameter ``index``'s gradient in its bucket."""
+        bucket_index, slot = self.plan.location[index]
+        bucket = self.plan.buckets[bucket_index]
+        return self.buffers[bucket_index], bucket.offsets[slot], self.plan.params[index].numel
+
+    def _reset_iteration(self) -> None:
+        buckets = self.plan.buckets
+        self._pending = [len(b.param_indices) for b in buckets]
+        self._marked: set[int] = set()
+        self._observed: list[int] = []
+        self._copy_targets: dict[int, Any] = {}
+        self._handles: list[Handle | None] = [None] * len(buckets)
+        self._next_launch = 0
+        self._stats = StepStats(step=self.steps_synced, buckets=[BucketTiming() for _ in buckets])
+
+    @property
+    def in_progress(self) -> bool:
+        """True between the first gradient of an iteration and its finalize()."""
+        return bool(self._marked)
+
+    # -- per-gradient ------------------------------------------------------------
+    def mark_ready(self, index: int, grad: Any = None) -> None:
+        """Parameter ``index``'s gradient is final for this iteration.
+
+        Pass ``grad`` when the gradient is not a view into the bucket buffer: it is
+        copied in now and the reduced value written back into it by finalize().
+        """
+        if not self.sync_enabled:
+            return
+        if not 0 <= index < len(self._param_names):
+            raise IndexError(f"parameter index {index} is out of range for this plan")
+        name = self._param_names[index]
+        if index in self._marked:
+            raise RuntimeError(
+                f"gradient of parameter {name!r} was marked ready twice in one iteration: the previous "
+                "iteration's reduction has not been finalized. Call backward() once per step, or wrap "
+                "extra backward passes in no_sync(); in a custom loop call sync_gradients() after each backward."
+            )
+        now = time.perf_counter()
+        bucket_index, _slot = self.plan.location[index]
+        if grad is not None:
+            numel, dtype, device = self.engine.describe(grad)
+            spec = self.plan.params[index]
+            if (numel, dtype, device) != (spec.numel, spec.dtype, spec.device):
+                raise ValueError(
+                    f"gradient of parameter {name!r} has numel={numel}, dtype={dtype}, device={device}; "
+                    f"the bucket plan expects numel={spec.numel}, dtype={spec.dtype}, device={spec.device}"
+                )
+            buffer, offset, _ = self.param_segment(index)
+            self.engine.write(buffer, offset, grad)
+            self._copy_targets[index] = grad
+        if not self._marked:
+            self._stats.backward_start = now
+        self._marked.add(index)
+        self._observed.append(index)
+        timing = self._stats.buckets[bucket_index]
+        timing.first_ready = timing.first_ready or now
+        self._pending[bucket_index] -= 1
+        if self._pending[bucket_index] == 0:
+            timing.last_ready = now
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        buckets = self.plan.buckets
+        while self._next_launch < len(buckets) and self._pending[self._next_launch] == 0:
+            self._launch(self._next_launch)
+            self._next_launch += 1
+
+    def _launch(self, bucket_index: int) -> None:
+        bucket = self.plan.buckets[bucket_index]
+        ctx = BucketContext(bucket, self.buffers[bucket_index], self.engine, self.reduce_op)
+        self._stats.buckets[bucket_index].launched = time.perf_counter()
+        self._handles[bucket_index] = self.comm_hook(ctx)
+        self._stats.collectives += 1
+        self._stats.bytes_communicated += bucket.nbytes
+        if self.observer is not None:
+            self.observer.bucket_launched(self, bucket_index)
+
+    # -- end of backward ---------------------------------------------------------
+    def finalize(self, force: bool = False) -> None:
+        """Launch what is left, wait for every bucket, write results back, reset.
+
+        Does nothing when no gradient was marked this iteration, unless ``force``
+        (a rank that must take part although it computed no gradient).
+        """
+        if not self.sync_enabled or not (self._marked or force):
+            return
+        stats = self._stats
+        stats.finalize_start = time.perf_counter()
+        unused = [i for i in range(len(self._param_names)) if i not in self._marked]
+        if unused and not self.find_unused_parameters:
+            names = [self._param_names[i] for i in unused]
+            shown = ", ".join(repr(n) for n in names[:10]) + (" ..." if len(names) > 10 else "")
+            self._reset_iteration()
+            raise RuntimeError(
+                f"{len(names)} parameter(s) received no gradient this iteration: {shown}. If some parameters "
+                "are legitimately unused in some steps, pass find_unused_parameters=True; otherwise freeze "
+                "them (requires_grad=False) or remove them from the model."
+            )
+        for index in unused:
+            buffer, offset, numel = self.param_segment(index)
+            self.engine.fill_zero(buffer, offset, numel)
+            bucket_index, _ = self.plan.location[index]
+            self._pending[bucket_index] -= 1
+        self._launch_ready_buckets()
+        used_map_handle = None
+        if self.find_unused_parameters:
+            used = [1 if i in self._marked else 0 for i in range(len(self._param_names))]
+            used_map = self.engine.int_tensor(used, self.plan.buckets[0].device)
+            used_map_handle = (used_map, self.engine.allreduce(used_map, "sum", async_op=True))
+            stats.collectives += 1
+        for bucket_index, handle in enumerate(self._handles):
+            if handle is not None:
+                handle.wait()
+            stats.buckets[bucket_index].completed = time.perf_counter()
+            if self.observer is not None:
+                self.observer.bucket_completed(self, bucket_index)
+        for index, target in self._copy_targets.items():
+            buffer, offset, _ = self.param_segment(index)
+            self.engine.write_back(target, buffer, offset)
+        if used_map_handle is not None:
+            used_map, handle = used_map_handle
+            handle.wait()
+            counts = self.engine.to_list(used_map)
+            self.globally_unused = frozenset(i for i, c in enumerate(counts) if c == 0)
+        stats.finalize_end = time.perf_counter()
+        stats.exposed_comm_s = stats.finalize_end - stats.finalize_start
+        observed = list(self._observed)
+        self.last_stats = stats
+        self.totals["collectives"] += stats.collectives
+        self.totals["bytes"] += stats.bytes_communicated
+        self.totals["steps"] += 1
+        self.totals["exposed_comm_s"] += stats.exposed_comm_s
+        self.steps_synced += 1
+        if self.observer is not None:
+            self.observer.step_finished(self, stats)
+        self._reset_iteration()
+        if self.rebuild_after_first_step and self.steps_synced == 1:
+            self._rebuild(observed)
+
+    def _rebuild(self, observed: list[int]) -> None:
+        """Replan from rank 0's observed ready order; move buffer contents so no gradient is lost."""
+        order = self.engine.broadcast_ints(complete_order(observed, len(self._param_names)), src=0)
+        new_plan = self.plan.rebuild(order)
+        if new_plan.fingerprint() == self.plan.fingerprint():
+            return
+        old_segments = [self.param_segment(i) for i in range(len(self._param_names))]
+        new_buffers = [self.engine.zeros(b.numel, b.dtype, b.device) for b in new_plan.buckets]
+        for index, (old_buffer, old_offset, numel) in enumerate(old_segments):
+            bucket_index, slot = new_plan.location[index]
+            segment = self.engine.segment(old_buffer, old_offset, numel)
+            self.engine.write(new_buffers[bucket_index], new_plan.buckets[bucket_index].offsets[slot], segment)
+        logger.info(
+            "rebuilt buckets from the observed gradient order: %d -> %d bucket(s)",
+            len(self.plan.buckets),
+            len(new_plan.buckets),
+        )
+        self._set_plan(new_plan)
+        self.buffers = new_buffers
+        self._reset_iteration()
+        if self.on_rebuild is not None:
+            self.on_rebuild(new_plan)
+
+    # -- modes ---------------------------------------------------------------------
+    def set_sync(self, enabled: bool) -> None:
+        """Disable to accumulate gradients locally (no_sync); re-enable for the synchronising step."""
+        if not enabled and self.in_progress:
+            raise RuntimeError("cannot enter no_sync() in the middle of a backward pass")
+        self.sync_enabled = enabled

@@ -1,0 +1,201 @@
+"""torch.distributed engine (Gloo, NCCL, HCCL): the only place torch collectives are called."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..bucketing.interfaces import ThenHandle
+from ..ops import parse_reduce_op
+from .base import Engine, finish
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class TorchEngine(Engine):
+    framework = "torch"
+
+    def __init__(self, backend: str, device: torch.device) -> None:
+        self.backend = backend
+        self.device = device
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def owns(self, tensor: Any) -> bool:
+        return isinstance(tensor, (torch.Tensor, np.ndarray))
+
+    # -- validation ---------------------------------------------------------------
+    def _as_torch(self, tensor: Any, what: str) -> torch.Tensor:
+        if isinstance(tensor, np.ndarray):
+            if not tensor.flags.c_contiguous:
+                raise ValueError(f"{what}: numpy array is not C-contiguous; pass np.ascontiguousarray(a)")
+            if not tensor.flags.writeable:
+                raise ValueError(f"{what}: numpy array is read-only; pass a writeable copy (a.copy())")
+            tensor = torch.from_numpy(tensor)  # shares memory: in-place results land in the array
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what} takes a torch.Tensor or numpy.ndarray, got {type(tensor).__name__}")
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise ValueError(f"{what}: sparse tensors are not supported; pass tensor.to_dense()")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{what}: tensor is not contiguous; pass tensor.contiguous() (and copy the result back)")
+        if self.backend in ("nccl", "hccl") and tensor.device.type != self.device.type:
+            raise ValueError(
+                f"{what}: tensor is on {tensor.device}, but backend {self.backend!r} reduces "
+                f"{self.device.type} tensors; move it with tensor.to({str(self.device)!r})"
+            )
+        return tensor
+
+    @staticmethod
+    def _back(result: torch.Tensor, like: Any) -> Any:
+        return result.numpy() if isinstance(like, np.ndarray) else result
+
+    # -- primitives ---------------------------------------------------------------
+    def allreduce(self, tensor: Any, op: Any = "sum", async_op: bool = False, group: Any = None) -> Any:
+        op = parse_reduce_op(op)
+        t = self._as_torch(tensor, "allreduce")
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(
+                f"allreduce(op='avg') of a {dtype_name(t.dtype)} tensor cannot hold the mean; "
+                "use op='sum' and divide, or cast to a floating dtype"
+            )
+        world = dist.get_world_size(group)
+        work = dist.all_reduce(t, op=_TORCH_OPS["sum" if op == "avg" else op], group=group, async_op=True)
+
+        def done() -> Any:
+            if op == "avg":
+                t.div_(world)  # sum then divide: the same arithmetic on every backend
+            return tensor
+
+        return finish(ThenHandle(work, done), async_op)
+
+    def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False, group: Any = None) -> Any:
+        t = self._as_torch(tensor, "broadcast")
+        self._check_rank(src, group, "src")
+        work = dist.broadcast(t, src=src, group=group, async_op=True)
+        return finish(ThenHandle(work, lambda: tensor), async_op)
+
+    def allgather(self, tensor: Any, async_op: bool = False, group: Any = None) -> Any:
+        t = self._as_torch(tensor, "allgather")
+        world = dist.get_world_size(group)
+        out = torch.empty((world * t.shape[0], *t.shape[1:]) if t.dim() else (world,), dtype=t.dtype, device=t.device)
+        work = _all_gather_single(out, t, group=group, async_op=True)
+        return finish(ThenHandle(work, lambda: self._back(out, tensor)), async_op)
+
+    def reduce_scatter(self, tensor: Any, op: Any = "sum", async_op: bool = False, group: Any = None) -> Any:
+        op = parse_reduce_op(op)
+        t = self._as_torch(tensor, "reduce_scatter")
+        world = dist.get_world_size(group)
+        if t.dim() == 0 or t.shape[0] % world:
+            raise ValueError(
+                f"reduce_scatter: the first dimension ({tuple(t.shape)}) must be a multiple of the world size "
+                f"({world}); each rank receives one equal chunk"
+            )
+        if op == "avg" and not t.is_floating_point():
+            raise ValueError("reduce_scatter(op='avg') needs a floating dtype; use op='sum' and divide")
+        out = torch.empty((t.shape[0] // world, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        torch_op = _TORCH_OPS["sum" if op == "avg" else op]
+        work = _reduce_scatter_single(out, t, op=torch_op, group=group, async_op=True)
+
+        def done() -> Any:
+            if op == "avg":
+                out.div_(world)
+            return self._back(out, tensor)
+
+        return finish(ThenHandle(work, done), async_op)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @staticmethod
+    def _check_rank(rank: int, group: Any, what: str) -> None:
+        world = dist.get_world_size(group)
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"{what}={rank!r} is not a rank of this group (0..{world - 1})")
+
+    # -- BucketEngine (flat buffers for the bucketing core) -------------------------
+    def describe(self, tensor: torch.Tensor) -> tuple[int, str, str]:
+        return tensor.numel(), dtype_name(tensor.dtype), str(tensor.device)
+
+    def itemsize(self, tensor: torch.Tensor) -> int:
+        return tensor.element_size()
+
+    def is_contiguous(self, tensor: Any) -> bool:
+        return isinstance(tensor, torch.Tensor) and tensor.is_contiguous()
+
+    def zeros(self, numel: int, dtype: str, device: str) -> torch.Tensor:
+        return torch.zeros(numel, dtype=getattr(torch, dtype), device=device)
+
+    def segment(self, buffer: torch.Tensor, offset: int, numel: int, shape: Sequence[int] | None = None) -> torch.Tensor:
+        view = buffer.narrow(0, offset, numel)
+        return view if shape is None else view.view(tuple(shape))
+
+    def write(self, buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> None:
+        buffer.narrow(0, offset, tensor.numel()).view_as(tensor).copy_(tensor)
+
+    def write_back(self, tensor: torch.Tensor, buffer: torch.Tensor, offset: int) -> None:
+        tensor.copy_(buffer.narrow(0, offset, tensor.numel()).view_as(tensor))
+
+    def fill_zero(self, buffer: torch.Tensor, offset: int, numel: int) -> None:
+        buffer.narrow(0, offset, numel).zero_()
+
+    def int_tensor(self, values: Sequence[int], device: str) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+    def to_list(self, tensor: torch.Tensor) -> list:
+        return tensor.tolist()
+
+    def scale_(self, buffer: torch.Tensor, factor: float) -> None:
+        buffer.mul_(factor)
+
+    def cast(self, buffer: torch.Tensor, dtype: str) -> torch.Tensor:
+        return buffer.to(getattr(torch, dtype))
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=src)
+        return t.tolist()
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Small metadata (e.g. JSON model signatures) from every rank. Bytes, never pickles."""
+        world = self.world_size
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        lengths = torch.empty(world, dtype=torch.int64, device=self.device)
+        _all_gather_single(lengths, length)
+        longest = int(lengths.max())
+        payload = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
+        gathered = torch.empty(world * longest, dtype=torch.uint8, device=self.device)
+        _all_gather_single(gathered, payload)
+        rows = gathered.view(world, longest).cpu()
+        return [bytes(rows[r, : int(lengths[r])].tolist()) for r in range(world)]

@@ -1,0 +1,276 @@
+"""Process-group lifecycle: ``init``, ``init_hccl``, rank queries, ``shutdown``.
+
+One engine per framework may be live at a time (torch.distributed and/or MindSpore
+communication); primitives pick the engine that owns the tensor they are given.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from .launch import (
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    backend_problem,
+    detect_launch_env,
+    device_type_for,
+    probe_hardware,
+    select_backend,
+)
+
+logger = logging.getLogger("collective_ops")
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What ``init`` set up."""
+
+    framework: str
+    backend: str
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str
+    launcher: str
+
+
+_engines: dict[str, Any] = {}
+_contexts: dict[str, DistContext] = {}
+
+
+def _default_framework(framework: str | None) -> str:
+    if framework is not None:
+        if framework not in ("torch", "mindspore"):
+            raise ValueError(f"framework must be 'torch' or 'mindspore', got {framework!r}")
+        return framework
+    launched_by_msrun = detect_launch_env().launcher == "msrun"
+    if launched_by_msrun and importlib.util.find_spec("mindspore") is not None:
+        return "mindspore"
+    if importlib.util.find_spec("torch") is not None:
+        return "torch"
+    if importlib.util.find_spec("mindspore") is not None:
+        return "mindspore"
+    raise RuntimeError("neither torch nor mindspore is installed: pip install 'collective-ops[torch]'")
+
+
+def init(
+    backend: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    device_id: int | None = None,
+    timeout: datetime.timedelta | float | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    algorithm: str | None = None,
+    framework: str | None = None,
+) -> DistContext:
+    """Join the process group, filling what is not given from the launcher's environment.
+
+    torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+    msrun (``RANK_ID``, ``RANK_SIZE``, ``MS_*``) and the seed's ``DEVICE_ID`` loop are
+    understood; without a launcher this is a single process on loopback. ``backend``
+    None chooses hccl (NPU), nccl (CUDA) or gloo; ``COLLECTIVE_OPS_BACKEND`` overrides.
+    ``algorithm`` is passed to the engine that owns the algorithms (``HCCL_ALGO`` /
+    ``NCCL_ALGO``) before it starts. Calling ``init`` again with the same settings
+    returns the same context.
+    """
+    framework = _default_framework(framework)
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    if framework == "mindspore":
+        from .comm.mindspore_engine import init_mindspore
+
+        return _remember(*init_mindspore(backend, device_id=device_id, algorithm=algorithm))
+    return _init_torch(backend, rank, world_size, device_id, timeout, master_addr, master_port, algorithm)
+
+
+def _init_torch(
+    backend: str | None,
+    rank: int | None,
+    world_size: int | None,
+    device_id: int | None,
+    timeout: datetime.timedelta | None,
+    master_addr: str | None,
+    master_port: int | None,
+    algorithm: str | None,
+) -> DistContext:
+    import torch
+    import torch.distributed as dist
+
+    from .comm.torch_engine import TorchEngine
+
+    env = detect_launch_env()
+    backend = select_backend(backend, probe_hardware())
+    rank = env.rank if rank is None else rank
+    world_size = env.world_size if world_size is None else world_size
+    if rank is None and world_size is None:
+        rank, world_size = 0, 1
+    if rank is None or world_size is None:
+        raise ValueError(
+            f"got rank={rank} and world_size={world_size}: give both (or launch with torchrun, which sets RANK and WORLD_SIZE)"
+        )
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size={world_size})")
+    local_rank = env.local_rank if env.local_rank is not None else rank
+    if device_id is None:
+        device_id = env.local_rank if env.local_rank is not None else env.device_id
+    if device_id is None:
+        device_id = local_rank
+
+    existing = _contexts.get("torch")
+    if existing is not None or dist.is_initialized():
+        return _check_existing_torch(existing, backend, rank, world_size)
+
+    if algorithm:
+        os.environ["HCCL_ALGO" if backend == "hccl" else "NCCL_ALGO"] = algorithm
+    device = _bind_device(torch, backend, device_id)
+    addr = master_addr or env.master_addr or DEFAULT_MASTER_ADDR
+    port = master_port or env.master_port or DEFAULT_MASTER_PORT
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout or DEFAULT_TIMEOUT,
+    )
+    _engines["torch"] = TorchEngine(backend, device)
+    logger.info("collective_ops: rank %d/%d joined via %s on %s (%s)", rank, world_size, backend, device, env.launcher)
+    return _remember("torch", DistContext("torch", backend, rank, world_size, local_rank, str(device), env.launcher))
+
+
+def _check_existing_torch(existing: DistContext | None, backend: str, rank: int, world_size: int) -> DistContext:
+    import torch.distributed as dist
+
+    from .comm.torch_engine import TorchEngine
+
+    live_rank, live_world = dist.get_rank(), dist.get_world_size()
+    live_backend = str(dist.get_backend()).lower()
+    if (live_rank, live_world) != (rank, world_size):
+        raise RuntimeError(
+            f"already initialized as rank {live_rank}/{live_world}; init was asked for rank {rank}/{world_size}. "
+            "Call collective_ops.shutdown() first to change it."
+        )
+    if existing is not None:
+        return existing
+    # A process group created by the user: adopt it.
+    import torch
+
+    device = _bind_device(torch, live_backend, None) if live_backend in ("nccl", "hccl") else torch.device("cpu")
+    _engines["torch"] = TorchEngine(live_backend, device)
+    return _remember("torch", DistContext("torch", live_backend, live_rank, live_world, live_rank, str(device), "user"))
+
+
+def _bind_device(torch: Any, backend: str, device_id: int | None) -> Any:
+    """Bind this process to its accelerator with device-generic calls (torch.accelerator where present)."""
+    device_type = device_type_for(backend)
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type)
+    count = module.device_count()
+    index = (device_id or 0) % max(count, 1)
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "set_device_index"):
+        accelerator.set_device_index(index)
+    else:
+        module.set_device(index)
+    return torch.device(device_type, index)
+
+
+def _remember(framework: str, context: DistContext, engine: Any = None) -> DistContext:
+    _contexts[framework] = context
+    if engine is not None:
+        _engines[framework] = engine
+    return context
+
+
+def init_hccl(
+    rank: int | None = None,
+    world_size: int | None = None,
+    device_id: int | None = None,
+    *,
+    strict: bool = False,
+    **kwargs: Any,
+) -> DistContext:
+    """The seed's entry point: ``init`` asking for HCCL.
+
+    Where HCCL is unavailable it warns and falls back to the best backend here
+    (nccl or gloo) so the same script runs on a laptop; ``strict=True`` makes that an error.
+    """
+    problem = None if os.environ.get("COLLECTIVE_OPS_BACKEND") else backend_problem("hccl", probe_hardware())
+    if problem is None:
+        backend = None if os.environ.get("COLLECTIVE_OPS_BACKEND") else "hccl"
+        return init(backend, rank=rank, world_size=world_size, device_id=device_id, framework="torch", **kwargs)
+    if strict:
+        raise RuntimeError(problem)
+    warnings.warn(f"{problem}; falling back to the best available backend", RuntimeWarning, stacklevel=2)
+    return init(None, rank=rank, world_size=world_size, device_id=device_id, framework="torch", **kwargs)
+
+
+def _context(framework: str | None = None) -> DistContext:
+    if framework is not None:
+        if framework in _contexts:
+            return _contexts[framework]
+    elif _contexts:
+        return next(iter(_contexts.values()))
+    raise RuntimeError("collective_ops is not initialized: call collective_ops.init() first")
+
+
+def is_initialized(framework: str | None = None) -> bool:
+    return framework in _contexts if framework else bool(_contexts)
+
+
+def get_rank(framework: str | None = None) -> int:
+    return _context(framework).rank
+
+
+def get_world_size(framework: str | None = None) -> int:
+    return _context(framework).world_size
+
+
+def context(framework: str | None = None) -> DistContext:
+    """The :class:`DistContext` ``init`` returned."""
+    return _context(framework)
+
+
+def get_engine(framework: str) -> Any:
+    try:
+        return _engines[framework]
+    except KeyError:
+        raise RuntimeError(
+            f"collective_ops is not initialized for {framework}: call collective_ops.init("
+            f"{'' if framework == 'torch' else 'framework=' + repr(framework)}) first"
+        ) from None
+
+
+def engine_for_tensor(tensor: Any) -> Any:
+    """The live engine that owns ``tensor`` (torch tensors and numpy arrays prefer torch)."""
+    if not _engines:
+        raise RuntimeError("collective_ops is not initialized: call collective_ops.init() first")
+    for framework in sorted(_engines, key=lambda name: name != "torch"):
+        engine = _engines[framework]
+        if engine.owns(tensor):
+            return engine
+    kinds = " or ".join(sorted(_engines))
+    raise TypeError(f"cannot communicate a {type(tensor).__module__}.{type(tensor).__name__}: the live engine(s) take {kinds} tensors and numpy arrays")
+
+
+def barrier(framework: str | None = None) -> None:
+    get_engine(_context(framework).framework).barrier()
+
+
+def shutdown() -> None:
+    """Leave every process group this library joined. Safe to call twice."""
+    for framework in list(_engines):
+        engine = _engines.pop(framework)
+        _contexts.pop(framework, None)
+        engine.shutdown()
+    _contexts.clear()

@@ -1,0 +1,74 @@
+"""Run a function on N real processes joined by Gloo, and collect what each returns.
+
+Starting a process and importing torch costs seconds, so tests hand one spawn a whole
+list of checks. A rank that raises has its traceback re-raised here; a group that does
+not finish within ``timeout`` is killed and reported, never left hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import collective_ops
+
+        collective_ops.init("gloo", rank=rank, world_size=world_size, master_port=port, timeout=60)
+        value = fn(rank, world_size, *args)
+        collective_ops.barrier()
+        collective_ops.shutdown()
+        results.put((rank, "ok", value))
+    except BaseException:  # report everything, including SystemExit, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180, env: dict | None = None) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; the per-rank return values."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                break  # peers of a failed rank may block until their timeout
+    except queue.Empty:
+        errors.append(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish within {timeout}s")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("multi-process run failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world_size)]

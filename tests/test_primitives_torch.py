@@ -1,0 +1,155 @@
+"""Primitives across real Gloo processes (2 and 3 ranks) against a numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+
+DTYPES = ["float32", "float16", "bfloat16", "int64"]
+OPS = ["sum", "avg", "max", "min", "prod"]
+SHAPE = (5, 7)
+
+
+def rank_input(rank: int, dtype: str, op: str) -> np.ndarray:
+    """Small integers (exact in every dtype and under any summation order); 1..2 for prod."""
+    rng = np.random.default_rng(1000 + rank)
+    high = 3 if op == "prod" else 50
+    low = 1 if op == "prod" else -50
+    return rng.integers(low, high, size=SHAPE).astype(np.float64)
+
+
+def reference(values: list[np.ndarray], op: str) -> np.ndarray:
+    stack = np.stack(values)
+    return {
+        "sum": stack.sum(0),
+        "avg": stack.mean(0),
+        "max": stack.max(0),
+        "min": stack.min(0),
+        "prod": stack.prod(0),
+    }[op]
+
+
+def primitive_checks(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import collective_ops as co
+
+    out: dict = {}
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "avg" and dtype == "int64":
+                continue
+            t = torch.from_numpy(rank_input(rank, dtype, op)).to(getattr(torch, dtype))
+            returned = co.allreduce(t, op=op)
+            assert returned is t, "allreduce must work in place and return its tensor"
+            out[("allreduce", dtype, op)] = t.double().numpy()
+
+    # torch ReduceOp values are accepted too
+    t = torch.full((3,), float(rank + 1))
+    co.allreduce(t, op=dist.ReduceOp.MAX)
+    out["reduceop_enum"] = t.numpy()
+
+    # async: a handle with wait() and is_completed()
+    t = torch.full((1000,), float(rank + 1))
+    handle = co.allreduce(t, op="avg", async_op=True)
+    result = handle.wait()
+    out["async_completed"] = handle.is_completed()
+    out["async_result"] = result.numpy().copy()
+
+    # broadcast from the last rank, in place, sync and async
+    src = world - 1
+    t = torch.full((4, 2), float(rank * 10), dtype=torch.float16)
+    co.broadcast(t, src=src)
+    out["broadcast"] = t.double().numpy()
+    t = torch.full((3,), rank, dtype=torch.int64)
+    co.broadcast(t, src=0, async_op=True).wait()
+    out["broadcast_async"] = t.numpy()
+
+    # allgather: concatenated along dim 0, in rank order
+    piece = torch.arange(6, dtype=torch.float32).view(2, 3) + 100 * rank
+    out["allgather"] = co.allgather(piece).numpy()
+    out["allgather_async"] = co.allgather(piece.to(torch.bfloat16), async_op=True).wait().double().numpy()
+
+    # reduce_scatter: this rank's chunk of the reduced tensor
+    full = torch.arange(world * 4, dtype=torch.float32) * (rank + 1)
+    out["reduce_scatter"] = co.reduce_scatter(full).numpy()
+    out["reduce_scatter_max"] = co.reduce_scatter(full.view(world, 4), op="max", async_op=True).wait().numpy()
+    out["reduce_scatter_avg"] = co.reduce_scatter(full, op="avg").numpy()
+
+    # numpy arrays: shared memory, reduced in place
+    arr = np.full((2, 2), rank + 1.0, dtype=np.float32)
+    returned = co.allreduce(arr)
+    out["numpy_inplace"] = (returned is arr, arr.copy())
+    gathered = co.allgather(np.array([rank], dtype=np.int64))
+    out["numpy_allgather"] = (type(gathered).__name__, gathered)
+
+    # bad input: refused before any communication, with a message that says what to do
+    errors = {}
+    cases = {
+        "unknown_op": lambda: co.allreduce(torch.ones(2), op="median"),
+        "non_contiguous": lambda: co.allreduce(torch.ones(4, 4).t()),
+        "int_avg": lambda: co.allreduce(torch.ones(2, dtype=torch.int64), op="avg"),
+        "reduce_scatter_shape": lambda: co.reduce_scatter(torch.ones(world * 2 + 1)),
+        "bad_src": lambda: co.broadcast(torch.ones(2), src=world),
+        "sparse": lambda: co.allreduce(torch.ones(2, 2).to_sparse()),
+        "not_a_tensor": lambda: co.allreduce([1.0, 2.0]),
+        "readonly_numpy": lambda: co.allreduce(np.ones(3, dtype=np.float32)[::2]),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError) as exc:
+            errors[name] = str(exc)
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_primitives_match_numpy(world: int) -> None:
+    results = run_ranks(world, primitive_checks)
+    for rank, out in enumerate(results):
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "avg" and dtype == "int64":
+                    continue
+                expected = reference([rank_input(r, dtype, op) for r in range(world)], op)
+                got = out[("allreduce", dtype, op)]
+                if op == "avg" and dtype != "float32":
+                    # the mean is rounded once to fp16/bf16: within half a unit in the last place
+                    tol = {"float16": 2**-10, "bfloat16": 2**-7}[dtype]
+                    np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=f"{dtype} {op}")
+                elif op == "avg":
+                    np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=f"{dtype} {op}")
+                else:
+                    np.testing.assert_array_equal(got, expected, err_msg=f"{dtype} {op}")
+        np.testing.assert_array_equal(out["reduceop_enum"], np.full(3, float(world)))
+        assert out["async_completed"] is True
+        np.testing.assert_array_equal(out["async_result"], np.full(1000, (world + 1) / 2, dtype=np.float32))
+        np.testing.assert_array_equal(out["broadcast"], np.full((4, 2), (world - 1) * 10.0))
+        np.testing.assert_array_equal(out["broadcast_async"], np.zeros(3))
+        expected_gather = np.concatenate([np.arange(6).reshape(2, 3) + 100 * r for r in range(world)])
+        np.testing.assert_array_equal(out["allgather"], expected_gather)
+        np.testing.assert_array_equal(out["allgather_async"], expected_gather)
+        full_sum = sum(np.arange(world * 4) * (r + 1) for r in range(world))
+        np.testing.assert_array_equal(out["reduce_scatter"], full_sum[rank * 4 : rank * 4 + 4])
+        np.testing.assert_array_equal(out["reduce_scatter_max"], (np.arange(world * 4) * world)[rank * 4 : rank * 4 + 4].reshape(1, 4))
+        np.testing.assert_allclose(out["reduce_scatter_avg"], full_sum[rank * 4 : rank * 4 + 4] / world, rtol=1e-7)
+        same, arr = out["numpy_inplace"]
+        assert same
+        np.testing.assert_array_equal(arr, np.full((2, 2), sum(r + 1.0 for r in range(world)), dtype=np.float32))
+        kind, gathered = out["numpy_allgather"]
+        assert kind == "ndarray"
+        np.testing.assert_array_equal(gathered, np.arange(world))
+        errors = out["errors"]
+        assert "median" in errors["unknown_op"] and "sum" in errors["unknown_op"]
+        assert "contiguous()" in errors["non_contiguous"]
+        assert "floating" in errors["int_avg"]
+        assert "multiple of the world size" in errors["reduce_scatter_shape"]
+        assert f"0..{world - 1}" in errors["bad_src"]
+        assert "to_dense()" in errors["sparse"]
+        assert "cannot communicate a builtins.list" in errors["not_a_tensor"]
+        assert "contiguous" in errors["readonly_numpy"]
