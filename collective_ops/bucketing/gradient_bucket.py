@@ -50,6 +50,7 @@ class GradientBucket:
             self._engine = engine
         elif engine is not self._engine:
             raise TypeError("GradientBucket holds tensors of one framework; start another bucket for this one")
+        tensor = engine.as_native(tensor)
         numel, dtype, device = engine.describe(tensor)
         if self._specs and device != self._specs[0].device:
             raise ValueError(

@@ -30,6 +30,9 @@ class BucketEngine(Protocol):
     def world_size(self) -> int: ...
 
     # -- tensors ------------------------------------------------------------------
+    def as_native(self, tensor: Any) -> Any:
+        """This framework's tensor sharing ``tensor``'s memory (e.g. a numpy array), or an error."""
+
     def describe(self, tensor: Any) -> tuple[int, str, str]:
         """(number of elements, dtype name, device name) of ``tensor``."""
 

@@ -50,16 +50,12 @@ class TorchEngine(Engine):
 
     # -- validation ---------------------------------------------------------------
     def _as_torch(self, tensor: Any, what: str) -> torch.Tensor:
-        if isinstance(tensor, np.ndarray):
-            if not tensor.flags.c_contiguous:
-                raise ValueError(f"{what}: numpy array is not C-contiguous; pass np.ascontiguousarray(a)")
-            if not tensor.flags.writeable:
-                raise ValueError(f"{what}: numpy array is read-only; pass a writeable copy (a.copy())")
-            tensor = torch.from_numpy(tensor)  # shares memory: in-place results land in the array
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{what} takes a torch.Tensor or numpy.ndarray, got {type(tensor).__name__}")
-        if tensor.is_sparse or tensor.layout != torch.strided:
-            raise ValueError(f"{what}: sparse tensors are not supported; pass tensor.to_dense()")
+        if isinstance(tensor, np.ndarray) and not tensor.flags.c_contiguous:
+            raise ValueError(f"{what}: numpy array is not C-contiguous; pass np.ascontiguousarray(a)")
+        try:
+            tensor = self.as_native(tensor)  # numpy arrays share memory: in-place results land in the array
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{what}: {exc}") from None
         if not tensor.is_contiguous():
             raise ValueError(f"{what}: tensor is not contiguous; pass tensor.contiguous() (and copy the result back)")
         if self.backend in ("nccl", "hccl") and tensor.device.type != self.device.type:
@@ -141,6 +137,18 @@ class TorchEngine(Engine):
             raise ValueError(f"{what}={rank!r} is not a rank of this group (0..{world - 1})")
 
     # -- BucketEngine (flat buffers for the bucketing core) -------------------------
+    def as_native(self, tensor: Any) -> torch.Tensor:
+        """A torch view of ``tensor`` (numpy arrays share memory), refused if it cannot be reduced."""
+        if isinstance(tensor, np.ndarray):
+            if not tensor.flags.writeable:
+                raise ValueError("numpy array is read-only; pass a writeable copy (a.copy())")
+            tensor = torch.from_numpy(tensor)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(tensor).__name__}")
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise ValueError("sparse tensors are not supported; pass tensor.to_dense()")
+        return tensor
+
     def describe(self, tensor: torch.Tensor) -> tuple[int, str, str]:
         return tensor.numel(), dtype_name(tensor.dtype), str(tensor.device)
 

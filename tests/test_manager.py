@@ -1,0 +1,170 @@
+"""BucketManager on a real single-process Gloo group: ordering, modes and every error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import collective_ops as co
+from collective_ops.bucketing import BucketManager, ParamSpec, hook_for_compression, plan_buckets
+from collective_ops.comm.torch_engine import TorchEngine
+from tests.harness import free_port
+
+
+@pytest.fixture(scope="module")
+def engine():
+    co.init("gloo", rank=0, world_size=1, master_port=free_port())
+    yield co.runtime.get_engine("torch")
+    co.shutdown()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.launched: list[int] = []
+        self.steps = 0
+
+    def bucket_launched(self, manager, index) -> None:
+        self.launched.append(index)
+
+    def bucket_completed(self, manager, index) -> None:
+        pass
+
+    def step_finished(self, manager, stats) -> None:
+        self.steps += 1
+
+
+def make(engine: TorchEngine, n: int = 6, numel: int = 1000, **kw) -> tuple[BucketManager, Recorder]:
+    # 4 KB per parameter, 8 KB buckets: params pair up in reverse registration order
+    params = [ParamSpec(f"p{i}", numel, "float32", "cpu", 4) for i in range(n)]
+    plan = plan_buckets(params, bucket_size_mb=8000 / 2**20, first_bucket_mb=8000 / 2**20)
+    recorder = Recorder()
+    kw.setdefault("rebuild_after_first_step", False)
+    return BucketManager(plan, engine, observer=recorder, **kw), recorder
+
+
+def test_buckets_launch_in_plan_order_as_soon_as_possible(engine) -> None:
+    manager, rec = make(engine)
+    assert [list(b.param_indices) for b in manager.plan.buckets] == [[5, 4], [3, 2], [1, 0]]
+    manager.mark_ready(0)
+    manager.mark_ready(1)  # bucket 2 complete, but buckets 0 and 1 are not: must wait
+    assert rec.launched == []
+    manager.mark_ready(5)
+    manager.mark_ready(4)
+    assert rec.launched == [0]
+    manager.mark_ready(3)
+    manager.mark_ready(2)
+    assert rec.launched == [0, 1, 2]
+    manager.finalize()
+    assert manager.last_stats.collectives == 3 and manager.last_stats.bytes_communicated == 6 * 4000
+    assert rec.steps == 1 and not manager.in_progress
+
+
+def test_gradients_as_views_and_copies(engine) -> None:
+    manager, _ = make(engine, reduce_op="sum")
+    grads = [torch.full((10, 100), float(i)) for i in range(6)]
+    for i in (5, 4, 3):
+        buffer, offset, numel = manager.param_segment(i)
+        engine.segment(buffer, offset, numel).copy_(grads[i].view(-1))  # a view-mode gradient
+        manager.mark_ready(i)
+    for i in (2, 1, 0):
+        manager.mark_ready(i, grads[i])  # copy mode
+    manager.finalize()
+    for i in range(6):
+        buffer, offset, numel = manager.param_segment(i)
+        assert torch.equal(engine.segment(buffer, offset, numel), torch.full((numel,), float(i)))
+    assert torch.equal(grads[0], torch.zeros(10, 100))
+
+
+def test_no_sync_accumulates_without_communicating(engine) -> None:
+    manager, rec = make(engine)
+    manager.set_sync(False)
+    for i in range(6):
+        manager.mark_ready(i)
+    manager.finalize()
+    assert rec.launched == [] and rec.steps == 0
+    manager.set_sync(True)
+    for i in range(6):
+        manager.mark_ready(i)
+    manager.finalize()
+    assert rec.launched == [0, 1, 2]
+
+
+def test_unused_parameters(engine) -> None:
+    manager, _ = make(engine)
+    for i in (5, 4, 3, 1, 0):
+        manager.mark_ready(i)
+    with pytest.raises(RuntimeError, match=r"received no gradient this iteration: 'p2'.*find_unused_parameters=True"):
+        manager.finalize()
+    assert not manager.in_progress  # reset: the next iteration starts clean
+
+    manager, _ = make(engine, find_unused_parameters=True, reduce_op="sum")
+    buffer, offset, numel = manager.param_segment(2)
+    engine.segment(buffer, offset, numel).fill_(7.0)  # a stale value must not leak into the reduction
+    for i in (5, 4, 3, 1, 0):
+        manager.mark_ready(i)
+    manager.finalize()
+    assert torch.count_nonzero(engine.segment(buffer, offset, numel)) == 0
+    assert manager.globally_unused == frozenset({2})
+
+
+def test_errors_name_the_parameter(engine) -> None:
+    manager, _ = make(engine)
+    manager.mark_ready(5)
+    with pytest.raises(RuntimeError, match="'p5' was marked ready twice"):
+        manager.mark_ready(5)
+    with pytest.raises(ValueError, match=r"'p4' has numel=999.*expects numel=1000"):
+        manager.mark_ready(4, torch.zeros(999))
+    with pytest.raises(ValueError, match=r"'p4' has .*dtype=float64"):
+        manager.mark_ready(4, torch.zeros(1000, dtype=torch.float64))
+    with pytest.raises(IndexError):
+        manager.mark_ready(17)
+    with pytest.raises(RuntimeError, match="middle of a backward"):
+        manager.set_sync(False)
+    with pytest.raises(ValueError, match="reduce_op"):
+        make(engine, reduce_op="max")
+
+
+def test_rebuild_from_observed_order_keeps_values(engine) -> None:
+    rebuilt = []
+    manager, _ = make(engine, rebuild_after_first_step=True, reduce_op="sum", on_rebuild=rebuilt.append)
+    for i in range(6):  # registration order: the opposite of what the plan expected
+        buffer, offset, numel = manager.param_segment(i)
+        engine.segment(buffer, offset, numel).fill_(float(i))
+        manager.mark_ready(i)
+    manager.finalize()
+    assert rebuilt and [list(b.param_indices) for b in manager.plan.buckets] == [[0, 1], [2, 3], [4, 5]]
+    for i in range(6):
+        buffer, offset, numel = manager.param_segment(i)
+        assert torch.equal(engine.segment(buffer, offset, numel), torch.full((numel,), float(i)))
+
+
+def test_compression_round_trip(engine) -> None:
+    manager, _ = make(engine, comm_hook=hook_for_compression("bf16"))
+    for i in range(6):
+        buffer, offset, numel = manager.param_segment(i)
+        engine.segment(buffer, offset, numel).copy_(torch.linspace(0, 1, numel))
+        manager.mark_ready(i)
+    manager.finalize()
+    buffer, offset, numel = manager.param_segment(3)
+    got = engine.segment(buffer, offset, numel)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, torch.linspace(0, 1, numel), atol=2**-8)
+    assert not torch.equal(got, torch.linspace(0, 1, numel)), "bf16 must actually be used on the wire"
+    with pytest.raises(ValueError, match="unknown compression 'int4'"):
+        hook_for_compression("int4")
+
+
+def test_gradient_bucket_refuses_bad_input(engine) -> None:
+    bucket = co.GradientBucket(bucket_size_mb=1)
+    with pytest.raises(ValueError, match="no gradient"):
+        bucket.add(None)
+    bucket.add(torch.ones(3))
+    with pytest.raises(ValueError, match="one GradientBucket per device"):
+        bucket.add(torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        co.GradientBucket(bucket_size_mb=0)
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        co.GradientBucket(reduce_op="mode")
+    assert len(bucket) == 1
+    bucket.clear()
+    assert bucket.allreduce() is None and bucket.num_collectives == 0
