@@ -260,7 +260,9 @@ def engine_for_tensor(tensor: Any) -> Any:
         if engine.owns(tensor):
             return engine
     kinds = " or ".join(sorted(_engines))
-    raise TypeError(f"cannot communicate a {type(tensor).__module__}.{type(tensor).__name__}: the live engine(s) take {kinds} tensors and numpy arrays")
+    raise TypeError(
+        f"cannot communicate a {type(tensor).__module__}.{type(tensor).__name__}: the live engine(s) take {kinds} tensors and numpy arrays"
+    )
 
 
 def barrier(framework: str | None = None) -> None:

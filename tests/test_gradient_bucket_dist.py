@@ -36,7 +36,10 @@ def bucket_checks(rank: int, world: int) -> dict:
     for t in fused:
         bucket.add(t)
     bucket.allreduce()
-    out = {"num_collectives": bucket.num_collectives, "bitwise_equal": all(torch.equal(a, b) for a, b in zip(fused, reference))}
+    out = {
+        "num_collectives": bucket.num_collectives,
+        "bitwise_equal": all(torch.equal(a, b) for a, b in zip(fused, reference)),
+    }
 
     # avg, async, numpy arrays and non-contiguous tensors (copied into the buffer, written back in place)
     arrays = [np.full((3, 4), rank + 1.0, dtype=np.float32), np.arange(5, dtype=np.float32) * (rank + 1)]
@@ -70,7 +73,6 @@ def test_gradient_bucket_matches_per_tensor_allreduce(world: int) -> None:
 
 def manager_checks(rank: int, world: int) -> dict:
     """Each rank leaves a different parameter unused; find_unused_parameters keeps ranks in step."""
-    import torch
 
     from collective_ops.bucketing import BucketManager, ParamSpec, plan_buckets
     from collective_ops.runtime import get_engine

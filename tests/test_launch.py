@@ -39,15 +39,29 @@ def test_explicit_choice_the_hardware_cannot_serve() -> None:
 
 def test_torchrun_env() -> None:
     env = detect_launch_env(
-        {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"}
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "1234",
+            "TORCHELASTIC_RUN_ID": "x",
+        }
     )
     assert (env.launcher, env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == (
-        "torchrun", 3, 8, 1, "10.0.0.1", 1234
+        "torchrun",
+        3,
+        8,
+        1,
+        "10.0.0.1",
+        1234,
     )
 
 
 def test_msrun_env() -> None:
-    env = detect_launch_env({"RANK_ID": "1", "MS_WORKER_NUM": "2", "MS_ROLE": "MS_WORKER", "MS_SCHED_HOST": "127.0.0.1"})
+    env = detect_launch_env(
+        {"RANK_ID": "1", "MS_WORKER_NUM": "2", "MS_ROLE": "MS_WORKER", "MS_SCHED_HOST": "127.0.0.1"}
+    )
     assert (env.launcher, env.rank, env.world_size, env.master_addr) == ("msrun", 1, 2, "127.0.0.1")
 
 

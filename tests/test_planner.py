@@ -57,7 +57,9 @@ def test_plan_invariants(params, bucket_mb, first_mb) -> None:
 @given(params=param_lists, bucket_mb=caps, data=st.data())
 def test_rebuild_keeps_invariants(params, bucket_mb, data) -> None:
     plan = plan_buckets(params, bucket_mb, 1.0)
-    observed = data.draw(st.permutations(range(len(params))).flatmap(lambda p: st.just(p[: data.draw(st.integers(0, len(p)))])))
+    observed = data.draw(
+        st.permutations(range(len(params))).flatmap(lambda p: st.just(p[: data.draw(st.integers(0, len(p)))]))
+    )
     rebuilt = plan.rebuild(observed)
     check_invariants(rebuilt, params, bucket_mb, 1.0)
     # launch order follows the observed order: a bucket's first member never comes after a later bucket's
@@ -70,7 +72,12 @@ def test_reverse_registration_order_and_first_bucket() -> None:
     params = [ParamSpec(f"layer{i}", MIB // 4, "float32", "cpu", 4) for i in range(10)]  # 1 MiB each
     plan = plan_buckets(params, bucket_size_mb=3, first_bucket_mb=1)
     groups = [[params[i].name for i in b.param_indices] for b in plan.buckets]
-    assert groups == [["layer9"], ["layer8", "layer7", "layer6"], ["layer5", "layer4", "layer3"], ["layer2", "layer1", "layer0"]]
+    assert groups == [
+        ["layer9"],
+        ["layer8", "layer7", "layer6"],
+        ["layer5", "layer4", "layer3"],
+        ["layer2", "layer1", "layer0"],
+    ]
     assert "bucket 0" in plan.describe() and "layer9" in plan.describe()
 
 
@@ -114,7 +121,10 @@ def test_fingerprint_differs_when_plans_differ() -> None:
     a = [ParamSpec("w", 10, "float32", "cpu", 4), ParamSpec("b", 10, "float32", "cpu", 4)]
     b = [ParamSpec("w", 11, "float32", "cpu", 4), ParamSpec("b", 10, "float32", "cpu", 4)]
     assert plan_buckets(a).fingerprint() != plan_buckets(b).fingerprint()
-    assert plan_buckets(a).fingerprint() != plan_buckets(a, order=[0, 1], bucket_size_mb=1e-6, first_bucket_mb=1e-6).fingerprint()
+    assert (
+        plan_buckets(a).fingerprint()
+        != plan_buckets(a, order=[0, 1], bucket_size_mb=1e-6, first_bucket_mb=1e-6).fingerprint()
+    )
 
 
 def test_core_imports_no_framework() -> None:

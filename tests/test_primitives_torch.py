@@ -136,7 +136,9 @@ def test_primitives_match_numpy(world: int) -> None:
         np.testing.assert_array_equal(out["allgather_async"], expected_gather)
         full_sum = sum(np.arange(world * 4) * (r + 1) for r in range(world))
         np.testing.assert_array_equal(out["reduce_scatter"], full_sum[rank * 4 : rank * 4 + 4])
-        np.testing.assert_array_equal(out["reduce_scatter_max"], (np.arange(world * 4) * world)[rank * 4 : rank * 4 + 4].reshape(1, 4))
+        np.testing.assert_array_equal(
+            out["reduce_scatter_max"], (np.arange(world * 4) * world)[rank * 4 : rank * 4 + 4].reshape(1, 4)
+        )
         np.testing.assert_allclose(out["reduce_scatter_avg"], full_sum[rank * 4 : rank * 4 + 4] / world, rtol=1e-7)
         same, arr = out["numpy_inplace"]
         assert same

@@ -73,9 +73,7 @@ class GradientBucket:
         engine = self._engine
         assert engine is not None
         # Fuse in add order, each bucket capped at bucket_size_mb (no smaller first bucket).
-        plan = plan_buckets(
-            self._specs, self.bucket_size_mb, self.bucket_size_mb, order=range(len(self._specs))
-        )
+        plan = plan_buckets(self._specs, self.bucket_size_mb, self.bucket_size_mb, order=range(len(self._specs)))
         launched: list[tuple[Handle | None, Any, Any]] = []
         for bucket in plan.buckets:
             members = [self._tensors[i] for i in bucket.param_indices]

@@ -161,7 +161,9 @@ class TorchEngine(Engine):
     def zeros(self, numel: int, dtype: str, device: str) -> torch.Tensor:
         return torch.zeros(numel, dtype=getattr(torch, dtype), device=device)
 
-    def segment(self, buffer: torch.Tensor, offset: int, numel: int, shape: Sequence[int] | None = None) -> torch.Tensor:
+    def segment(
+        self, buffer: torch.Tensor, offset: int, numel: int, shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
         view = buffer.narrow(0, offset, numel)
         return view if shape is None else view.view(tuple(shape))
 
