@@ -3,6 +3,7 @@
 Nothing here imports a deep-learning framework; adapters pass a ``BucketEngine``.
 """
 
+from .fusion import fused_collective
 from .gradient_bucket import GradientBucket
 from .hooks import BucketContext, CommHook, allreduce_hook, compression_hook, hook_for_compression
 from .interfaces import BucketEngine, CompletedHandle, Handle, ThenHandle
@@ -27,6 +28,7 @@ __all__ = [
     "allreduce_hook",
     "complete_order",
     "compression_hook",
+    "fused_collective",
     "hook_for_compression",
     "plan_buckets",
     "validate_bucket_mb",

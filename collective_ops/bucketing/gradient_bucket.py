@@ -6,8 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ops import parse_reduce_op
-from .interfaces import BucketEngine, Handle, ThenHandle
-from .plan import ParamSpec, plan_buckets, validate_bucket_mb
+from .fusion import fused_collective
+from .interfaces import BucketEngine, Handle
+from .plan import validate_bucket_mb
 
 EngineResolver = Callable[[Any], BucketEngine]
 
@@ -36,7 +37,7 @@ class GradientBucket:
         self._engine = engine
         self._engine_for = engine_for
         self._tensors: list[Any] = []
-        self._specs: list[ParamSpec] = []
+        self._device: str | None = None
         self.num_collectives = 0
 
     def __len__(self) -> int:
@@ -51,19 +52,18 @@ class GradientBucket:
         elif engine is not self._engine:
             raise TypeError("GradientBucket holds tensors of one framework; start another bucket for this one")
         tensor = engine.as_native(tensor)
-        numel, dtype, device = engine.describe(tensor)
-        if self._specs and device != self._specs[0].device:
+        _numel, _dtype, device = engine.describe(tensor)
+        if self._device is not None and device != self._device:
             raise ValueError(
-                f"GradientBucket holds tensors on {self._specs[0].device}; this one is on {device}. "
+                f"GradientBucket holds tensors on {self._device}; this one is on {device}. "
                 "Use one GradientBucket per device."
             )
-        itemsize = engine.itemsize(tensor)
-        self._specs.append(ParamSpec(f"tensor{len(self._specs)}", numel, dtype, device, itemsize))
+        self._device = device
         self._tensors.append(tensor)
 
     def clear(self) -> None:
         self._tensors.clear()
-        self._specs.clear()
+        self._device = None
 
     def allreduce(self, async_op: bool = False) -> Handle | None:
         """Reduce every added tensor in place; with ``async_op`` return a handle to wait on."""
@@ -72,43 +72,14 @@ class GradientBucket:
             return None
         engine = self._engine
         assert engine is not None
-        # Fuse in add order, each bucket capped at bucket_size_mb (no smaller first bucket).
-        plan = plan_buckets(self._specs, self.bucket_size_mb, self.bucket_size_mb, order=range(len(self._specs)))
-        launched: list[tuple[Handle | None, Any, Any]] = []
-        for bucket in plan.buckets:
-            members = [self._tensors[i] for i in bucket.param_indices]
-            if len(members) == 1 and engine.is_contiguous(members[0]):
-                # Nothing to fuse: reduce the tensor itself, no copy.
-                launched.append((engine.allreduce(members[0], self.reduce_op, async_op=True), None, None))
-                continue
-            buffer = engine.zeros(bucket.numel, bucket.dtype, bucket.device)
-            for tensor, offset in zip(members, bucket.offsets):
-                engine.write(buffer, offset, tensor)
-            handle = engine.allreduce(buffer, self.reduce_op, async_op=True)
-            launched.append((handle, buffer, list(zip(members, bucket.offsets))))
-        self.num_collectives = len(launched)
-
-        def complete() -> None:
-            for handle, buffer, members in launched:
-                if handle is not None:
-                    handle.wait()
-                if buffer is not None:
-                    for tensor, offset in members:
-                        engine.write_back(tensor, buffer, offset)
-
+        # Fuse in add order, each buffer capped at bucket_size_mb (no smaller first bucket).
+        handle, self.num_collectives = fused_collective(
+            engine,
+            self._tensors,
+            self.bucket_size_mb,
+            lambda buffer: engine.allreduce(buffer, self.reduce_op, async_op=True),
+        )
         if async_op:
-            return ThenHandle(_AllOf([h for h, _, _ in launched]), complete)
-        complete()
+            return handle
+        handle.wait()
         return None
-
-
-class _AllOf:
-    def __init__(self, handles: list[Handle | None]) -> None:
-        self._handles = [h for h in handles if h is not None]
-
-    def wait(self) -> None:
-        # Waiting happens in order inside the completion callback.
-        return None
-
-    def is_completed(self) -> bool:
-        return all(h.is_completed() for h in self._handles)

@@ -1,0 +1,27 @@
+"""Framework adapters: one module per framework, each on the shared bucketing core."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _framework_of(model: Any) -> str | None:
+    for cls in type(model).__mro__:
+        root = cls.__module__.split(".", 1)[0]
+        if root in ("torch", "mindspore"):
+            return root
+    return None
+
+
+def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
+    """Wrap a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` for data-parallel training."""
+    framework = _framework_of(model)
+    if framework == "torch":
+        from .torch import wrap as wrap_torch
+
+        return wrap_torch(model, bucket_size_mb, **options)
+    if framework == "mindspore":
+        from .mindspore import wrap as wrap_mindspore
+
+        return wrap_mindspore(model, bucket_size_mb, **options)
+    raise TypeError(f"wrap() takes a torch.nn.Module or a mindspore.nn.Cell, got {type(model).__name__}")

@@ -1,0 +1,289 @@
+"""PyTorch adapter: ``wrap(model)`` -> bucketed AllReduce overlapped with backward.
+
+Per-parameter ``register_post_accumulate_grad_hook`` marks gradients ready; full
+buckets launch asynchronously during backward; a callback queued on the autograd
+engine finalizes, so gradients are averaged when ``backward()`` returns. Gradients
+live as views in the bucket buffers (``gradient_as_bucket_view``), so there is no
+second copy of them. Nothing here is CUDA-specific: the collectives order themselves
+against the current stream (NCCL, HCCL), so the same code runs on CPU, GPU and NPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import runtime
+from ..bucketing import (
+    BucketManager,
+    BucketPlan,
+    CommHook,
+    ParamSpec,
+    fused_collective,
+    hook_for_compression,
+    plan_buckets,
+    validate_bucket_mb,
+)
+from ..comm.torch_engine import TorchEngine, dtype_name
+from ..consistency import check_same_on_all_ranks
+from ..ops import parse_reduce_op
+
+logger = logging.getLogger("collective_ops")
+
+BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in large fused chunks
+
+
+class DistributedDataParallel(nn.Module):
+    """A data-parallel ``torch.nn.Module`` on the collective_ops bucketing core.
+
+    Use it as the model itself: ``loss.backward(); optimizer.step()``. ``.module``
+    is the original model; ``state_dict()`` is the original's (no ``module.`` prefix),
+    so checkpoints load into an unwrapped model.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_size_mb: float = 25.0,
+        *,
+        first_bucket_mb: float = 1.0,
+        reduce_op: str = "avg",
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        compression: str | None = None,
+        comm_hook: CommHook | None = None,
+        broadcast_buffers: bool = True,
+        rebuild_buckets: bool = True,
+        check_finite: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(module, DistributedDataParallel):
+            raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise ValueError("this model is wrapped by torch DistributedDataParallel; pass its .module instead")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"wrap() takes a torch.nn.Module, got {type(module).__name__}")
+        bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
+        first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
+        reduce_op = parse_reduce_op(reduce_op)
+        if reduce_op not in ("avg", "sum"):
+            raise ValueError(f"reduce_op for gradients must be 'avg' or 'sum', got {reduce_op!r}")
+        if comm_hook is not None and compression is not None:
+            raise ValueError("give either compression or comm_hook, not both (compression is a built-in comm_hook)")
+        hook = comm_hook or hook_for_compression(compression)
+
+        if not runtime.is_initialized("torch"):
+            runtime.init(framework="torch")
+        self.engine: TorchEngine = runtime.get_engine("torch")
+        self.module = module
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.broadcast_buffers = broadcast_buffers
+        self.check_finite = check_finite
+        self.compression = compression
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to synchronize")
+        for name, p in named:
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError(f"parameter {name!r} is sparse; collective_ops reduces dense gradients only")
+        self._params = [p for _, p in named]
+        self._param_names = [n for n, _ in named]
+        self._verify_and_broadcast()
+
+        specs = [ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size()) for n, p in named]
+        plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
+        self.manager = BucketManager(
+            plan,
+            self.engine,
+            reduce_op=reduce_op,
+            comm_hook=hook,
+            find_unused_parameters=find_unused_parameters,
+            rebuild_after_first_step=rebuild_buckets,
+            on_rebuild=self._on_rebuild,
+            observer=None,
+        )
+        self._views: list[torch.Tensor] = []
+        self._make_views()
+        self._finalize_queued = False
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
+        ]
+        if os.environ.get("COLLECTIVE_OPS_LOG_PLAN") or logger.isEnabledFor(logging.DEBUG):
+            logger.info("%s", plan.describe())
+
+    # -- wrap time -----------------------------------------------------------------
+    def _verify_and_broadcast(self) -> None:
+        signature = [("parameter", n, tuple(p.shape), dtype_name(p.dtype)) for n, p in self.module.named_parameters()]
+        signature += [("buffer", n, tuple(b.shape), dtype_name(b.dtype)) for n, b in self.module.named_buffers()]
+        check_same_on_all_ranks(signature, self.engine.allgather_bytes)
+        if self.engine.world_size > 1:
+            with torch.no_grad():
+                tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
+                self._broadcast(tensors)
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        handle, _ = fused_collective(
+            self.engine,
+            tensors,
+            BROADCAST_BUCKET_MB,
+            lambda buffer: self.engine.broadcast(buffer, 0, async_op=True),
+        )
+        handle.wait()
+
+    def _make_views(self) -> None:
+        self._views = []
+        for i, p in enumerate(self._params):
+            buffer, offset, numel = self.manager.param_segment(i)
+            self._views.append(self.engine.segment(buffer, offset, numel, p.shape))
+
+    def _on_rebuild(self, plan: BucketPlan) -> None:
+        old = self._views
+        self._make_views()
+        if self.gradient_as_bucket_view:
+            for p, old_view, new_view in zip(self._params, old, self._views):
+                if p.grad is not None and p.grad.data_ptr() == old_view.data_ptr():
+                    p.grad = new_view  # the manager already moved the values
+        logger.info("collective_ops: buckets rebuilt from the observed gradient order:\n%s", plan.describe())
+
+    # -- backward --------------------------------------------------------------------
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            manager = self.manager
+            if not manager.sync_enabled:
+                return
+            grad = param.grad
+            if self.check_finite and not bool(torch.isfinite(grad).all()):
+                raise FloatingPointError(
+                    f"gradient of parameter {self._param_names[index]!r} holds NaN or Inf on rank {self.engine.rank}"
+                )
+            if not self._finalize_queued:
+                self._finalize_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            if self.gradient_as_bucket_view:
+                view = self._views[index]
+                if grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    param.grad = view  # from now on autograd accumulates straight into the bucket
+                manager.mark_ready(index)
+            else:
+                manager.mark_ready(index, grad)
+
+        return hook
+
+    def _finalize(self) -> None:
+        self._finalize_queued = False
+        self.manager.finalize()
+        self._give_unused_their_gradient()
+
+    def _give_unused_their_gradient(self) -> None:
+        """A parameter unused here but used elsewhere gets the reduced gradient, as in DDP."""
+        if not self.manager.find_unused_parameters:
+            return
+        unused_everywhere = self.manager.globally_unused
+        for i, p in enumerate(self._params):
+            if p.grad is None and i not in unused_everywhere:
+                view = self._views[i]
+                p.grad = view if self.gradient_as_bucket_view else view.clone()
+
+    def sync_gradients(self) -> None:
+        """Reduce the current gradients now (custom loops, or after accumulating under no_sync()).
+
+        Every rank must call it; a parameter without a gradient counts as zero.
+        """
+        manager = self.manager
+        if not manager.sync_enabled:
+            raise RuntimeError("sync_gradients() inside no_sync(): leave the no_sync() block first")
+        if not manager.in_progress:
+            for i, p in enumerate(self._params):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._make_hook(i)(p)
+        self._finalize()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block synchronizes them all."""
+        self.manager.set_sync(False)
+        try:
+            yield
+        finally:
+            self.manager.set_sync(True)
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.manager.in_progress:
+            raise RuntimeError(
+                "forward() called while the previous backward's reduction is unfinished; "
+                "in a custom loop call sync_gradients() after backward"
+            )
+        if self.broadcast_buffers and self.engine.world_size > 1 and self.manager.sync_enabled:
+            buffers = list(self.module.buffers())
+            if buffers:
+                with torch.no_grad():
+                    self._broadcast(buffers)  # rank 0's running statistics, as DDP does
+        return self.module(*args, **kwargs)
+
+    # -- the unwrapped model's face ---------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def remove_hooks(self) -> None:
+        """Detach from the model's parameters (the model keeps working unwrapped)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Buckets, collectives and bytes per step, and communication time not hidden behind backward."""
+        manager = self.manager
+        stats = manager.last_stats
+        steps = max(manager.totals["steps"], 1)
+        return {
+            "mode": "overlap",
+            "backend": self.engine.backend,
+            "world_size": self.engine.world_size,
+            "buckets": len(manager.plan.buckets),
+            "bucket_bytes": [b.nbytes for b in manager.plan.buckets],
+            "bucket_params": [len(b.param_indices) for b in manager.plan.buckets],
+            "plan_fingerprint": manager.plan.fingerprint(),
+            "steps": manager.totals["steps"],
+            "collectives_per_step": stats.collectives,
+            "bytes_per_step": stats.bytes_communicated,
+            "exposed_comm_s": stats.exposed_comm_s,
+            "mean_exposed_comm_s": manager.totals["exposed_comm_s"] / steps,
+            "compression": self.compression,
+        }
+
+    def describe_plan(self) -> str:
+        return self.manager.plan.describe()
+
+    def extra_repr(self) -> str:
+        plan = self.manager.plan
+        return f"buckets={len(plan.buckets)}, bucket_size_mb={plan.bucket_size_mb:g}, backend={self.engine.backend}"
+
+
+def wrap(model: nn.Module, bucket_size_mb: float = 25.0, **options: Any) -> DistributedDataParallel:
+    """``DistributedDataParallel(model, bucket_size_mb, **options)``."""
+    return DistributedDataParallel(model, bucket_size_mb, **options)
+
+
+__all__ = ["DistributedDataParallel", "wrap"]

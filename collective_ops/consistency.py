@@ -1,0 +1,58 @@
+"""Check that every rank holds the same model before any gradient is communicated.
+
+A model that differs across ranks (an extra layer, another shape or dtype) would make
+ranks issue different collectives and hang; instead every rank raises the same error
+naming the first difference and the ranks involved. Signatures travel as JSON bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+
+class ModelMismatchError(RuntimeError):
+    """The wrapped model is not the same on every rank."""
+
+
+Entry = tuple  # (kind, name, shape, dtype)
+
+
+def encode_signature(entries: Sequence[Entry]) -> bytes:
+    return json.dumps([list(map(_jsonable, e)) for e in entries], separators=(",", ":")).encode()
+
+
+def _jsonable(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _describe(entry: list) -> str:
+    kind, name, shape, dtype = entry
+    return f"{kind} {name!r} (shape {tuple(shape)}, {dtype})"
+
+
+def check_same_on_all_ranks(local: Sequence[Entry], allgather_bytes: Callable[[bytes], list[bytes]]) -> None:
+    """Raise :class:`ModelMismatchError` on every rank unless all ranks' ``local`` agree."""
+    gathered = [json.loads(blob) for blob in allgather_bytes(encode_signature(local))]
+    reference = gathered[0]
+    problems = []
+    for rank, entries in enumerate(gathered[1:], start=1):
+        if entries == reference:
+            continue
+        for position in range(max(len(entries), len(reference))):
+            ours = entries[position] if position < len(entries) else None
+            theirs = reference[position] if position < len(reference) else None
+            if ours != theirs:
+                break
+        if ours is None:
+            what = f"rank 0 has {_describe(theirs)} where rank {rank} has nothing more"
+        elif theirs is None:
+            what = f"rank {rank} has an extra {_describe(ours)}"
+        else:
+            what = f"rank 0 has {_describe(theirs)} where rank {rank} has {_describe(ours)}"
+        problems.append(f"  - entry {position}: {what}")
+    if problems:
+        raise ModelMismatchError(
+            "the model is not the same on every rank; build it identically everywhere "
+            "(same layers, order, shapes and dtypes) before wrapping:\n" + "\n".join(problems)
+        )

@@ -1,0 +1,94 @@
+"""Small models for the adapter tests: an MLP, a CNN with BatchNorm, a transformer with tied weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @staticmethod
+    def batch(gen: torch.Generator, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 16, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),  # a bias before BatchNorm has no gradient
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1, stride=2, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+    @staticmethod
+    def batch(gen: torch.Generator, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 12, 12, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding tied to the output projection: one parameter used twice per step."""
+
+    vocab = 50
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(self.vocab, 32)
+        self.encoder = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.norm = nn.LayerNorm(32)
+        self.out = nn.Linear(32, self.vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.encoder(self.embed(tokens)))).flatten(0, 1)
+
+    @staticmethod
+    def batch(gen: torch.Generator, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, TinyTransformer.vocab, (n, 6), generator=gen)
+        return tokens, torch.roll(tokens, -1, dims=1).flatten()
+
+
+class WithUnusedBranch(nn.Module):
+    """``branch`` is used only when asked: different ranks may use different parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(16, 16)
+        self.branch = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        if use_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+    batch = MLP.batch
+
+
+MODELS = {"mlp": MLP, "cnn": SmallCNN, "transformer": TinyTransformer}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def rank_batch(model_cls: type, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    return model_cls.batch(gen)

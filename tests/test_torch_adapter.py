@@ -1,0 +1,304 @@
+"""wrap(model) against torch DistributedDataParallel and a single-process run, on real Gloo ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+
+STEPS = 3
+# Attention's key bias has a mathematically zero gradient (softmax ignores a shift), so its
+# gradient is float noise whose last bits depend on summation order; Adam scales that noise
+# up to +-lr per step. At 3 ranks the order differs from DDP's (other bucket layout), so
+# those elements cannot be compared after Adam. Everything else is compared.
+NOISE_ONLY = {"encoder.self_attn.in_proj_bias": slice(32, 64)}
+
+
+def _snapshot(model) -> dict:
+    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+
+
+def _optimizer(name: str, params):
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _train(model, model_cls, rank: int, world: int, optimizer_name: str, steps: int = STEPS, concat: bool = False):
+    import torch
+
+    optimizer = _optimizer(optimizer_name, model.parameters())
+    from tests.models import rank_batch
+
+    for step in range(steps):
+        if concat:  # the single-process reference: every rank's batch at once
+            parts = [rank_batch(model_cls, step, r) for r in range(world)]
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        else:
+            x, y = rank_batch(model_cls, step, rank)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def equivalence_checks(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import MODELS, build
+
+    out = {}
+    for name, cls in MODELS.items():
+        for opt in ("sgd", "adam"):
+            # each rank starts from different weights: both wrappers must broadcast rank 0's
+            ddp = torch.nn.parallel.DistributedDataParallel(build(name, seed=rank))
+            ours = co.wrap(build(name, seed=rank), bucket_size_mb=0.02, first_bucket_mb=0.005)
+            _train(ddp, cls, rank, world, opt)
+            _train(ours, cls, rank, world, opt)
+            single = _train(build(name, seed=0), cls, rank, world, opt, concat=True)
+            out[(name, opt)] = {
+                "ours": _snapshot(ours.module),
+                "ddp": _snapshot(ddp.module),
+                "single": _snapshot(single),
+                "buckets": ours.comm_stats()["buckets"],
+                "collectives": ours.comm_stats()["collectives_per_step"],
+                "fingerprint": ours.comm_stats()["plan_fingerprint"],
+            }
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_wrap_equals_ddp_and_single_process(world: int) -> None:
+    results = run_ranks(world, equivalence_checks, timeout=300)
+    for key in results[0]:
+        name, opt = key
+        fingerprints = {r[key]["fingerprint"] for r in results}
+        assert len(fingerprints) == 1, f"{key}: bucket plans differ across ranks"
+        for rank, res in enumerate(results):
+            entry = res[key]
+            assert entry["buckets"] > 1 and entry["collectives"] == entry["buckets"]
+            for tensor_name, ddp_value in entry["ddp"].items():
+                ours = entry["ours"][tensor_name]
+                where = f"{key} rank {rank} {tensor_name}"
+                if world == 2:
+                    np.testing.assert_array_equal(ours, ddp_value, err_msg=f"{where}: not bit-identical to DDP")
+                else:
+                    if opt == "adam" and tensor_name in NOISE_ONLY:
+                        keep = np.ones(ours.shape, dtype=bool)
+                        keep[NOISE_ONLY[tensor_name]] = False
+                        ours, ddp_value = ours[keep], ddp_value[keep]
+                    np.testing.assert_allclose(ours, ddp_value, rtol=1e-5, atol=1e-6, err_msg=where)
+                # One big batch differs by construction for BatchNorm statistics; with Adam, gradients that are
+                # mathematically zero (attention's key bias) are float noise that Adam normalizes to +-lr.
+                if name != "cnn" and opt == "sgd":
+                    np.testing.assert_allclose(ours, entry["single"][tensor_name], rtol=1e-4, atol=2e-5, err_msg=where)
+
+
+def feature_checks(rank: int, world: int) -> dict:
+    import torch
+    from torch import nn
+
+    import collective_ops as co
+    from collective_ops.consistency import ModelMismatchError
+    from tests.models import MLP, WithUnusedBranch, build, rank_batch
+
+    out: dict = {}
+    loss_fn = nn.functional.cross_entropy
+
+    def accumulate(model, micro_steps: int = 3) -> dict:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer.zero_grad()
+        for micro in range(micro_steps):
+            x, y = rank_batch(MLP, micro, rank)
+            context = model.no_sync() if micro < micro_steps - 1 else torch.enable_grad()
+            with context:
+                loss_fn(model(x), y).backward()
+        optimizer.step()
+        return _snapshot(model.module)
+
+    # no_sync accumulation, in view and copy mode, against DDP's no_sync
+    out["no_sync_ddp"] = accumulate(torch.nn.parallel.DistributedDataParallel(build("mlp")))
+    out["no_sync_view"] = accumulate(co.wrap(build("mlp"), bucket_size_mb=0.01))
+    out["no_sync_copy"] = accumulate(co.wrap(build("mlp"), bucket_size_mb=0.01, gradient_as_bucket_view=False))
+
+    # unused parameters: rank 1 skips the branch at step 0 and 2; compare with DDP(find_unused_parameters=True)
+    def unused_run(model) -> dict:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(3):
+            x, y = rank_batch(MLP, step, rank)
+            use_branch = not (rank == 1 and step != 1)
+            optimizer.zero_grad()
+            loss_fn(model(x, use_branch=use_branch), y).backward()
+            optimizer.step()
+        return _snapshot(model.module)
+
+    torch.manual_seed(0)
+    out["unused_ddp"] = unused_run(
+        torch.nn.parallel.DistributedDataParallel(WithUnusedBranch(), find_unused_parameters=True)
+    )
+    torch.manual_seed(0)
+    out["unused_ours"] = unused_run(co.wrap(WithUnusedBranch(), bucket_size_mb=0.001, find_unused_parameters=True))
+
+    # the same parameter unused on every rank without find_unused_parameters: a clear error everywhere
+    torch.manual_seed(0)
+    model = co.wrap(WithUnusedBranch(), bucket_size_mb=0.001)
+    x, y = rank_batch(MLP, 0, rank)
+    try:
+        loss_fn(model(x, use_branch=False), y).backward()
+        out["unused_error"] = None
+    except RuntimeError as exc:
+        out["unused_error"] = str(exc)
+
+    # compression: close to the uncompressed result
+    reference = _train(co.wrap(build("mlp")), MLP, rank, world, "sgd")
+    for compression in ("fp16", "bf16"):
+        model = _train(co.wrap(build("mlp"), compression=compression), MLP, rank, world, "sgd")
+        out[f"compression_{compression}"] = max(
+            float((a - b).abs().max()) for a, b in zip(model.module.parameters(), reference.module.parameters())
+        )
+
+    # bucket rebuild: modules registered in the opposite order of use
+    class Reordered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last = nn.Linear(32, 4)
+            self.middle = nn.Linear(32, 32)
+            self.first = nn.Linear(16, 32)
+
+        def forward(self, x):
+            return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+    torch.manual_seed(0)
+    model = co.wrap(Reordered(), bucket_size_mb=0.005, first_bucket_mb=0.001)
+    before = [list(b.param_indices) for b in model.manager.plan.buckets]
+    _train(model, MLP, rank, world, "sgd", steps=2)
+    out["rebuild"] = (
+        before,
+        [list(b.param_indices) for b in model.manager.plan.buckets],
+        model.comm_stats()["plan_fingerprint"],
+    )
+    torch.manual_seed(0)
+    out["rebuild_ddp"] = _snapshot(
+        _train(torch.nn.parallel.DistributedDataParallel(Reordered()), MLP, rank, world, "sgd", steps=2).module
+    )
+    out["rebuild_ours"] = _snapshot(model.module)
+
+    # the seed's manual loops on an unwrapped model: per-parameter allreduce, and GradientBucket
+    def manual(loop: str) -> dict:
+        model = build("mlp")
+        for p in model.parameters():
+            co.broadcast(p.data, src=0)
+        optimizer = _optimizer("sgd", model.parameters())
+        for step in range(STEPS):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            if loop == "per_param":
+                for p in model.parameters():
+                    co.allreduce(p.grad, op="avg")
+            else:
+                bucket = co.GradientBucket(bucket_size_mb=25, reduce_op="avg")
+                for p in model.parameters():
+                    bucket.add(p.grad)
+                bucket.allreduce()
+                out["manual_collectives"] = bucket.num_collectives
+            optimizer.step()
+        return _snapshot(model)
+
+    out["manual_per_param"] = manual("per_param")
+    out["manual_bucket"] = manual("bucket")
+    out["manual_ddp"] = _snapshot(
+        _train(torch.nn.parallel.DistributedDataParallel(build("mlp")), MLP, rank, world, "sgd").module
+    )
+
+    # the unwrapped model's face
+    original = build("mlp")
+    wrapped = co.wrap(original)
+    plain = build("mlp", seed=5)
+    plain.load_state_dict(wrapped.state_dict())
+    out["face"] = {
+        "module_is_original": wrapped.module is original,
+        "state_dict_keys": list(wrapped.state_dict()) == list(original.state_dict()),
+        "loads_into_unwrapped": all(torch.equal(a, b) for a, b in zip(plain.parameters(), original.parameters())),
+        "attribute": wrapped.net is original.net,
+        "stats": wrapped.comm_stats(),
+    }
+
+    # bad input: each refused with a clear message, on every rank, without a hang
+    errors = {}
+    torch.manual_seed(0)
+    mismatched = nn.Sequential(nn.Linear(16, 8 if rank == 0 else 9))
+    cases = {
+        "mismatch": lambda: co.wrap(mismatched),
+        "already_wrapped": lambda: co.wrap(co.wrap(build("mlp"))),
+        "no_trainable": lambda: co.wrap(nn.Sequential(nn.ReLU())),
+        "bucket_zero": lambda: co.wrap(build("mlp"), bucket_size_mb=0),
+        "bucket_nan": lambda: co.wrap(build("mlp"), bucket_size_mb=float("nan")),
+        "bad_reduce_op": lambda: co.wrap(build("mlp"), reduce_op="max"),
+        "bad_compression": lambda: co.wrap(build("mlp"), compression="int8"),
+        "not_a_model": lambda: co.wrap(object()),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError, ModelMismatchError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.parametrize("world", [2])
+def test_adapter_features(world: int) -> None:
+    results = run_ranks(world, feature_checks, timeout=300)
+
+    def same(a: dict, b: dict, what: str, exact: bool = True) -> None:
+        for k in a:
+            if exact:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}: {k}")
+            else:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f"{what}: {k}")
+
+    for out in results:
+        same(out["no_sync_view"], out["no_sync_ddp"], "no_sync (view) vs DDP")
+        same(out["no_sync_copy"], out["no_sync_ddp"], "no_sync (copy) vs DDP")
+        same(out["unused_ours"], out["unused_ddp"], "find_unused_parameters vs DDP")
+        assert (
+            out["unused_error"]
+            and "'branch.weight'" in out["unused_error"]
+            and "find_unused_parameters=True" in out["unused_error"]
+        )
+        assert 0 < out["compression_fp16"] < 1e-2, out["compression_fp16"]
+        assert 0 < out["compression_bf16"] < 5e-2, out["compression_bf16"]
+        before, after, _fp = out["rebuild"]
+        assert before != after, "the plan should follow the observed gradient order after step 1"
+        same(out["rebuild_ours"], out["rebuild_ddp"], "after rebuild vs DDP")
+        same(out["manual_per_param"], out["manual_ddp"], "seed per-parameter loop vs DDP")
+        same(out["manual_bucket"], out["manual_ddp"], "seed GradientBucket loop vs DDP")
+        assert out["manual_collectives"] == 1
+        face = out["face"]
+        assert (
+            face["module_is_original"]
+            and face["state_dict_keys"]
+            and face["loads_into_unwrapped"]
+            and face["attribute"]
+        )
+        assert face["stats"]["buckets"] >= 1 and face["stats"]["mode"] == "overlap"
+        errors = out["errors"]
+        assert (
+            "ModelMismatchError" in errors["mismatch"]
+            and "'0.weight'" in errors["mismatch"]
+            and "rank 1" in errors["mismatch"]
+        )
+        assert "already wrapped" in errors["already_wrapped"]
+        assert "no trainable parameters" in errors["no_trainable"]
+        assert "bucket_size_mb" in errors["bucket_zero"] and "bucket_size_mb" in errors["bucket_nan"]
+        assert "'avg' or 'sum'" in errors["bad_reduce_op"]
+        assert "unknown compression 'int8'" in errors["bad_compression"]
+        assert "torch.nn.Module or a mindspore.nn.Cell" in errors["not_a_model"]
+    assert len({out["rebuild"][2] for out in results}) == 1, "rebuilt plans differ across ranks"
