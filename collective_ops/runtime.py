@@ -87,6 +87,8 @@ def init(
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     if framework == "mindspore":
+        if "mindspore" in _contexts:
+            return _contexts["mindspore"]
         from .comm.mindspore_engine import init_mindspore
 
         return _remember(*init_mindspore(backend, device_id=device_id, algorithm=algorithm))

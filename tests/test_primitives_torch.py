@@ -6,29 +6,9 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
+from tests.reference import OPS, check_allreduce, rank_input
 
 DTYPES = ["float32", "float16", "bfloat16", "int64"]
-OPS = ["sum", "avg", "max", "min", "prod"]
-SHAPE = (5, 7)
-
-
-def rank_input(rank: int, dtype: str, op: str) -> np.ndarray:
-    """Small integers (exact in every dtype and under any summation order); 1..2 for prod."""
-    rng = np.random.default_rng(1000 + rank)
-    high = 3 if op == "prod" else 50
-    low = 1 if op == "prod" else -50
-    return rng.integers(low, high, size=SHAPE).astype(np.float64)
-
-
-def reference(values: list[np.ndarray], op: str) -> np.ndarray:
-    stack = np.stack(values)
-    return {
-        "sum": stack.sum(0),
-        "avg": stack.mean(0),
-        "max": stack.max(0),
-        "min": stack.min(0),
-        "prod": stack.prod(0),
-    }[op]
 
 
 def primitive_checks(rank: int, world: int) -> dict:
@@ -42,7 +22,7 @@ def primitive_checks(rank: int, world: int) -> dict:
         for op in OPS:
             if op == "avg" and dtype == "int64":
                 continue
-            t = torch.from_numpy(rank_input(rank, dtype, op)).to(getattr(torch, dtype))
+            t = torch.from_numpy(rank_input(rank, op)).to(getattr(torch, dtype))
             returned = co.allreduce(t, op=op)
             assert returned is t, "allreduce must work in place and return its tensor"
             out[("allreduce", dtype, op)] = t.double().numpy()
@@ -116,16 +96,7 @@ def test_primitives_match_numpy(world: int) -> None:
             for op in OPS:
                 if op == "avg" and dtype == "int64":
                     continue
-                expected = reference([rank_input(r, dtype, op) for r in range(world)], op)
-                got = out[("allreduce", dtype, op)]
-                if op == "avg" and dtype != "float32":
-                    # the mean is rounded once to fp16/bf16: within half a unit in the last place
-                    tol = {"float16": 2**-10, "bfloat16": 2**-7}[dtype]
-                    np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=f"{dtype} {op}")
-                elif op == "avg":
-                    np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=f"{dtype} {op}")
-                else:
-                    np.testing.assert_array_equal(got, expected, err_msg=f"{dtype} {op}")
+                check_allreduce(out[("allreduce", dtype, op)], world, dtype, op)
         np.testing.assert_array_equal(out["reduceop_enum"], np.full(3, float(world)))
         assert out["async_completed"] is True
         np.testing.assert_array_equal(out["async_result"], np.full(1000, (world + 1) / 2, dtype=np.float32))

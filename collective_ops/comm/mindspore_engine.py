@@ -1,0 +1,252 @@
+"""MindSpore communication engine (HCCL on Ascend, NCCL on GPU, MCCL on CPU), launched by msrun.
+
+Measured on CPU with mindspore 2.10 (MCCL): ``mint.distributed.all_reduce`` (every op,
+async too), ``broadcast``, list-form ``all_gather`` and ``barrier`` work;
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` have no CPU kernel, so on MCCL
+allgather uses the list form and reduce_scatter is composed from an allreduce and a
+slice (correct, but moves the whole tensor: documented in docs/mindspore.md).
+``CommHandle.wait()`` returns at once on CPU; results are read through ``asnumpy()``,
+which synchronises. ``Tensor.mul_`` is not in place on this build: in-place updates go
+through ``copy_`` and slice assignment, which are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import mindspore as ms
+import mindspore.mint.distributed as mdist
+import numpy as np
+from mindspore import mint
+
+from ..bucketing.interfaces import ThenHandle
+from ..ops import parse_reduce_op
+from .base import Engine, finish
+
+_BACKEND_BY_TARGET = {"ascend": "hccl", "gpu": "nccl", "cpu": "mccl"}
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).lower()  # Float32 -> float32, BFloat16 -> bfloat16
+
+
+class _MindSporeHandle:
+    """``CommHandle`` with the ``is_completed()`` the rest of the library expects."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._done = handle is None
+
+    def wait(self) -> None:
+        if not self._done:
+            self._handle.wait()
+            self._done = True
+
+    def is_completed(self) -> bool:
+        # MindSpore's handle cannot be polled; report completion once waited on.
+        return self._done
+
+
+class MindSporeEngine(Engine):
+    framework = "mindspore"
+
+    def __init__(self, backend: str, device: str) -> None:
+        self.backend = backend
+        self.device = device
+        self._rank = mdist.get_rank()
+        self._world = mdist.get_world_size()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def owns(self, tensor: Any) -> bool:
+        return isinstance(tensor, (ms.Tensor, np.ndarray))
+
+    def _native(self, tensor: Any, what: str) -> tuple[ms.Tensor, Any]:
+        """(MindSpore tensor, write-back) for a MindSpore tensor or a numpy array."""
+        if isinstance(tensor, np.ndarray):
+            if not tensor.flags.writeable:
+                raise ValueError(f"{what}: numpy array is read-only; pass a writeable copy (a.copy())")
+            array = tensor
+            return ms.Tensor(np.ascontiguousarray(array)), lambda result: np.copyto(array, result.asnumpy())
+        if not isinstance(tensor, ms.Tensor):
+            raise TypeError(f"{what} takes a mindspore.Tensor or numpy.ndarray, got {type(tensor).__name__}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{what}: tensor is not contiguous; pass tensor.contiguous()")
+        return tensor, None
+
+    def as_native(self, tensor: Any) -> ms.Tensor:
+        native, write_back = self._native(tensor, "GradientBucket.add")
+        if write_back is not None:
+            raise TypeError("numpy arrays go through the torch engine; with MindSpore alone, add mindspore Tensors")
+        return native
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{what} failed on MindSpore backend {self.backend!r}: {exc}") from exc
+
+    # -- primitives ---------------------------------------------------------------
+    def allreduce(self, tensor: Any, op: Any = "sum", async_op: bool = False, group: Any = None) -> Any:
+        op = parse_reduce_op(op)
+        t, write_back = self._native(tensor, "allreduce")
+        if op == "avg" and not t.is_floating_point():
+            raise ValueError(
+                f"allreduce(op='avg') of a {dtype_name(t.dtype)} tensor cannot hold the mean; "
+                "use op='sum' and divide, or cast to a floating dtype"
+            )
+        kwargs = {"group": group} if group is not None else {}
+        handle = self._call("allreduce", mdist.all_reduce, t, op=op, async_op=True, **kwargs)
+
+        def done() -> Any:
+            if write_back is not None:
+                write_back(t)
+            return tensor
+
+        return finish(ThenHandle(_MindSporeHandle(handle), done), async_op)
+
+    def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False, group: Any = None) -> Any:
+        if not isinstance(src, int) or not 0 <= src < self._world:
+            raise ValueError(f"src={src!r} is not a rank of this group (0..{self._world - 1})")
+        t, write_back = self._native(tensor, "broadcast")
+        kwargs = {"group": group} if group is not None else {}
+        handle = self._call("broadcast", mdist.broadcast, t, src, async_op=True, **kwargs)
+
+        def done() -> Any:
+            if write_back is not None:
+                write_back(t)
+            return tensor
+
+        return finish(ThenHandle(_MindSporeHandle(handle), done), async_op)
+
+    def allgather(self, tensor: Any, async_op: bool = False, group: Any = None) -> Any:
+        t, write_back = self._native(tensor, "allgather")
+        parts = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(self._world)]
+        kwargs = {"group": group} if group is not None else {}
+        handle = self._call("allgather", mdist.all_gather, parts, t, async_op=True, **kwargs)
+
+        def done() -> Any:
+            result = mint.cat([p.reshape((1,)) if p.ndim == 0 else p for p in parts])
+            return result.asnumpy() if write_back is not None else result
+
+        return finish(ThenHandle(_MindSporeHandle(handle), done), async_op)
+
+    def reduce_scatter(self, tensor: Any, op: Any = "sum", async_op: bool = False, group: Any = None) -> Any:
+        op = parse_reduce_op(op)
+        t, write_back = self._native(tensor, "reduce_scatter")
+        if t.ndim == 0 or t.shape[0] % self._world:
+            raise ValueError(
+                f"reduce_scatter: the first dimension ({tuple(t.shape)}) must be a multiple of the world size "
+                f"({self._world}); each rank receives one equal chunk"
+            )
+        # MCCL has no reduce-scatter kernel: reduce a copy, keep this rank's chunk.
+        work = t.copy()
+        handle = self.allreduce(work, op, async_op=True, group=group)
+        chunk = t.shape[0] // self._world
+
+        def done() -> Any:
+            handle.wait()
+            result = self._piece(work, self._rank * chunk, chunk)
+            return result.asnumpy() if write_back is not None else result
+
+        return finish(ThenHandle(None, done), async_op)
+
+    def barrier(self) -> None:
+        mdist.barrier()
+
+    def shutdown(self) -> None:
+        # Peers that exit while others still send fail after ~30 s: meet at a barrier first.
+        mdist.barrier()
+
+    # -- BucketEngine ---------------------------------------------------------------
+    def describe(self, tensor: ms.Tensor) -> tuple[int, str, str]:
+        return int(tensor.size), dtype_name(tensor.dtype), self.device
+
+    def itemsize(self, tensor: ms.Tensor) -> int:
+        return int(tensor.itemsize)
+
+    def is_contiguous(self, tensor: Any) -> bool:
+        return isinstance(tensor, ms.Tensor) and tensor.is_contiguous()
+
+    def zeros(self, numel: int, dtype: str, device: str) -> ms.Tensor:
+        return mint.zeros(numel, dtype=getattr(ms, dtype))
+
+    @staticmethod
+    def _piece(buffer: ms.Tensor, offset: int, numel: int) -> ms.Tensor:
+        # .copy(): a slice starting at 0 keeps the whole buffer's memory and breaks copy_ (mindspore 2.10, CPU)
+        return buffer[offset : offset + numel].copy()
+
+    def segment(self, buffer: ms.Tensor, offset: int, numel: int, shape: Sequence[int] | None = None) -> ms.Tensor:
+        piece = self._piece(buffer, offset, numel)  # a copy: MindSpore has no flat views to hand out
+        return piece if shape is None else piece.reshape(tuple(shape))
+
+    def write(self, buffer: ms.Tensor, offset: int, tensor: ms.Tensor) -> None:
+        buffer[offset : offset + int(tensor.size)] = tensor.reshape(-1).astype(buffer.dtype)
+
+    def write_back(self, tensor: ms.Tensor, buffer: ms.Tensor, offset: int) -> None:
+        tensor.copy_(self._piece(buffer, offset, int(tensor.size)).reshape(tensor.shape))
+
+    def fill_zero(self, buffer: ms.Tensor, offset: int, numel: int) -> None:
+        buffer[offset : offset + numel] = 0
+
+    def int_tensor(self, values: Sequence[int], device: str) -> ms.Tensor:
+        return ms.Tensor(np.asarray(list(values), dtype=np.int32))
+
+    def to_list(self, tensor: ms.Tensor) -> list:
+        return tensor.asnumpy().tolist()
+
+    def scale_(self, buffer: ms.Tensor, factor: float) -> None:
+        buffer.copy_(buffer * factor)
+
+    def cast(self, buffer: ms.Tensor, dtype: str) -> ms.Tensor:
+        return buffer.astype(getattr(ms, dtype))
+
+    def copy_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
+        dst.copy_(src.astype(dst.dtype))
+
+    def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
+        t = ms.Tensor(np.asarray(list(values), dtype=np.int32))
+        mdist.broadcast(t, src)
+        return t.asnumpy().tolist()
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Small metadata from every rank, as int32 words (widely supported by every backend)."""
+        lengths = self.allgather(ms.Tensor(np.asarray([len(data)], dtype=np.int32))).asnumpy()
+        longest = int(lengths.max())
+        payload = np.zeros(longest, dtype=np.int32)
+        payload[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        rows = self.allgather(ms.Tensor(payload.reshape(1, -1) if longest else np.zeros((1, 1), np.int32)))
+        rows = rows.asnumpy()
+        return [bytes(rows[r, : int(lengths[r])].astype(np.uint8).tolist()) for r in range(self._world)]
+
+
+def init_mindspore(backend: str | None, *, device_id: int | None = None, algorithm: str | None = None):
+    """Start MindSpore communication as launched by msrun; returns (framework, context, engine)."""
+    from mindspore.communication import init as ms_init
+
+    from ..runtime import DistContext
+
+    target = str(ms.get_context("device_target")).lower()
+    native = _BACKEND_BY_TARGET.get(target, "mccl")
+    if backend is not None and backend.lower() not in (native, None):
+        raise ValueError(f"MindSpore on {target} uses {native!r}; backend={backend!r} is not available here")
+    if algorithm:
+        os.environ["HCCL_ALGO" if native == "hccl" else "NCCL_ALGO"] = algorithm
+    if device_id is None:
+        device_id = int(os.environ.get("DEVICE_ID", os.environ.get("MS_LOCAL_RANK", "0")) or 0)
+    if target in ("ascend", "gpu"):
+        ms.set_device(target.capitalize() if target == "ascend" else "GPU", device_id)
+    if not mdist.is_initialized():
+        ms_init()
+    engine = MindSporeEngine(native, target)
+    local_rank = int(os.environ.get("MS_LOCAL_RANK", engine.rank))
+    context = DistContext("mindspore", native, engine.rank, engine.world_size, local_rank, target, "msrun")
+    return "mindspore", context, engine

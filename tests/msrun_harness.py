@@ -1,0 +1,87 @@
+"""Run a worker script under ``msrun`` (MindSpore's launcher) and collect each rank's JSON result.
+
+Each worker writes ``<out_dir>/rank<N>.json``; a run that fails or times out raises with
+the tail of every worker's log, never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.harness import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mindspore_available() -> bool:
+    try:
+        import mindspore  # noqa: F401
+    except Exception:
+        return False
+    return (
+        shutil.which("msrun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+        is not None
+    )
+
+
+requires_mindspore = pytest.mark.skipif(not mindspore_available(), reason="mindspore and msrun are not installed")
+
+
+def run_msrun(script: str, world: int = 2, timeout: float = 240, args: tuple[str, ...] = ()) -> list[dict]:
+    out_dir = Path(tempfile.mkdtemp(prefix="msrun-out-"))
+    log_dir = out_dir / "logs"
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # workers use this python
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COLLECTIVE_OPS_TEST_OUT"] = str(out_dir)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["GLOG_v"] = "3"  # MindSpore's INFO logs are loud
+    cmd = [
+        "msrun",
+        f"--worker_num={world}",
+        f"--local_worker_num={world}",
+        f"--master_port={free_port()}",
+        f"--log_dir={log_dir}",
+        "--join=True",
+        str(ROOT / "tests" / "ms_workers" / script),
+        *args,
+    ]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=timeout)
+        failed = proc.returncode != 0
+        reason = f"msrun exited with {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        failed, reason = True, f"msrun did not finish within {timeout}s"
+    results = []
+    for rank in range(world):
+        path = out_dir / f"rank{rank}.json"
+        if not path.exists():
+            failed, reason = True, reason + f"; rank {rank} wrote no result"
+            break
+        results.append(json.loads(path.read_text()))
+    if failed:
+        logs = []
+        for log in sorted(log_dir.glob("worker_*.log")):
+            lines = [
+                ln
+                for ln in log.read_text(errors="replace").splitlines()
+                if "[INFO]" not in ln and "[WARNING]" not in ln
+            ]
+            logs.append(f"--- {log.name} ---\n" + "\n".join(lines[-40:]))
+        raise AssertionError(f"{script}: {reason}\n" + "\n".join(logs))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return results
+
+
+def write_result(rank: int, result: dict) -> None:
+    """Called by workers."""
+    out = Path(os.environ["COLLECTIVE_OPS_TEST_OUT"]) / f"rank{rank}.json"
+    out.write_text(json.dumps(result))

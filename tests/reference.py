@@ -1,0 +1,34 @@
+"""Inputs and numpy references shared by the torch and MindSpore primitive tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+OPS = ["sum", "avg", "max", "min", "prod"]
+SHAPE = (5, 7)
+
+
+def rank_input(rank: int, op: str) -> np.ndarray:
+    """Small integers (exact in every dtype and under any summation order); 1..2 for prod."""
+    rng = np.random.default_rng(1000 + rank)
+    low, high = (1, 3) if op == "prod" else (-50, 50)
+    return rng.integers(low, high, size=SHAPE).astype(np.float64)
+
+
+def reference(values: list[np.ndarray], op: str) -> np.ndarray:
+    stack = np.stack(values)
+    return {"sum": stack.sum(0), "avg": stack.mean(0), "max": stack.max(0), "min": stack.min(0), "prod": stack.prod(0)}[
+        op
+    ]
+
+
+def check_allreduce(got: np.ndarray, world: int, dtype: str, op: str) -> None:
+    expected = reference([rank_input(r, op) for r in range(world)], op)
+    if op == "avg" and dtype in ("float16", "bfloat16"):
+        # the mean is rounded once to fp16/bf16: within half a unit in the last place
+        tol = {"float16": 2**-10, "bfloat16": 2**-7}[dtype]
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=f"{dtype} {op}")
+    elif op == "avg":
+        np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=f"{dtype} {op}")
+    else:
+        np.testing.assert_array_equal(got, expected, err_msg=f"{dtype} {op}")
