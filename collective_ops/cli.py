@@ -1,0 +1,76 @@
+"""The ``collective-ops`` command line: ``info`` (and the tools that build on it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from .launch import backend_problem, detect_launch_env, probe_hardware, select_backend
+
+
+def _topology() -> str:
+    """The device topology as the platform's own tool prints it."""
+    for tool, args in (("npu-smi", ["info", "-t", "topo"]), ("nvidia-smi", ["topo", "-m"])):
+        if shutil.which(tool):
+            try:
+                result = subprocess.run([tool, *args], capture_output=True, text=True, timeout=20)
+                if result.returncode == 0 and result.stdout.strip():
+                    return f"{tool} {' '.join(args)}:\n{result.stdout.rstrip()}"
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+    return f"no accelerator topology tool found; {os.cpu_count()} CPU core(s)"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    env = detect_launch_env()
+    probe = probe_hardware()
+    try:
+        backend = select_backend(args.backend, probe)
+        choice = backend
+    except (RuntimeError, ValueError) as exc:
+        choice = f"unavailable: {exc}"
+    print(f"collective-ops {_version()}  (python {sys.version.split()[0]})")
+    print(f"launcher      : {env.launcher}")
+    print(f"rank/world    : {env.rank}/{env.world_size}  local_rank={env.local_rank}  DEVICE_ID={env.device_id}")
+    print(f"rendezvous    : {env.master_addr or '127.0.0.1 (default, loopback)'}:{env.master_port or 29500}")
+    print(
+        f"torch_npu     : {'installed' if probe.torch_npu_installed else 'not installed'}; NPU visible: {probe.npu_available}"
+    )
+    print(f"CUDA visible  : {probe.cuda_available}")
+    print(
+        f"backend       : {choice}" + ("  (COLLECTIVE_OPS_BACKEND)" if os.environ.get("COLLECTIVE_OPS_BACKEND") else "")
+    )
+    for name in ("hccl", "nccl"):
+        problem = backend_problem(name, probe)
+        print(f"  {name:<5}: {'ready' if problem is None else problem}")
+    print(_topology())
+    return 0
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="collective-ops", description="Data-parallel gradient communication tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="what init() would choose here, and the device topology")
+    info.add_argument("--backend", default=None, help="ask about a specific backend (hccl, nccl, gloo)")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
