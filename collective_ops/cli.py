@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="what init() would choose here, and the device topology")
     info.add_argument("--backend", default=None, help="ask about a specific backend (hccl, nccl, gloo)")
     info.set_defaults(func=cmd_info)
+
+    from . import bench
+
+    bench_parser = sub.add_parser(
+        "bench", help="collective benchmark (nccl-tests style), raw framework call beside collective_ops"
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=bench.run)
     return parser
 
 

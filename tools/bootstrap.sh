@@ -17,8 +17,8 @@ fi
 stamp="$VENV/.collective-ops-setup"
 want="$(cat requirements/dev.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e .
+    "$VENV/bin/python" -m pip install -qq --disable-pip-version-check -r requirements/dev.txt
+    "$VENV/bin/python" -m pip install -qq --disable-pip-version-check --no-deps -e .
     echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"   # msrun starts workers with the python on PATH

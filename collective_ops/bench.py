@@ -1,0 +1,330 @@
+"""Collective benchmark in the style of nccl-tests / hccl_test, raw framework call beside the wrapper.
+
+Per size: time per call (µs, the slowest rank's mean over ``iters``), **algbw** = bytes /
+time and **busbw** = algbw × factor, with nccl-tests' factors: 2(n-1)/n for allreduce,
+(n-1)/n for allgather and reduce_scatter, 1 for broadcast. Bytes are the size of the
+per-rank input for allreduce and broadcast, and of the full (gathered / pre-scatter)
+tensor for allgather and reduce_scatter, as nccl-tests counts them. Each size ends with
+a correctness check of the result (``wrong`` counts mismatching elements).
+
+Run under ``torchrun`` (any world size), or ``--spawn N`` to start N local ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+OPS = ("allreduce", "allgather", "broadcast", "reduce_scatter")
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '256M', '1G' (powers of 1024) -> bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text), flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a number of bytes like 8, 64K, 256M or 1G")
+    value = int(match.group(1)) * _UNITS[match.group(2).upper()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
+    return value
+
+
+def size_sweep(begin: int, end: int, factor: int) -> list[int]:
+    if factor < 2:
+        raise ValueError(f"the step factor must be >= 2, got {factor}")
+    if begin > end:
+        raise ValueError(f"the first size ({begin} B) is larger than the last ({end} B)")
+    sizes, size = [], begin
+    while size <= end:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' busbw / algbw ratio."""
+    if op == "allreduce":
+        return 2 * (world - 1) / world
+    if op in ("allgather", "reduce_scatter"):
+        return (world - 1) / world
+    if op == "broadcast":
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
+
+
+def bandwidths(op: str, nbytes: int, seconds: float, world: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (10^9 bytes per second, as nccl-tests)."""
+    algbw = nbytes / seconds / 1e9 if seconds > 0 else math.inf
+    return algbw, algbw * bus_factor(op, world)
+
+
+@dataclass
+class Row:
+    op: str
+    impl: str  # "raw" (framework call) or "collective_ops"
+    bytes: int
+    count: int
+    dtype: str
+    time_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    wrong: int
+
+
+def _impls(op: str, reduce_op: str) -> dict[str, Callable]:
+    import torch.distributed as dist
+
+    import collective_ops as co
+    from collective_ops.comm.torch_engine import _TORCH_OPS, _all_gather_single, _reduce_scatter_single
+
+    torch_op = _TORCH_OPS[reduce_op]
+    raw = {
+        "allreduce": lambda t, out: dist.all_reduce(t, op=torch_op),
+        "broadcast": lambda t, out: dist.broadcast(t, src=0),
+        "allgather": lambda t, out: _all_gather_single(out, t),
+        "reduce_scatter": lambda t, out: _reduce_scatter_single(out, t, op=torch_op),
+    }[op]
+    ours = {
+        "allreduce": lambda t, out: co.allreduce(t, op=reduce_op),
+        "broadcast": lambda t, out: co.broadcast(t, src=0),
+        "allgather": lambda t, out: co.allgather(t),
+        "reduce_scatter": lambda t, out: co.reduce_scatter(t, op=reduce_op),
+    }[op]
+    return {"raw": raw, "collective_ops": ours}
+
+
+def _tensors(op: str, nbytes: int, dtype, world: int, device):
+    import torch
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = max(nbytes // itemsize, 1)
+    if op == "allgather":  # nbytes is the gathered size
+        count = max(count // world, 1)
+        return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count * world, dtype=dtype, device=device)
+    if op == "reduce_scatter":  # nbytes is the input size
+        count = max(count // world, 1) * world
+        return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count // world, dtype=dtype, device=device)
+    return torch.zeros(count, dtype=dtype, device=device), None
+
+
+def _check(op: str, impl: Callable, t, out, rank: int, world: int) -> int:
+    """Run once on known data; count wrong elements."""
+    import torch
+
+    t.fill_(rank + 1)
+    result = impl(t, out)
+    if op == "allreduce":
+        got, expected = t, torch.full_like(t, world * (world + 1) / 2)
+    elif op == "broadcast":
+        got, expected = t, torch.full_like(t, 1)
+    elif op == "allgather":
+        got = out if result is None else result
+        expected = torch.arange(1, world + 1, dtype=t.dtype, device=t.device).repeat_interleave(t.numel())
+    else:
+        got = out if result is None else result
+        expected = torch.full_like(got, world * (world + 1) / 2)
+    return int((got.double() - expected.double()).abs().gt(1e-3 * expected.double().abs().clamp(min=1)).sum())
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def run_sweep(
+    op: str,
+    sizes: Sequence[int],
+    dtype_name: str = "float32",
+    reduce_op: str = "sum",
+    warmup: int = 5,
+    iters: int = 20,
+    impls: Sequence[str] = ("raw", "collective_ops"),
+    progress: bool = True,
+) -> list[Row]:
+    """Measure on the live process group; every rank returns the same rows."""
+    import torch
+    import torch.distributed as dist
+
+    import collective_ops as co
+
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
+    rank, world = co.get_rank(), co.get_world_size()
+    device = torch.device(co.context().device)
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype_name!r}; use e.g. float32, float16, bfloat16, int32")
+    all_impls = _impls(op, reduce_op)
+    unknown = set(impls) - set(all_impls)
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {sorted(unknown)}; use raw and/or collective_ops")
+    rows: list[Row] = []
+    iterator = sizes
+    if progress and rank == 0:
+        try:
+            from tqdm import tqdm
+
+            iterator = tqdm(sizes, desc=op, unit="size", leave=False)
+        except ImportError:
+            pass
+    for nbytes in iterator:
+        t, out = _tensors(op, nbytes, dtype, world, device)
+        total_bytes = t.numel() * t.element_size() * (world if op == "allgather" else 1)
+        # Alternate implementations per size so drift on a noisy machine hits both alike.
+        for name in impls:
+            impl = all_impls[name]
+            for _ in range(warmup):
+                impl(t, out)
+            _sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                impl(t, out)
+            _sync(device)
+            elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
+            wrong = torch.tensor([_check(op, impl, t, out, rank, world)], dtype=torch.int64)
+            dist.all_reduce(wrong)
+            seconds = float(elapsed)
+            algbw, busbw = bandwidths(op, total_bytes, seconds, world)
+            rows.append(Row(op, name, total_bytes, t.numel(), dtype_name, seconds * 1e6, algbw, busbw, int(wrong)))
+    return rows
+
+
+def format_table(rows: Sequence[Row], world: int) -> str:
+    lines = [
+        f"# collective-ops bench: {rows[0].op if rows else ''}, {world} rank(s); time = slowest rank's mean",
+        f"# {'bytes':>12} {'count':>11} {'type':>8} {'impl':>15} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r.bytes:>12} {r.count:>11} {r.dtype:>8} {r.impl:>15} {r.time_us:>11.1f} {r.algbw_gbs:>12.4f} "
+            f"{r.busbw_gbs:>12.4f} {r.wrong:>7}"
+        )
+    return "\n".join(lines)
+
+
+def summarize_overhead(rows: Sequence[Row]) -> dict:
+    """The wrapper against the raw call: bandwidth ratio per size, added latency at the smallest size."""
+    raw = {(r.op, r.bytes): r for r in rows if r.impl == "raw"}
+    ours = {(r.op, r.bytes): r for r in rows if r.impl == "collective_ops"}
+    pairs = sorted(set(raw) & set(ours), key=lambda k: k[1])
+    if not pairs:
+        return {}
+    ratios = {k[1]: ours[k].busbw_gbs / raw[k].busbw_gbs for k in pairs if raw[k].busbw_gbs > 0}
+    smallest = pairs[0]
+    return {
+        "bandwidth_ratio_by_bytes": ratios,
+        "added_latency_us_at_smallest": ours[smallest].time_us - raw[smallest].time_us,
+        "smallest_bytes": smallest[1],
+    }
+
+
+def write_outputs(rows: Sequence[Row], csv_path: str | None, json_path: str | None, plot_path: str | None) -> None:
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+            writer.writeheader()
+            writer.writerows(asdict(r) for r in rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "overhead": summarize_overhead(rows)}, f, indent=1)
+    if plot_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for impl in sorted({r.impl for r in rows}):
+            pts = [(r.bytes, r.busbw_gbs) for r in rows if r.impl == impl]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{rows[0].op} busbw")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=120)
+        plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", choices=OPS, default="allreduce")
+    parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
+    parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
+    parser.add_argument("-f", "--stepfactor", type=int, default=2)
+    parser.add_argument("-d", "--dtype", default="float32")
+    parser.add_argument("-o", "--reduce-op", default="sum", choices=["sum", "max", "min", "prod"])
+    parser.add_argument("-w", "--warmup", type=int, default=5)
+    parser.add_argument("-n", "--iters", type=int, default=20)
+    parser.add_argument("--impl", action="append", choices=["raw", "collective_ops"], help="default: both")
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--spawn", type=int, default=0, help="start N local ranks instead of running under torchrun")
+    parser.add_argument("--csv")
+    parser.add_argument("--json")
+    parser.add_argument("--plot", help="PNG of busbw against size")
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    import collective_ops as co
+
+    co.init(args.backend, rank=rank, world_size=world, master_port=port)
+    _run_and_report(args)
+
+
+def _run_and_report(args: argparse.Namespace) -> None:
+    import collective_ops as co
+
+    sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
+    rows = run_sweep(
+        args.op,
+        sizes,
+        args.dtype,
+        args.reduce_op,
+        args.warmup,
+        args.iters,
+        tuple(args.impl or ("raw", "collective_ops")),
+    )
+    if co.get_rank() == 0:
+        print(format_table(rows, co.get_world_size()))
+        overhead = summarize_overhead(rows)
+        if overhead:
+            big = [v for b, v in overhead["bandwidth_ratio_by_bytes"].items() if b >= 1 << 20]
+            print(
+                f"# collective_ops vs raw: added latency at {overhead['smallest_bytes']} B = "
+                f"{overhead['added_latency_us_at_smallest']:.1f} us; busbw ratio at >= 1 MiB: "
+                + (f"median {sorted(big)[len(big) // 2]:.3f}, min {min(big):.3f}" if big else "n/a")
+            )
+        write_outputs(rows, args.csv, args.json, args.plot)
+    co.barrier()
+    co.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    size_sweep(args.minbytes, args.maxbytes, args.stepfactor)  # validate before starting anything
+    if args.spawn:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_rank_main, args=(args.spawn, port, args), nprocs=args.spawn)
+        return 0
+    import collective_ops as co
+
+    co.init(args.backend)
+    _run_and_report(args)
+    return 0

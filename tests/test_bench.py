@@ -1,0 +1,107 @@
+"""The nccl-tests style benchmark: formulas by hand, a tiny real sweep, and that a wrong result is caught."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from collective_ops import bench
+from tests.harness import run_ranks
+
+
+def test_bus_factors_match_nccl_tests() -> None:
+    # nccl-tests PERFORMANCE.md: allreduce 2(n-1)/n, allgather and reduce_scatter (n-1)/n, broadcast 1
+    assert bench.bus_factor("allreduce", 8) == pytest.approx(1.75)
+    assert bench.bus_factor("allgather", 8) == pytest.approx(0.875)
+    assert bench.bus_factor("reduce_scatter", 4) == pytest.approx(0.75)
+    assert bench.bus_factor("broadcast", 16) == 1.0
+    algbw, busbw = bench.bandwidths("allreduce", 1_000_000_000, 0.5, 2)
+    assert (algbw, busbw) == (2.0, 2.0)
+    algbw, busbw = bench.bandwidths("allgather", 3_000_000_000, 1.0, 3)
+    assert algbw == 3.0 and busbw == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="unknown collective"):
+        bench.bus_factor("alltoall", 2)
+
+
+def test_sizes() -> None:
+    assert bench.parse_size("8") == 8 and bench.parse_size("64K") == 65536 and bench.parse_size("256M") == 256 << 20
+    assert bench.parse_size("1g") == 1 << 30
+    assert bench.size_sweep(8, 64, 2) == [8, 16, 32, 64]
+    for bad in ("-8", "8X", "", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_size(bad)
+    with pytest.raises(ValueError, match="factor"):
+        bench.size_sweep(8, 64, 1)
+    with pytest.raises(ValueError, match="larger than the last"):
+        bench.size_sweep(64, 8, 2)
+
+
+def sweep_checks(rank: int, world: int) -> dict:
+    import collective_ops as co
+
+    out = {}
+    for op in bench.OPS:
+        rows = bench.run_sweep(op, [64, 4096], warmup=1, iters=2, progress=False)
+        out[op] = [(r.impl, r.bytes, r.wrong, r.time_us > 0, r.busbw_gbs > 0) for r in rows]
+    # a corrupted result must be counted as wrong
+    import torch
+
+    t = torch.zeros(16)
+
+    def corrupt(t, out_):
+        co.allreduce(t)
+        t[3] += 1
+
+    out["corrupt_wrong"] = bench._check("allreduce", corrupt, t, None, rank, world)
+    return out
+
+
+def test_tiny_sweep_on_real_ranks() -> None:
+    world = 3
+    for out in run_ranks(world, sweep_checks):
+        for op in bench.OPS:
+            rows = out[op]
+            assert [impl for impl, *_ in rows] == ["raw", "collective_ops"] * 2
+            assert rows[0][1] == rows[1][1] <= 64 and rows[2][1] == rows[3][1] <= 4096  # divisible by the world
+            assert all(wrong == 0 and timed and bw for _, _, wrong, timed, bw in rows), (op, rows)
+        assert out["corrupt_wrong"] == 1
+
+
+def test_cli_writes_table_csv_json_and_plot(tmp_path) -> None:
+    cmd = [
+        sys.executable,
+        "benchmarks/allreduce_benchmark.py",
+        "--spawn",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "1K",
+        "-f",
+        "16",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--csv",
+        str(tmp_path / "r.csv"),
+        "--json",
+        str(tmp_path / "r.json"),
+        "--plot",
+        str(tmp_path / "r.png"),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "busbw(GB/s)" in result.stdout and "collective_ops vs raw" in result.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert len(data["rows"]) == 4 and all(r["wrong"] == 0 for r in data["rows"])
+    assert (tmp_path / "r.csv").read_text().startswith("op,impl,bytes")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "bench", "-b", "lots"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "is not a number of bytes" in bad.stderr
