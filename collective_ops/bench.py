@@ -1,6 +1,7 @@
 """Collective benchmark in the style of nccl-tests / hccl_test, raw framework call beside the wrapper.
 
-Per size: time per call (µs, the slowest rank's mean over ``iters``), **algbw** = bytes /
+Per size: time per call (µs: calls are timed in blocks, alternating implementations; a
+block's time is the slowest rank's, and the median block is reported), **algbw** = bytes /
 time and **busbw** = algbw × factor, with nccl-tests' factors: 2(n-1)/n for allreduce,
 (n-1)/n for allgather and reduce_scatter, 1 for broadcast. Bytes are the size of the
 per-rank input for allreduce and broadcast, and of the full (gathered / pre-scatter)
@@ -148,6 +149,7 @@ def run_sweep(
     warmup: int = 5,
     iters: int = 20,
     impls: Sequence[str] = ("raw", "collective_ops"),
+    rounds: int = 5,
     progress: bool = True,
 ) -> list[Row]:
     """Measure on the live process group; every rank returns the same rows."""
@@ -156,8 +158,8 @@ def run_sweep(
 
     import collective_ops as co
 
-    if warmup < 0 or iters < 1:
-        raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
+    if warmup < 0 or iters < 1 or rounds < 1:
+        raise ValueError(f"need warmup >= 0, iters >= 1 and rounds >= 1, got {warmup}, {iters}, {rounds}")
     rank, world = co.get_rank(), co.get_world_size()
     device = torch.device(co.context().device)
     dtype = getattr(torch, dtype_name, None)
@@ -179,22 +181,29 @@ def run_sweep(
     for nbytes in iterator:
         t, out = _tensors(op, nbytes, dtype, world, device)
         total_bytes = t.numel() * t.element_size() * (world if op == "allgather" else 1)
-        # Alternate implementations per size so drift on a noisy machine hits both alike.
+        # Implementations alternate in blocks (ABAB...) so drift on a noisy machine hits both alike;
+        # each block's time is the slowest rank's, and the median block is reported.
+        block = max(iters // rounds, 1)
+        per_block = {name: [] for name in impls}
         for name in impls:
-            impl = all_impls[name]
             for _ in range(warmup):
-                impl(t, out)
-            _sync(device)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                impl(t, out)
-            _sync(device)
-            elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
-            wrong = torch.tensor([_check(op, impl, t, out, rank, world)], dtype=torch.int64)
+                all_impls[name](t, out)
+        for _ in range(rounds):
+            for name in impls:
+                impl = all_impls[name]
+                _sync(device)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(block):
+                    impl(t, out)
+                _sync(device)
+                per_block[name].append((time.perf_counter() - start) / block)
+        for name in impls:
+            times = torch.tensor(per_block[name], dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            wrong = torch.tensor([_check(op, all_impls[name], t, out, rank, world)], dtype=torch.int64)
             dist.all_reduce(wrong)
-            seconds = float(elapsed)
+            seconds = float(times.median())
             algbw, busbw = bandwidths(op, total_bytes, seconds, world)
             rows.append(Row(op, name, total_bytes, t.numel(), dtype_name, seconds * 1e6, algbw, busbw, int(wrong)))
     return rows
@@ -202,7 +211,7 @@ def run_sweep(
 
 def format_table(rows: Sequence[Row], world: int) -> str:
     lines = [
-        f"# collective-ops bench: {rows[0].op if rows else ''}, {world} rank(s); time = slowest rank's mean",
+        f"# collective-ops bench: {rows[0].op if rows else ''}, {world} rank(s); time = median block, slowest rank",
         f"# {'bytes':>12} {'count':>11} {'type':>8} {'impl':>15} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}",
     ]
     for r in rows:
@@ -267,7 +276,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-d", "--dtype", default="float32")
     parser.add_argument("-o", "--reduce-op", default="sum", choices=["sum", "max", "min", "prod"])
     parser.add_argument("-w", "--warmup", type=int, default=5)
-    parser.add_argument("-n", "--iters", type=int, default=20)
+    parser.add_argument("-n", "--iters", type=int, default=20, help="timed calls per implementation and size")
+    parser.add_argument("--rounds", type=int, default=5, help="blocks the calls are split into (median reported)")
     parser.add_argument("--impl", action="append", choices=["raw", "collective_ops"], help="default: both")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--spawn", type=int, default=0, help="start N local ranks instead of running under torchrun")

@@ -44,6 +44,7 @@ class DistContext:
 
 _engines: dict[str, Any] = {}
 _contexts: dict[str, DistContext] = {}
+_engine_by_type: dict[type, Any] = {}  # the primitives' hot path: one dict lookup per call
 
 
 def _default_framework(framework: str | None) -> str:
@@ -188,6 +189,7 @@ def _bind_device(torch: Any, backend: str, device_id: int | None) -> Any:
 
 
 def _remember(framework: str, context: DistContext, engine: Any = None) -> DistContext:
+    _engine_by_type.clear()
     _contexts[framework] = context
     if engine is not None:
         _engines[framework] = engine
@@ -255,11 +257,15 @@ def get_engine(framework: str) -> Any:
 
 def engine_for_tensor(tensor: Any) -> Any:
     """The live engine that owns ``tensor`` (torch tensors and numpy arrays prefer torch)."""
+    engine = _engine_by_type.get(type(tensor))
+    if engine is not None:
+        return engine
     if not _engines:
         raise RuntimeError("collective_ops is not initialized: call collective_ops.init() first")
     for framework in sorted(_engines, key=lambda name: name != "torch"):
         engine = _engines[framework]
         if engine.owns(tensor):
+            _engine_by_type[type(tensor)] = engine
             return engine
     kinds = " or ".join(sorted(_engines))
     raise TypeError(
@@ -273,6 +279,7 @@ def barrier(framework: str | None = None) -> None:
 
 def shutdown() -> None:
     """Leave every process group this library joined. Safe to call twice."""
+    _engine_by_type.clear()
     for framework in list(_engines):
         engine = _engines.pop(framework)
         _contexts.pop(framework, None)

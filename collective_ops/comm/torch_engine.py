@@ -73,20 +73,25 @@ class TorchEngine(Engine):
     def allreduce(self, tensor: Any, op: Any = "sum", async_op: bool = False, group: Any = None) -> Any:
         op = parse_reduce_op(op)
         t = self._as_torch(tensor, "allreduce")
-        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(
-                f"allreduce(op='avg') of a {dtype_name(t.dtype)} tensor cannot hold the mean; "
-                "use op='sum' and divide, or cast to a floating dtype"
-            )
-        world = dist.get_world_size(group)
-        work = dist.all_reduce(t, op=_TORCH_OPS["sum" if op == "avg" else op], group=group, async_op=True)
+        if op == "avg":
+            if not (t.is_floating_point() or t.is_complex()):
+                raise ValueError(
+                    f"allreduce(op='avg') of a {dtype_name(t.dtype)} tensor cannot hold the mean; "
+                    "use op='sum' and divide, or cast to a floating dtype"
+                )
+            world = dist.get_world_size(group)
+            work = dist.all_reduce(t, op=_TORCH_OPS["sum"], group=group, async_op=True)
 
-        def done() -> Any:
-            if op == "avg":
+            def done() -> Any:
                 t.div_(world)  # sum then divide: the same arithmetic on every backend
-            return tensor
+                return tensor
 
-        return finish(ThenHandle(work, done), async_op)
+            return finish(ThenHandle(work, done), async_op)
+        if not async_op:  # the latency-critical path: no handle objects
+            dist.all_reduce(t, op=_TORCH_OPS[op], group=group)
+            return tensor
+        work = dist.all_reduce(t, op=_TORCH_OPS[op], group=group, async_op=True)
+        return ThenHandle(work, lambda: tensor)
 
     def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False, group: Any = None) -> Any:
         t = self._as_torch(tensor, "broadcast")
