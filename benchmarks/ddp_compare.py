@@ -1,0 +1,204 @@
+"""Step time and peak memory: torch DistributedDataParallel against collective_ops.wrap.
+
+Same model, same data, same world size. Step time: both wrappers live in the same
+processes and alternate in blocks of steps (so machine noise hits both alike); the
+median step of each is reported with their ratio. Peak memory: each wrapper trains in
+fresh processes and the growth of peak RSS over the unwrapped model is reported (on CPU
+there is no allocator counter; on GPU/NPU torch.accelerator's would be used).
+
+    python benchmarks/ddp_compare.py --world 2 --models transformer cnn --steps 30
+    python benchmarks/ddp_compare.py --bucket-size-mb 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+MODELS = ("transformer", "cnn", "mlp")
+
+
+def build_model(name: str) -> tuple[nn.Module, callable]:
+    """A model and a batch factory (per rank, per step)."""
+    torch.manual_seed(0)
+    if name == "transformer":
+        vocab, dim, seq = 8000, 512, 64
+        layer = nn.TransformerEncoderLayer(dim, 8, 2048, dropout=0.0, batch_first=True)
+
+        class LM(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed = nn.Embedding(vocab, dim)
+                self.encoder = nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
+                self.head = nn.Linear(dim, vocab)
+
+            def forward(self, tokens):
+                return self.head(self.encoder(self.embed(tokens))).flatten(0, 1)
+
+        def batch(gen):
+            tokens = torch.randint(0, vocab, (4, seq), generator=gen)
+            return tokens, torch.roll(tokens, -1, 1).flatten()
+
+        return LM(), batch
+    if name == "cnn":
+        from examples.train_resnet import ResNet
+
+        def batch(gen):
+            return torch.randn(8, 3, 64, 64, generator=gen), torch.randint(0, 100, (8,), generator=gen)
+
+        return ResNet((2, 2, 2, 2), num_classes=100), batch
+    if name == "mlp":
+
+        def batch(gen):
+            return torch.randn(64, 1024, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+
+        return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())], nn.Linear(1024, 10)), batch
+    raise ValueError(f"unknown model {name!r}; use one of {MODELS}")
+
+
+def wrap_with(kind: str, model: nn.Module, bucket_size_mb: float) -> nn.Module:
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_size_mb)
+    import collective_ops as co
+
+    return co.wrap(model, bucket_size_mb=bucket_size_mb)
+
+
+def one_step(model, optimizer, batch) -> float:
+    x, y = batch
+    start = time.perf_counter()
+    loss = nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def time_rank(rank: int, world: int, port: int, args, queue) -> None:
+    import collective_ops as co
+
+    torch.set_num_threads(args.threads)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    results = {}
+    for name in args.models:
+        wrapped, optims, batches = {}, {}, {}
+        for kind in ("ddp", "collective_ops"):
+            model, batch = build_model(name)
+            wrapped[kind] = wrap_with(kind, model, args.bucket_size_mb)
+            optims[kind] = torch.optim.SGD(wrapped[kind].parameters(), lr=1e-3)
+            gen = torch.Generator().manual_seed(rank)
+            batches[kind] = [batch(gen) for _ in range(4)]
+        times = {"ddp": [], "collective_ops": []}
+        for kind in times:  # warm-up, including collective_ops' bucket rebuild after step 1
+            for i in range(3):
+                one_step(wrapped[kind], optims[kind], batches[kind][i % 4])
+        block = args.block
+        for round_ in range(max(args.steps // block, 1)):
+            order = ("ddp", "collective_ops") if round_ % 2 == 0 else ("collective_ops", "ddp")
+            for kind in order:
+                for i in range(block):
+                    step = one_step(wrapped[kind], optims[kind], batches[kind][i % 4])
+                    t = torch.tensor([step], dtype=torch.float64)
+                    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+                    times[kind].append(float(t))
+        results[name] = {
+            kind: {"median_step_ms": statistics.median(v) * 1e3, "steps": len(v)} for kind, v in times.items()
+        }
+        results[name]["collective_ops"]["buckets"] = wrapped["collective_ops"].comm_stats()["buckets"]
+        results[name]["params_m"] = sum(p.numel() for p in wrapped["ddp"].parameters()) / 1e6
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(results)
+
+
+def memory_rank(rank: int, world: int, port: int, args, kind: str, name: str, queue) -> None:
+    import collective_ops as co
+
+    torch.set_num_threads(args.threads)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    model, batch = build_model(name)
+    gen = torch.Generator().manual_seed(rank)
+    data = [batch(gen) for _ in range(2)]
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    plain_opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for i in range(2):  # the unwrapped model's own peak: activations, gradients
+        x, y = data[i]
+        nn.functional.cross_entropy(model(x), y).backward()
+        plain_opt.zero_grad(set_to_none=True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    wrapped = wrap_with(kind, model, args.bucket_size_mb)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    for i in range(4):
+        one_step(wrapped, optimizer, data[i % 2])
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put({"peak_rss_mb": after / 1024, "growth_over_unwrapped_mb": (after - before) / 1024, "base_mb": baseline / 1024})
+
+
+def spawn(target, world: int, *args):
+    import multiprocessing as mp
+
+    from tests.harness import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=1800)
+    for p in procs:
+        p.join()
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["transformer", "cnn"])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per wrapper")
+    parser.add_argument("--block", type=int, default=5, help="steps per alternation block")
+    parser.add_argument("--bucket-size-mb", type=float, default=25.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+
+    results = spawn(time_rank, args.world, args)
+    if not args.no_memory:
+        for name in args.models:
+            for kind in ("ddp", "collective_ops"):
+                results[name][kind].update(spawn(memory_rank, args.world, args, kind, name))
+    print(f"# ddp_compare: world {args.world}, gloo, bucket_size_mb={args.bucket_size_mb:g}, {args.steps} timed steps each")
+    print(f"# {'model':<12} {'params':>8} {'DDP ms':>9} {'ours ms':>9} {'time ratio':>10} {'DDP +MB':>9} {'ours +MB':>9} {'mem ratio':>9}")
+    for name in args.models:
+        r = results[name]
+        ddp, ours = r["ddp"], r["collective_ops"]
+        ratio = ours["median_step_ms"] / ddp["median_step_ms"]
+        line = f"  {name:<12} {r['params_m']:>7.1f}M {ddp['median_step_ms']:>9.1f} {ours['median_step_ms']:>9.1f} {ratio:>10.3f}"
+        if "growth_over_unwrapped_mb" in ddp:
+            dm, om = ddp["growth_over_unwrapped_mb"], ours["growth_over_unwrapped_mb"]
+            line += f" {dm:>9.1f} {om:>9.1f} {om / dm if dm > 0 else float('nan'):>9.3f}"
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
