@@ -63,7 +63,9 @@ def build_model(name: str) -> tuple[nn.Module, callable]:
         def batch(gen):
             return torch.randn(64, 1024, generator=gen), torch.randint(0, 10, (64,), generator=gen)
 
-        return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())], nn.Linear(1024, 10)), batch
+        return nn.Sequential(
+            *[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())], nn.Linear(1024, 10)
+        ), batch
     raise ValueError(f"unknown model {name!r}; use one of {MODELS}")
 
 
@@ -146,7 +148,13 @@ def memory_rank(rank: int, world: int, port: int, args, kind: str, name: str, qu
     co.barrier()
     co.shutdown()
     if rank == 0:
-        queue.put({"peak_rss_mb": after / 1024, "growth_over_unwrapped_mb": (after - before) / 1024, "base_mb": baseline / 1024})
+        queue.put(
+            {
+                "peak_rss_mb": after / 1024,
+                "growth_over_unwrapped_mb": (after - before) / 1024,
+                "base_mb": baseline / 1024,
+            }
+        )
 
 
 def spawn(target, world: int, *args):
@@ -184,8 +192,12 @@ def main(argv=None) -> int:
         for name in args.models:
             for kind in ("ddp", "collective_ops"):
                 results[name][kind].update(spawn(memory_rank, args.world, args, kind, name))
-    print(f"# ddp_compare: world {args.world}, gloo, bucket_size_mb={args.bucket_size_mb:g}, {args.steps} timed steps each")
-    print(f"# {'model':<12} {'params':>8} {'DDP ms':>9} {'ours ms':>9} {'time ratio':>10} {'DDP +MB':>9} {'ours +MB':>9} {'mem ratio':>9}")
+    print(
+        f"# ddp_compare: world {args.world}, gloo, bucket_size_mb={args.bucket_size_mb:g}, {args.steps} timed steps each"
+    )
+    print(
+        f"# {'model':<12} {'params':>8} {'DDP ms':>9} {'ours ms':>9} {'time ratio':>10} {'DDP +MB':>9} {'ours +MB':>9} {'mem ratio':>9}"
+    )
     for name in args.models:
         r = results[name]
         ddp, ours = r["ddp"], r["collective_ops"]

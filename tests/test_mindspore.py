@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.msrun_harness import requires_mindspore, run_msrun
 from tests.reference import OPS, check_allreduce
@@ -40,3 +41,35 @@ def test_primitives_match_numpy() -> None:
         assert "floating" in errors["int_avg"]
         assert "multiple of the world size" in errors["reduce_scatter_shape"]
         assert "0..1" in errors["bad_src"]
+
+
+def _same(a, b, what: str) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=f"{what}: {k}")
+    else:
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=f"{what}: #{i}")
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_wrap_equals_distributed_grad_reducer(mode: str) -> None:
+    results = run_msrun("adapter.py", world=2, args=(mode,))
+    for out in results:
+        _same(out["ours_grads"], out["dgr_grads"], "first-step gradients vs DistributedGradReducer")
+        _same(out["ours"], out["dgr"], "parameters after 3 steps vs DistributedGradReducer")
+        _same(out["unused_ours"], out["unused_dgr"], "unused parameter on one rank")
+        _same(out["accum_ours"], out["accum_dgr"], "gradient accumulation")
+        stats = out["stats"]
+        assert stats["mode"] == ("overlap" if mode == "pynative" else "fused-after-backward")
+        assert stats["buckets"] > 1 and stats["collectives_per_step"] == stats["buckets"]
+        assert stats["backend"] == "mccl"
+        if mode == "pynative":
+            _same(out["train_one_step"], out["dgr"], "TrainOneStepCell")
+        errors = out["errors"]
+        assert "ModelMismatchError" in errors["mismatch"] and "rank 1" in errors["mismatch"]
+        assert "bucket_size_mb" in errors["bucket_zero"]
+        assert "already wrapped" in errors["already_wrapped"]
+        assert "got 1 gradients for" in errors["wrong_count"]
+    assert results[0]["stats"]["plan_fingerprint"] == results[1]["stats"]["plan_fingerprint"]

@@ -15,6 +15,8 @@ def _framework_of(model: Any) -> str | None:
 
 def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
     """Wrap a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` for data-parallel training."""
+    if type(model).__module__.startswith(__name__ + "."):
+        raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
     framework = _framework_of(model)
     if framework == "torch":
         from .torch import wrap as wrap_torch

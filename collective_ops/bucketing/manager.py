@@ -117,12 +117,17 @@ class BucketManager:
         """True between the first gradient of an iteration and its finalize()."""
         return bool(self._marked)
 
+    def is_marked(self, index: int) -> bool:
+        """True if parameter ``index``'s gradient was marked ready this iteration."""
+        return index in self._marked
+
     # -- per-gradient ------------------------------------------------------------
-    def mark_ready(self, index: int, grad: Any = None) -> None:
+    def mark_ready(self, index: int, grad: Any = None, write_back: bool = True) -> None:
         """Parameter ``index``'s gradient is final for this iteration.
 
         Pass ``grad`` when the gradient is not a view into the bucket buffer: it is
-        copied in now and the reduced value written back into it by finalize().
+        copied in now and, with ``write_back``, the reduced value is written back into
+        it by finalize() (adapters that read results from the buffers pass False).
         """
         if not self.sync_enabled:
             return
@@ -147,7 +152,8 @@ class BucketManager:
                 )
             buffer, offset, _ = self.param_segment(index)
             self.engine.write(buffer, offset, grad)
-            self._copy_targets[index] = grad
+            if write_back:
+                self._copy_targets[index] = grad
         if not self._marked:
             self._stats.backward_start = now
         self._marked.add(index)

@@ -1,0 +1,246 @@
+"""MindSpore adapter: ``wrap(network)`` on the same bucketing core as the PyTorch adapter.
+
+PyNative mode (the overlap path): a hook on each trainable ``Parameter`` copies its
+gradient into its bucket's flat buffer as backward produces it; a full bucket launches
+an async ``mint.distributed.all_reduce`` at once, in plan order. ``reduce(grads)`` waits
+for the in-flight buckets, reduces whatever is left, and returns the averaged gradients.
+
+GRAPH mode: parameter hooks do not run inside compiled graphs, so ``reduce(grads)``
+reduces the gradient tuple after backward, with the same plan (``bucket_size_mb``
+buckets, one fused collective each). ``comm_stats()['mode']`` says which path ran.
+
+MindSpore tensors have no flat views to hand out, so gradients are copied into the
+buffers (``gradient_as_bucket_view`` does not apply) and the results are returned as
+new tensors, in the order of the gradient tuple given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mindspore as ms
+from mindspore import nn
+
+from .. import runtime
+from ..bucketing import (
+    BucketManager,
+    CommHook,
+    ParamSpec,
+    fused_collective,
+    hook_for_compression,
+    plan_buckets,
+    validate_bucket_mb,
+)
+from ..comm.mindspore_engine import MindSporeEngine, dtype_name
+from ..consistency import check_same_on_all_ranks
+from ..ops import parse_reduce_op
+
+logger = logging.getLogger("collective_ops")
+
+BROADCAST_BUCKET_MB = 250.0
+
+
+def _pynative() -> bool:
+    return ms.get_context("mode") == ms.PYNATIVE_MODE
+
+
+class DataParallel:
+    """A data-parallel MindSpore network. Call it like the network; reduce gradients with ``reduce``.
+
+    ``net = collective_ops.wrap(net)``; ``loss, grads = grad_fn(x, y)``;
+    ``grads = net.reduce(grads)``; ``optimizer(grads)``.
+    """
+
+    def __init__(
+        self,
+        network: nn.Cell,
+        bucket_size_mb: float = 25.0,
+        *,
+        first_bucket_mb: float = 1.0,
+        reduce_op: str = "avg",
+        find_unused_parameters: bool = False,
+        compression: str | None = None,
+        comm_hook: CommHook | None = None,
+        broadcast_parameters: bool = True,
+        rebuild_buckets: bool = True,
+        overlap: bool | None = None,
+    ) -> None:
+        if isinstance(network, DataParallel):
+            raise ValueError("this network is already wrapped by collective_ops; wrap the original network once")
+        if not isinstance(network, nn.Cell):
+            raise TypeError(f"wrap() takes a mindspore.nn.Cell, got {type(network).__name__}")
+        bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
+        first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
+        reduce_op = parse_reduce_op(reduce_op)
+        if reduce_op not in ("avg", "sum"):
+            raise ValueError(f"reduce_op for gradients must be 'avg' or 'sum', got {reduce_op!r}")
+        if comm_hook is not None and compression is not None:
+            raise ValueError("give either compression or comm_hook, not both (compression is a built-in comm_hook)")
+        if not runtime.is_initialized("mindspore"):
+            runtime.init(framework="mindspore")
+        self.engine: MindSporeEngine = runtime.get_engine("mindspore")
+        self.network = network
+        self.compression = compression
+        self._params = list(network.trainable_params())
+        if not self._params:
+            raise ValueError("the network has no trainable parameters (requires_grad=True): nothing to synchronize")
+        self._index = {p.name: i for i, p in enumerate(self._params)}
+        if len(self._index) != len(self._params):
+            raise ValueError("two trainable parameters share a name; give every Parameter a unique name")
+
+        signature = [("parameter", p.name, tuple(p.shape), dtype_name(p.dtype)) for p in network.get_parameters()]
+        check_same_on_all_ranks(signature, self.engine.allgather_bytes)
+        if broadcast_parameters and self.engine.world_size > 1:
+            handle, _ = fused_collective(
+                self.engine,
+                list(network.get_parameters()),
+                BROADCAST_BUCKET_MB,
+                lambda buffer: self.engine.broadcast(buffer, 0, async_op=True),
+            )
+            handle.wait()
+
+        specs = [
+            ParamSpec(p.name, int(p.size), dtype_name(p.dtype), self.engine.device, int(p.itemsize))
+            for p in self._params
+        ]
+        self.manager = BucketManager(
+            plan_buckets(specs, bucket_size_mb, first_bucket_mb),
+            self.engine,
+            reduce_op=reduce_op,
+            comm_hook=comm_hook or hook_for_compression(compression),
+            find_unused_parameters=find_unused_parameters,
+            rebuild_after_first_step=rebuild_buckets,
+        )
+        self.overlap = _pynative() if overlap is None else overlap
+        if self.overlap and not _pynative():
+            raise ValueError("overlap=True needs PyNative mode: parameter hooks do not run inside GRAPH-mode graphs")
+        self._hook_handles = []
+        if self.overlap:
+            for i, p in enumerate(self._params):
+                self._hook_handles.append(p.register_hook(self._make_hook(i)))
+        self._last_mode = "overlap" if self.overlap else "fused-after-backward"
+
+    # -- backward -------------------------------------------------------------------
+    def _make_hook(self, index: int):
+        def hook(grad: ms.Tensor) -> None:
+            if self.manager.sync_enabled:
+                self.manager.mark_ready(index, grad, write_back=False)
+            return None  # the gradient itself is left as it is
+
+        return hook
+
+    def reduce(self, grads: Sequence[ms.Tensor], params: Sequence[Any] | None = None) -> tuple[ms.Tensor, ...]:
+        """Averaged (or summed) gradients, in the order of ``grads``.
+
+        ``params`` names the parameters ``grads`` belong to (default: the network's
+        trainable parameters, as ``optimizer.parameters`` usually are). Buckets whose
+        gradients arrived during backward are already in flight; the rest are reduced now.
+        """
+        params = self._params if params is None else list(params)
+        grads = tuple(grads)
+        if len(grads) != len(params):
+            raise ValueError(
+                f"got {len(grads)} gradients for {len(params)} parameters; pass params= when the gradients "
+                "are not of the network's trainable parameters (e.g. optimizer.parameters)"
+            )
+        indices = []
+        for p in params:
+            name = getattr(p, "name", None)
+            if name not in self._index:
+                raise ValueError(f"parameter {name!r} is not a trainable parameter of the wrapped network")
+            indices.append(self._index[name])
+        manager = self.manager
+        if not manager.sync_enabled:
+            raise RuntimeError("reduce() inside no_sync(): leave the no_sync() block first")
+        mode = "overlap" if manager.in_progress else "fused-after-backward"
+        by_index = dict(zip(indices, grads))
+        for i in manager.plan.order:  # gradients no hook saw (GRAPH mode, or none arrived): launch in plan order
+            if i in by_index and not manager.is_marked(i):
+                manager.mark_ready(i, by_index[i], write_back=False)
+        manager.finalize(force=True)
+        self._last_mode = mode
+        out = []
+        for i, p in zip(indices, params):
+            buffer, offset, numel = manager.param_segment(i)
+            out.append(self.engine.segment(buffer, offset, numel, tuple(p.shape)))
+        return tuple(out)
+
+    def grad_reducer(self, params: Sequence[Any] | None = None):
+        """A drop-in for ``nn.DistributedGradReducer``: a callable on the gradient tuple."""
+        return lambda grads: self.reduce(grads, params)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: hooks stay quiet; pass the summed gradients to reduce() afterwards."""
+        self.manager.set_sync(False)
+        try:
+            yield
+        finally:
+            self.manager.set_sync(True)
+
+    # -- the network's face ---------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.network(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("network", "manager", "engine"):
+            raise AttributeError(name)
+        return getattr(self.network, name)
+
+    def trainable_params(self) -> list:
+        return self.network.trainable_params()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def comm_stats(self) -> dict[str, Any]:
+        manager = self.manager
+        stats = manager.last_stats
+        steps = max(manager.totals["steps"], 1)
+        return {
+            "mode": self._last_mode,
+            "backend": self.engine.backend,
+            "world_size": self.engine.world_size,
+            "buckets": len(manager.plan.buckets),
+            "bucket_bytes": [b.nbytes for b in manager.plan.buckets],
+            "bucket_params": [len(b.param_indices) for b in manager.plan.buckets],
+            "plan_fingerprint": manager.plan.fingerprint(),
+            "steps": manager.totals["steps"],
+            "collectives_per_step": stats.collectives,
+            "bytes_per_step": stats.bytes_communicated,
+            "exposed_comm_s": stats.exposed_comm_s,
+            "mean_exposed_comm_s": manager.totals["exposed_comm_s"] / steps,
+            "compression": self.compression,
+        }
+
+    def describe_plan(self) -> str:
+        return self.manager.plan.describe()
+
+
+class TrainOneStepCell(nn.TrainOneStepCell):
+    """``nn.TrainOneStepCell`` whose gradient reducer is collective_ops' (PyNative mode)."""
+
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, data_parallel: DataParallel, sens: float = 1.0):
+        super().__init__(network, optimizer, sens)
+        self._data_parallel = data_parallel
+
+    def construct(self, *inputs: Any) -> Any:
+        loss = self.network(*inputs)
+        sens = ms.ops.fill(loss.dtype, loss.shape, self.sens)
+        grads = self.grad(self.network, self.weights)(*inputs, sens)
+        grads = self._data_parallel.reduce(grads, self.weights)
+        self.optimizer(grads)
+        return loss
+
+
+def wrap(network: nn.Cell, bucket_size_mb: float = 25.0, **options: Any) -> DataParallel:
+    """``DataParallel(network, bucket_size_mb, **options)``."""
+    return DataParallel(network, bucket_size_mb, **options)
+
+
+__all__ = ["DataParallel", "TrainOneStepCell", "wrap"]

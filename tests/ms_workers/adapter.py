@@ -1,0 +1,137 @@
+"""msrun worker: wrap(network) against nn.DistributedGradReducer, in the mode given as argv[1]."""
+
+from __future__ import annotations
+
+import sys
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn
+
+import collective_ops as co
+from collective_ops.adapters.mindspore import TrainOneStepCell
+from collective_ops.consistency import ModelMismatchError
+from tests.msrun_harness import write_result
+
+MODE = sys.argv[1]
+ms.set_context(mode=ms.PYNATIVE_MODE if MODE == "pynative" else ms.GRAPH_MODE)
+ctx = co.init()
+rank, world = ctx.rank, ctx.world_size
+out: dict = {"mode": MODE}
+
+
+class Net(nn.Cell):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, pad_mode="same", has_bias=True)
+        self.flat = nn.Flatten()
+        self.fc1 = nn.Dense(4 * 6 * 6, width)
+        self.branch = nn.Dense(width, width)
+        self.fc2 = nn.Dense(width, 3)
+        self.relu = nn.ReLU()
+
+    def construct(self, x, use_branch=True):
+        h = self.relu(self.fc1(self.flat(self.relu(self.conv(x)))))
+        if use_branch:
+            h = h + self.branch(h)
+        return self.fc2(h)
+
+
+def build(seed: int = 0) -> Net:
+    ms.set_seed(seed)
+    return Net()
+
+
+def batch(step: int, r: int):
+    rng = np.random.default_rng(100 * step + r)
+    return ms.Tensor(rng.standard_normal((4, 3, 6, 6)).astype(np.float32)), ms.Tensor(
+        rng.integers(0, 3, 4).astype(np.int32)
+    )
+
+
+loss_fn = nn.CrossEntropyLoss()
+
+
+def train(net, reduce, steps: int = 3, use_branch_fn=lambda step: True):
+    opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
+
+    def forward(x, y, use_branch):
+        return loss_fn(net(x, use_branch), y)
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+    first = None
+    for step in range(steps):
+        x, y = batch(step, rank)
+        _loss, grads = grad_fn(x, y, use_branch_fn(step))
+        grads = reduce(grads)
+        first = first or [g.asnumpy().tolist() for g in grads]
+        opt(grads)
+    return {p.name: p.asnumpy().tolist() for p in net.trainable_params()}, first
+
+
+def dgr_reducer(net):
+    return nn.DistributedGradReducer(net.trainable_params(), mean=True, degree=world)
+
+
+# 1. against DistributedGradReducer (every rank starts from different weights: wrap broadcasts rank 0's)
+reference_net = build(0)
+out["dgr"], out["dgr_grads"] = train(reference_net, dgr_reducer(reference_net))
+wrapped = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001)
+out["ours"], out["ours_grads"] = train(wrapped.network, wrapped.reduce)
+out["stats"] = wrapped.comm_stats()
+
+# 2. a parameter unused on rank 1 in steps 0 and 2
+unused_fn = lambda step: not (rank == 1 and step != 1)  # noqa: E731
+reference_net = build(0)
+out["unused_dgr"], _ = train(reference_net, dgr_reducer(reference_net), use_branch_fn=unused_fn)
+wrapped_unused = co.wrap(build(0), bucket_size_mb=0.002)
+out["unused_ours"], _ = train(wrapped_unused.network, wrapped_unused.reduce, use_branch_fn=unused_fn)
+
+
+# 3. gradient accumulation: two micro-batches under no_sync, the sum reduced once
+def accumulate(net, reduce, quiet):
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    grad_fn = ms.value_and_grad(forward, None, net.trainable_params())
+    total = None
+    with quiet():
+        for micro in range(2):
+            _, grads = grad_fn(*batch(micro, rank))
+            total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
+    return [g.asnumpy().tolist() for g in reduce(total)]
+
+
+import contextlib  # noqa: E402
+
+reference_net = build(0)
+out["accum_dgr"] = accumulate(reference_net, dgr_reducer(reference_net), contextlib.nullcontext)
+wrapped_acc = co.wrap(build(0), bucket_size_mb=0.002)
+out["accum_ours"] = accumulate(wrapped_acc.network, wrapped_acc.reduce, wrapped_acc.no_sync)
+
+# 4. TrainOneStepCell-style training (PyNative) against the functional loop
+if MODE == "pynative":
+    wrapped_cell = co.wrap(build(0), bucket_size_mb=0.002)
+    with_loss = nn.WithLossCell(wrapped_cell.network, loss_fn)
+    step_cell = TrainOneStepCell(with_loss, nn.Momentum(with_loss.trainable_params(), 0.1, 0.9), wrapped_cell)
+    for step in range(3):
+        step_cell(*batch(step, rank))
+    out["train_one_step"] = {p.name: p.asnumpy().tolist() for p in wrapped_cell.network.trainable_params()}
+
+# 5. bad input: refused on every rank, no hang
+errors = {}
+for name, call in {
+    "mismatch": lambda: co.wrap(nn.Dense(4, 5 if rank == 0 else 6)),
+    "bucket_zero": lambda: co.wrap(build(0), bucket_size_mb=0),
+    "already_wrapped": lambda: co.wrap(wrapped),
+    "wrong_count": lambda: wrapped.reduce((ms.Tensor(np.ones(1, np.float32)),)),
+}.items():
+    try:
+        call()
+        errors[name] = None
+    except (ValueError, TypeError, ModelMismatchError) as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+out["errors"] = errors
+
+write_result(rank, out)
+co.shutdown()
