@@ -5,6 +5,9 @@ gradient into its bucket's flat buffer as backward produces it; a full bucket la
 an async ``mint.distributed.all_reduce`` at once, in plan order. ``reduce(grads)`` waits
 for the in-flight buckets, reduces whatever is left, and returns the averaged gradients.
 
+On CPU (MCCL) there is no separate communication stream: a collective launched during
+backward stalls it, so ``overlap`` defaults to off there and on for Ascend/GPU PyNative.
+
 GRAPH mode: parameter hooks do not run inside compiled graphs, so ``reduce(grads)``
 reduces the gradient tuple after backward, with the same plan (``bucket_size_mb``
 buckets, one fused collective each). ``comm_stats()['mode']`` says which path ran.
@@ -114,7 +117,11 @@ class DataParallel:
             find_unused_parameters=find_unused_parameters,
             rebuild_after_first_step=rebuild_buckets,
         )
-        self.overlap = _pynative() if overlap is None else overlap
+        if overlap is None:
+            # On CPU (MCCL) collectives run in the same queue as backward's kernels: launching them
+            # mid-backward only stalls it (measured: docs/mindspore.md), so reduce after backward there.
+            overlap = _pynative() and self.engine.backend != "mccl"
+        self.overlap = overlap
         if self.overlap and not _pynative():
             raise ValueError("overlap=True needs PyNative mode: parameter hooks do not run inside GRAPH-mode graphs")
         self._hook_handles = []
@@ -162,11 +169,10 @@ class DataParallel:
                 manager.mark_ready(i, by_index[i], write_back=False)
         manager.finalize(force=True)
         self._last_mode = mode
-        out = []
-        for i, p in zip(indices, params):
-            buffer, offset, numel = manager.param_segment(i)
-            out.append(self.engine.segment(buffer, offset, numel, tuple(p.shape)))
-        return tuple(out)
+        flat: dict[int, ms.Tensor] = {}
+        for bucket_index, bucket in enumerate(manager.plan.buckets):
+            flat.update(zip(bucket.param_indices, manager.bucket_results(bucket_index)))
+        return tuple(flat[i].reshape(tuple(p.shape)) for i, p in zip(indices, params))
 
     def grad_reducer(self, params: Sequence[Any] | None = None):
         """A drop-in for ``nn.DistributedGradReducer``: a callable on the gradient tuple."""

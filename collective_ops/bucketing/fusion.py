@@ -28,26 +28,39 @@ def fused_collective(
         numel, dtype, device = engine.describe(tensor)
         specs.append(ParamSpec(f"tensor{i}", numel, dtype, device, engine.itemsize(tensor)))
     plan = plan_buckets(specs, bucket_size_mb, bucket_size_mb, order=range(len(specs)))
+    assembles = bool(getattr(engine, "assembles_buckets", False))
     launched: list[tuple[Handle | None, Any, list[tuple[Any, int]]]] = []
     for bucket in plan.buckets:
         members = [tensors[i] for i in bucket.param_indices]
         if len(members) == 1 and engine.is_contiguous(members[0]):
             launched.append((collective(members[0]), None, []))  # nothing to fuse: no copy
             continue
-        buffer = engine.zeros(bucket.numel, bucket.dtype, bucket.device)
-        for tensor, offset in zip(members, bucket.offsets):
-            engine.write(buffer, offset, tensor)
+        if assembles:
+            buffer = engine.pack(members)
+        else:
+            buffer = engine.zeros(bucket.numel, bucket.dtype, bucket.device)
+            for tensor, offset in zip(members, bucket.offsets):
+                engine.write(buffer, offset, tensor)
         launched.append((collective(buffer), buffer, list(zip(members, bucket.offsets))))
 
     def complete() -> None:
         for handle, buffer, members in launched:
             if handle is not None:
                 handle.wait()
+            if assembles and members:
+                pieces = engine.unpack(buffer, [_numel(engine, t) for t, _ in members])
+                for (tensor, _), piece in zip(members, pieces):
+                    engine.copy_(tensor, piece)
+                continue
             for tensor, offset in members:
                 engine.write_back(tensor, buffer, offset)
 
     pending = [h for h, _, _ in launched if h is not None]
     return ThenHandle(_AllOf(pending), complete), len(launched)
+
+
+def _numel(engine: BucketEngine, tensor: Any) -> int:
+    return engine.describe(tensor)[0]
 
 
 class _AllOf:

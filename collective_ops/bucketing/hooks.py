@@ -34,6 +34,9 @@ CommHook = Callable[[BucketContext], Handle]
 def allreduce_hook(ctx: BucketContext) -> Handle:
     """The default: allreduce in the buffer's own precision."""
     if ctx.reduce_op == "avg" and ctx.world_size > 1:
+        if getattr(ctx.engine, "native_avg", False):
+            # One pass instead of two where the engine averages itself (MindSpore: sum, then divide).
+            return ctx.engine.allreduce(ctx.buffer, "avg", async_op=True)
         ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size)
     return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
 

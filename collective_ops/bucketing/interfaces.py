@@ -55,6 +55,14 @@ class BucketEngine(Protocol):
 
     def fill_zero(self, buffer: Any, offset: int, numel: int) -> None: ...
 
+    # Optional, for engines that set ``assembles_buckets = True`` (no cheap flat views):
+    # the manager then keeps each gradient until its bucket is complete and packs them at once.
+    def pack(self, tensors: Sequence[Any]) -> Any:
+        """One new flat buffer holding ``tensors`` (flattened) in order."""
+
+    def unpack(self, buffer: Any, numels: Sequence[int]) -> list[Any]:
+        """``buffer`` split into flat pieces of ``numels``."""
+
     def int_tensor(self, values: Sequence[int], device: str) -> Any:
         """A new int32 tensor holding ``values``."""
 

@@ -82,6 +82,8 @@ class BucketManager:
         self.rebuild_after_first_step = rebuild_after_first_step
         self.on_rebuild = on_rebuild
         self.observer = observer
+        # Engines without cheap flat views (MindSpore) concatenate a bucket's gradients at launch.
+        self._assembles = bool(getattr(engine, "assembles_buckets", False))
         self.sync_enabled = True
         self.steps_synced = 0
         self.globally_unused: frozenset[int] = frozenset()
@@ -108,6 +110,7 @@ class BucketManager:
         self._marked: set[int] = set()
         self._observed: list[int] = []
         self._copy_targets: dict[int, Any] = {}
+        self._staged: dict[int, Any] = {}  # engines that assemble buckets at launch: the gradients
         self._handles: list[Handle | None] = [None] * len(buckets)
         self._next_launch = 0
         self._stats = StepStats(step=self.steps_synced, buckets=[BucketTiming() for _ in buckets])
@@ -116,6 +119,12 @@ class BucketManager:
     def in_progress(self) -> bool:
         """True between the first gradient of an iteration and its finalize()."""
         return bool(self._marked)
+
+    def bucket_results(self, bucket_index: int) -> list[Any]:
+        """The bucket's reduced values, one flat tensor per parameter in bucket order."""
+        bucket = self.plan.buckets[bucket_index]
+        numels = [self.plan.params[i].numel for i in bucket.param_indices]
+        return self.engine.unpack(self.buffers[bucket_index], numels)
 
     def is_marked(self, index: int) -> bool:
         """True if parameter ``index``'s gradient was marked ready this iteration."""
@@ -150,8 +159,11 @@ class BucketManager:
                     f"gradient of parameter {name!r} has numel={numel}, dtype={dtype}, device={device}; "
                     f"the bucket plan expects numel={spec.numel}, dtype={spec.dtype}, device={spec.device}"
                 )
-            buffer, offset, _ = self.param_segment(index)
-            self.engine.write(buffer, offset, grad)
+            if self._assembles:
+                self._staged[index] = grad  # concatenated with its bucket-mates at launch: one op
+            else:
+                buffer, offset, _ = self.param_segment(index)
+                self.engine.write(buffer, offset, grad)
             if write_back:
                 self._copy_targets[index] = grad
         if not self._marked:
@@ -173,6 +185,14 @@ class BucketManager:
 
     def _launch(self, bucket_index: int) -> None:
         bucket = self.plan.buckets[bucket_index]
+        if self._assembles and any(i in self._staged for i in bucket.param_indices):
+            members = []
+            for i in bucket.param_indices:
+                grad = self._staged.pop(i, None)
+                if grad is None:  # a view-mode or unused parameter: its current segment
+                    grad = self.engine.segment(*self.param_segment(i))
+                members.append(grad)
+            self.buffers[bucket_index] = self.engine.pack(members)
         ctx = BucketContext(bucket, self.buffers[bucket_index], self.engine, self.reduce_op)
         self._stats.buckets[bucket_index].launched = time.perf_counter()
         self._handles[bucket_index] = self.comm_hook(ctx)

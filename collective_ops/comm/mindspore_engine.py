@@ -51,6 +51,11 @@ class _MindSporeHandle:
 
 class MindSporeEngine(Engine):
     framework = "mindspore"
+    # Slice assignment costs ~10 ms per MiB on CPU; one mint.cat per bucket costs ~1 ms.
+    assembles_buckets = True
+    # mint.distributed.all_reduce(op="avg") works on every backend measured (MCCL too) and saves
+    # the separate scaling pass (~3 ms per MiB on CPU).
+    native_avg = True
 
     def __init__(self, backend: str, device: str) -> None:
         self.backend = backend
@@ -194,6 +199,13 @@ class MindSporeEngine(Engine):
     def write_back(self, tensor: ms.Tensor, buffer: ms.Tensor, offset: int) -> None:
         tensor.copy_(self._piece(buffer, offset, int(tensor.size)).reshape(tensor.shape))
 
+    def pack(self, tensors: Sequence[ms.Tensor]) -> ms.Tensor:
+        """One flat buffer holding ``tensors`` in order."""
+        return mint.cat([t.reshape(-1) for t in tensors])
+
+    def unpack(self, buffer: ms.Tensor, numels: Sequence[int]) -> list[ms.Tensor]:
+        return list(mint.split(buffer, list(numels)))
+
     def fill_zero(self, buffer: ms.Tensor, offset: int, numel: int) -> None:
         buffer[offset : offset + numel] = 0
 
@@ -210,7 +222,7 @@ class MindSporeEngine(Engine):
         return buffer.astype(getattr(ms, dtype))
 
     def copy_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
-        dst.copy_(src.astype(dst.dtype))
+        dst.copy_(src.reshape(dst.shape).astype(dst.dtype))
 
     def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
         t = ms.Tensor(np.asarray(list(values), dtype=np.int32))

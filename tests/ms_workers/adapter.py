@@ -76,7 +76,7 @@ def dgr_reducer(net):
 # 1. against DistributedGradReducer (every rank starts from different weights: wrap broadcasts rank 0's)
 reference_net = build(0)
 out["dgr"], out["dgr_grads"] = train(reference_net, dgr_reducer(reference_net))
-wrapped = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001)
+wrapped = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001, overlap=MODE == "pynative")
 out["ours"], out["ours_grads"] = train(wrapped.network, wrapped.reduce)
 out["stats"] = wrapped.comm_stats()
 
@@ -84,7 +84,7 @@ out["stats"] = wrapped.comm_stats()
 unused_fn = lambda step: not (rank == 1 and step != 1)  # noqa: E731
 reference_net = build(0)
 out["unused_dgr"], _ = train(reference_net, dgr_reducer(reference_net), use_branch_fn=unused_fn)
-wrapped_unused = co.wrap(build(0), bucket_size_mb=0.002)
+wrapped_unused = co.wrap(build(0), bucket_size_mb=0.002, overlap=MODE == "pynative")
 out["unused_ours"], _ = train(wrapped_unused.network, wrapped_unused.reduce, use_branch_fn=unused_fn)
 
 
@@ -106,12 +106,12 @@ import contextlib  # noqa: E402
 
 reference_net = build(0)
 out["accum_dgr"] = accumulate(reference_net, dgr_reducer(reference_net), contextlib.nullcontext)
-wrapped_acc = co.wrap(build(0), bucket_size_mb=0.002)
+wrapped_acc = co.wrap(build(0), bucket_size_mb=0.002, overlap=MODE == "pynative")
 out["accum_ours"] = accumulate(wrapped_acc.network, wrapped_acc.reduce, wrapped_acc.no_sync)
 
 # 4. TrainOneStepCell-style training (PyNative) against the functional loop
 if MODE == "pynative":
-    wrapped_cell = co.wrap(build(0), bucket_size_mb=0.002)
+    wrapped_cell = co.wrap(build(0), bucket_size_mb=0.002, overlap=True)
     with_loss = nn.WithLossCell(wrapped_cell.network, loss_fn)
     step_cell = TrainOneStepCell(with_loss, nn.Momentum(with_loss.trainable_params(), 0.1, 0.9), wrapped_cell)
     for step in range(3):

@@ -1,0 +1,175 @@
+"""Step time: nn.DistributedGradReducer against collective_ops.wrap on the same MindSpore network and data.
+
+    python benchmarks/mindspore_compare.py --world 2 --steps 20          # launches msrun itself
+    msrun --worker_num=2 --local_worker_num=2 --master_port=8119 --log_dir=logs --join=True \\
+        benchmarks/mindspore_compare.py --steps 20 --json out.json        # or under msrun directly
+
+Both reducers live in the same processes and alternate in blocks of steps; each step
+ends by reading the loss and the first parameter (``asnumpy`` synchronises: on CPU
+``CommHandle.wait()`` does not block), and the median step of each is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2, help="ranks, when this script launches msrun itself")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per reducer")
+    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument("--bucket-size-mb", type=float, default=25.0)
+    parser.add_argument("--graph", action="store_true", help="GRAPH mode (both reducers run after backward)")
+    parser.add_argument(
+        "--model",
+        choices=["convnet", "mlp"],
+        default="convnet",
+        help="convnet: compute-heavy (examples/train_mindspore.py); mlp: 24 Dense layers, communication-heavy",
+    )
+    parser.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--json")
+    return parser.parse_args(argv)
+
+
+def launch(args) -> int:
+    """Not under msrun: run this script under msrun and print rank 0's result."""
+    out = Path(tempfile.mkdtemp(prefix="ms-compare-"))
+    env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    env.setdefault("GLOG_v", "3")
+    from tests.harness import free_port
+
+    cmd = [
+        "msrun",
+        f"--worker_num={args.world}",
+        f"--local_worker_num={args.world}",
+        f"--master_port={free_port()}",
+        f"--log_dir={out / 'logs'}",
+        "--join=True",
+        __file__,
+        "--steps",
+        str(args.steps),
+        "--block",
+        str(args.block),
+        "--bucket-size-mb",
+        str(args.bucket_size_mb),
+        "--json",
+        str(out / "result.json"),
+        "--model",
+        args.model,
+        "--overlap",
+        args.overlap,
+    ] + (["--graph"] if args.graph else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not (out / "result.json").exists():
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+        for log in sorted((out / "logs").glob("worker_*.log")):
+            print(log.read_text(errors="replace")[-3000:], file=sys.stderr)
+        return 1
+    result = json.loads((out / "result.json").read_text())
+    print(result["table"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def run(args) -> None:
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn
+
+    import collective_ops as co
+    from examples.train_mindspore import ConvNet
+
+    ms.set_context(mode=ms.GRAPH_MODE if args.graph else ms.PYNATIVE_MODE)
+    ctx = co.init()
+    loss_fn = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(ctx.rank)
+    shape = (16, 3, 32, 32) if args.model == "convnet" else (16, 256)
+    data = [
+        (ms.Tensor(rng.standard_normal(shape).astype(np.float32)), ms.Tensor(rng.integers(0, 10, 16).astype(np.int32)))
+        for _ in range(4)
+    ]
+
+    def build():
+        if args.model == "convnet":
+            return ConvNet()
+        layers = [cell for _ in range(24) for cell in (nn.Dense(256, 256), nn.ReLU())]
+        return nn.SequentialCell(*layers, nn.Dense(256, 10))
+
+    setups = {}
+    for kind in ("DistributedGradReducer", "collective_ops"):
+        ms.set_seed(0)
+        net = build()
+        opt = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
+        if kind == "collective_ops":
+            overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+            wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=overlap)
+            reduce = wrapped.reduce
+        else:
+            wrapped = None
+            reduce = nn.DistributedGradReducer(opt.parameters, mean=True, degree=ctx.world_size)
+
+        def forward(x, y, net=net):
+            return loss_fn(net(x), y)
+
+        setups[kind] = (ms.value_and_grad(forward, None, opt.parameters), reduce, opt, wrapped)
+
+    def step(kind: str, i: int) -> float:
+        grad_fn, reduce, opt, _ = setups[kind]
+        start = time.perf_counter()
+        loss, grads = grad_fn(*data[i % len(data)])
+        opt(reduce(grads))
+        loss.asnumpy()
+        opt.parameters[0].asnumpy()  # the update is done, so its gradient's reduction is too
+        return time.perf_counter() - start
+
+    times = {kind: [] for kind in setups}
+    for kind in setups:
+        for i in range(2):
+            step(kind, i)  # warm-up (and collective_ops' bucket rebuild)
+    for round_ in range(max(args.steps // args.block, 1)):
+        order = list(setups) if round_ % 2 == 0 else list(reversed(list(setups)))
+        for kind in order:
+            times[kind] += [step(kind, i) for i in range(args.block)]
+    if ctx.rank == 0:
+        ref = statistics.median(times["DistributedGradReducer"]) * 1e3
+        ours = statistics.median(times["collective_ops"]) * 1e3
+        stats = setups["collective_ops"][3].comm_stats()
+        params = sum(int(p.size) for p in setups["collective_ops"][2].parameters)
+        table = (
+            f"# mindspore_compare: {ctx.world_size} ranks, backend {ctx.backend}, {'GRAPH' if args.graph else 'PyNative'} "
+            f"mode, {args.model} {params / 1e6:.2f} M params, bucket_size_mb={args.bucket_size_mb:g}\n"
+            f"# {'reducer':<24} {'median step ms':>15} {'collectives/step':>17}\n"
+            f"  {'DistributedGradReducer':<24} {ref:>15.1f} {len(setups['collective_ops'][2].parameters):>17}  (one per gradient)\n"
+            f"  {'collective_ops':<24} {ours:>15.1f} {stats['collectives_per_step']:>17}  ({stats['mode']})\n"
+            f"# ratio collective_ops / DistributedGradReducer = {ours / ref:.3f}"
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps({"table": table, "times_s": times, "ratio": ours / ref}))
+        else:
+            print(table)
+    co.shutdown()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "MS_ROLE" not in os.environ and "RANK_ID" not in os.environ:
+        return launch(args)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
