@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.run)
+
+    from . import heatmap
+
+    heatmap_parser = sub.add_parser("heatmap", help="summarize a communication trace and draw ranks x buckets heatmaps")
+    heatmap.add_arguments(heatmap_parser)
+    heatmap_parser.set_defaults(func=heatmap.run)
     return parser
 
 

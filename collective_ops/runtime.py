@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from . import tracing
 from .launch import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
@@ -73,6 +74,7 @@ def init(
     master_port: int | None = None,
     algorithm: str | None = None,
     framework: str | None = None,
+    trace: bool | None = None,
 ) -> DistContext:
     """Join the process group, filling what is not given from the launcher's environment.
 
@@ -82,8 +84,16 @@ def init(
     None chooses hccl (NPU), nccl (CUDA) or gloo; ``COLLECTIVE_OPS_BACKEND`` overrides.
     ``algorithm`` is passed to the engine that owns the algorithms (``HCCL_ALGO`` /
     ``NCCL_ALGO``) before it starts. Calling ``init`` again with the same settings
-    returns the same context.
+    returns the same context. ``trace`` (default: ``COLLECTIVE_OPS_TRACE``) starts the
+    communication trace (see :mod:`collective_ops.tracing`).
     """
+    context = _init(backend, rank, world_size, device_id, timeout, master_addr, master_port, algorithm, framework)
+    if tracing.enabled_by_env() if trace is None else trace:
+        tracing.start(get_engine(context.framework))
+    return context
+
+
+def _init(backend, rank, world_size, device_id, timeout, master_addr, master_port, algorithm, framework) -> DistContext:
     framework = _default_framework(framework)
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
@@ -280,6 +290,8 @@ def barrier(framework: str | None = None) -> None:
 def shutdown() -> None:
     """Leave every process group this library joined. Safe to call twice."""
     _engine_by_type.clear()
+    if tracing.get_tracer() is not None and _engines:
+        tracing.flush(next(iter(_engines.values())))  # collective: merges all ranks' events on rank 0
     for framework in list(_engines):
         engine = _engines.pop(framework)
         _contexts.pop(framework, None)

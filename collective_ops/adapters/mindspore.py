@@ -27,7 +27,7 @@ from typing import Any
 import mindspore as ms
 from mindspore import nn
 
-from .. import runtime
+from .. import runtime, tracing
 from ..bucketing import (
     BucketManager,
     CommHook,
@@ -70,6 +70,7 @@ class DataParallel:
         broadcast_parameters: bool = True,
         rebuild_buckets: bool = True,
         overlap: bool | None = None,
+        trace: bool | None = None,
     ) -> None:
         if isinstance(network, DataParallel):
             raise ValueError("this network is already wrapped by collective_ops; wrap the original network once")
@@ -116,6 +117,7 @@ class DataParallel:
             comm_hook=comm_hook or hook_for_compression(compression),
             find_unused_parameters=find_unused_parameters,
             rebuild_after_first_step=rebuild_buckets,
+            observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
         )
         if overlap is None:
             # On CPU (MCCL) collectives run in the same queue as backward's kernels: launching them

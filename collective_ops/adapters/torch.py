@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import runtime
+from .. import runtime, tracing
 from ..bucketing import (
     BucketManager,
     BucketPlan,
@@ -61,6 +61,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         rebuild_buckets: bool = True,
         check_finite: bool = False,
+        trace: bool | None = None,
     ) -> None:
         super().__init__()
         if isinstance(module, DistributedDataParallel):
@@ -107,7 +108,7 @@ class DistributedDataParallel(nn.Module):
             find_unused_parameters=find_unused_parameters,
             rebuild_after_first_step=rebuild_buckets,
             on_rebuild=self._on_rebuild,
-            observer=None,
+            observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
         )
         self._views: list[torch.Tensor] = []
         self._make_views()

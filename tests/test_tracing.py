@@ -1,0 +1,171 @@
+"""Communication traces from real Gloo runs; the summary names a deliberately slowed rank; heatmap output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collective_ops.heatmap import TraceError, analyze, load_events, render
+from collective_ops.tracing import write_trace
+from tests.harness import run_ranks
+
+STEPS = 3
+
+
+def traced_training(rank: int, world: int, slow_rank: int) -> dict:
+    import time
+
+    import torch
+
+    import collective_ops as co
+    from collective_ops import tracing
+    from tests.models import MLP, build, rank_batch
+
+    class SleepInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            if rank == slow_rank:
+                time.sleep(0.05)  # a straggler: its gradients (so its buckets) come late
+            return grad
+
+    model = co.wrap(build("mlp"), bucket_size_mb=0.01, first_bucket_mb=0.005, rebuild_buckets=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = rank_batch(MLP, step, rank)
+        loss = torch.nn.functional.cross_entropy(SleepInBackward.apply(model(x)), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    co.allreduce(torch.ones(10))
+    co.broadcast(torch.ones(3), src=0, async_op=True).wait()
+    return {"buckets": model.comm_stats()["buckets"], "tracing": tracing.get_tracer() is not None}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_trace_of_a_real_run(tmp_path: Path, world: int) -> None:
+    trace_file = tmp_path / "out" / "comm_trace.json"
+    env = {"COLLECTIVE_OPS_TRACE": "1", "COLLECTIVE_OPS_TRACE_FILE": str(trace_file)}
+    slow_rank = world - 1
+    results = run_ranks(world, traced_training, slow_rank, env=env)
+    buckets = results[0]["buckets"]
+    assert all(r["tracing"] for r in results)
+    data = json.loads(trace_file.read_text())
+    events = data["traceEvents"]
+    assert {e["pid"] for e in events} == set(range(world)), "one process per rank"
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(world)}
+    for rank in range(world):
+        for step in range(STEPS):
+            got = sorted(
+                e["args"]["bucket"]
+                for e in events
+                if e.get("cat") == "bucket" and e["pid"] == rank and e["args"]["step"] == step
+            )
+            assert got == list(range(buckets)), (rank, step, got)
+        prims = [e["name"] for e in events if e.get("cat") == "primitive" and e["pid"] == rank]
+        assert prims == ["allreduce", "broadcast"]
+        assert sum(1 for e in events if e.get("cat") == "backward" and e["pid"] == rank) == STEPS
+    for e in events:
+        if e.get("ph") == "X":
+            assert e["dur"] >= 0 and isinstance(e["ts"], float)
+    bucket_event = next(e for e in events if e.get("cat") == "bucket")
+    assert {"bytes", "dtype", "params", "num_params", "first_ready_us", "last_ready_us"} <= set(bucket_event["args"])
+
+    analysis = analyze(load_events([trace_file]))
+    assert analysis.slowest_rank == slow_rank, analysis.summary()
+    assert analysis.comm_ms.shape == analysis.wait_skew_ms.shape == (world, buckets)
+    assert f"slowest rank: {slow_rank}" in analysis.summary()
+    png = render(analysis, tmp_path / "heatmap.png")
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert width > height > 100
+
+
+def untraced(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from collective_ops import tracing
+    from tests.models import build
+
+    model = co.wrap(build("mlp"))
+    model(torch.randn(2, 16)).sum().backward()
+    return {"tracer": tracing.get_tracer() is None, "observer": model.manager.observer is None}
+
+
+def test_trace_off_adds_nothing(tmp_path: Path) -> None:
+    env = {"COLLECTIVE_OPS_TRACE": "0", "COLLECTIVE_OPS_TRACE_DIR": str(tmp_path)}
+    for r in run_ranks(2, untraced, env=env):
+        assert r == {"tracer": True, "observer": True}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_trace_files_are_refused_clearly(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text('{"traceEvents": [{"ph": "X", "pid": 0')
+    with pytest.raises(TraceError, match="truncated"):
+        load_events([truncated])
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text('{"something": 1}')
+    with pytest.raises(TraceError, match="traceEvents"):
+        load_events([wrong])
+    bad_event = tmp_path / "bad_event.json"
+    bad_event.write_text('{"traceEvents": [{"name": "x"}]}')
+    with pytest.raises(TraceError, match="malformed event"):
+        load_events([bad_event])
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"traceEvents": []}')
+    with pytest.raises(TraceError, match="no bucket events"):
+        analyze(load_events([empty]))
+    with pytest.raises(TraceError, match="no such file"):
+        load_events([tmp_path / "missing.json"])
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(TraceError):
+        load_events([binary])
+    cli = subprocess.run(
+        [sys.executable, "tools/comm_heatmap.py", "--trace", str(truncated), "--output", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 2 and "truncated" in cli.stdout and not (tmp_path / "x.png").exists()
+
+
+def test_trace_writer_never_follows_a_symlink(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    link = tmp_path / "comm_trace.json"
+    os.symlink(victim, link)
+    write_trace(link, [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "rank 0"}}], 1)
+    assert victim.read_text() == "precious"
+    assert not link.is_symlink() and json.loads(link.read_text())["traceEvents"][0]["pid"] == 0
+
+
+def test_analysis_by_hand() -> None:
+    # two ranks, one bucket, one step: rank 1 launches 3 ms after rank 0
+    def bucket(pid, ts, dur, exposed):
+        return {
+            "ph": "X",
+            "cat": "bucket",
+            "pid": pid,
+            "ts": ts,
+            "dur": dur,
+            "args": {"bucket": 0, "step": 0, "bytes": 1024, "exposed_us": exposed},
+        }
+
+    analysis = analyze([bucket(0, 1000.0, 5000.0, 1000.0), bucket(1, 4000.0, 2000.0, 0.0)])
+    np.testing.assert_allclose(analysis.wait_skew_ms, [[3.0], [0.0]])
+    np.testing.assert_allclose(analysis.comm_ms, [[5.0], [2.0]])
+    assert analysis.slowest_rank == 1 and analysis.most_exposed_bucket == 0
+    assert analysis.hidden_share == pytest.approx(1 - 1.0 / 7.0)
