@@ -35,10 +35,12 @@ def mindspore_available() -> bool:
 requires_mindspore = pytest.mark.skipif(not mindspore_available(), reason="mindspore and msrun are not installed")
 
 
-def run_msrun(script: str, world: int = 2, timeout: float = 240, args: tuple[str, ...] = ()) -> list[dict]:
+def run_msrun(
+    script: str, world: int = 2, timeout: float = 240, args: tuple[str, ...] = (), env: dict | None = None
+) -> list[dict]:
     out_dir = Path(tempfile.mkdtemp(prefix="msrun-out-"))
     log_dir = out_dir / "logs"
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # workers use this python
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["COLLECTIVE_OPS_TEST_OUT"] = str(out_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from collective_ops.heatmap import analyze, load_events
 from tests.msrun_harness import requires_mindspore, run_msrun
 from tests.reference import OPS, check_allreduce
 
@@ -54,8 +55,14 @@ def _same(a, b, what: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["pynative", "graph"])
-def test_wrap_equals_distributed_grad_reducer(mode: str) -> None:
-    results = run_msrun("adapter.py", world=2, args=(mode,))
+def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
+    trace_file = tmp_path / "comm_trace.json"
+    env = {"COLLECTIVE_OPS_TRACE": "1", "COLLECTIVE_OPS_TRACE_FILE": str(trace_file)} if mode == "pynative" else {}
+    results = run_msrun("adapter.py", world=2, args=(mode,), env=env)
+    if mode == "pynative":  # the same trace as the torch adapter's, merged from both msrun workers
+        analysis = analyze(load_events([trace_file]))
+        assert analysis.ranks == [0, 1] and len(analysis.steps) >= 3
+        assert analysis.comm_ms.shape[1] == max(r["stats"]["buckets"] for r in results)
     for out in results:
         _same(out["ours_grads"], out["dgr_grads"], "first-step gradients vs DistributedGradReducer")
         _same(out["ours"], out["dgr"], "parameters after 3 steps vs DistributedGradReducer")
