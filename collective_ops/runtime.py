@@ -148,16 +148,35 @@ def _init_torch(
     device = _bind_device(torch, backend, device_id)
     addr = master_addr or env.master_addr or DEFAULT_MASTER_ADDR
     port = master_port or env.master_port or DEFAULT_MASTER_PORT
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout or DEFAULT_TIMEOUT,
-    )
+    timeout = timeout or DEFAULT_TIMEOUT
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size, timeout=timeout
+        )
+    except Exception as exc:
+        raise RuntimeError(_rendezvous_hint(exc, addr, port, rank, world_size, timeout)) from exc
     _engines["torch"] = TorchEngine(backend, device)
     logger.info("collective_ops: rank %d/%d joined via %s on %s (%s)", rank, world_size, backend, device, env.launcher)
     return _remember("torch", DistContext("torch", backend, rank, world_size, local_rank, str(device), env.launcher))
+
+
+def _rendezvous_hint(
+    exc: Exception, addr: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
+) -> str:
+    text = str(exc)
+    lowered = text.lower()
+    where = f"rendezvous of rank {rank}/{world_size} at tcp://{addr}:{port} failed"
+    if "address already in use" in lowered or "eaddrinuse" in lowered:
+        return (
+            f"{where}: port {port} is already in use on {addr}; pick a free MASTER_PORT (or master_port=) for this run"
+        )
+    if "timed out" in lowered or "timeout" in lowered:
+        return (
+            f"{where}: not every rank arrived within {timeout.total_seconds():g} s ({text.splitlines()[0]}). "
+            f"Check that all {world_size} ranks were started (WORLD_SIZE={world_size}) with the same MASTER_ADDR "
+            "and MASTER_PORT, and that each has a distinct RANK"
+        )
+    return f"{where}: {text.splitlines()[0] if text else type(exc).__name__}"
 
 
 def _check_existing_torch(existing: DistContext | None, backend: str, rank: int, world_size: int) -> DistContext:

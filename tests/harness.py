@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict, clean_exit: bool = True
+) -> None:
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -33,8 +36,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
 
         collective_ops.init("gloo", rank=rank, world_size=world_size, master_port=port, timeout=60)
         value = fn(rank, world_size, *args)
-        collective_ops.barrier()
-        collective_ops.shutdown()
+        if clean_exit:
+            collective_ops.barrier()
+            collective_ops.shutdown()
         results.put((rank, "ok", value))
     except BaseException:  # report everything, including SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -72,3 +76,33 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180, e
     if errors:
         raise AssertionError("multi-process run failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def run_faulty_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 60, env: dict | None = None) -> dict:
+    """Like run_ranks for fault-injection tests: ranks may fail, hang or exit; no closing barrier.
+
+    Returns {rank: ("ok", value) | ("error", traceback) | ("missing", None)} once every rank
+    reported or ``timeout`` passed; every process is killed afterwards.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}, False), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            out[rank] = (status, value)
+        except queue.Empty:
+            break
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    return {r: out.get(r, ("missing", None)) for r in range(world_size)}

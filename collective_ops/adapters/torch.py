@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,8 @@ from ..ops import parse_reduce_op
 logger = logging.getLogger("collective_ops")
 
 BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in large fused chunks
+# model -> its live wrapper (weakly, both ways): wrapping a model twice would reduce its gradients twice.
+_LIVE_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class DistributedDataParallel(nn.Module):
@@ -70,6 +73,12 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("this model is wrapped by torch DistributedDataParallel; pass its .module instead")
         if not isinstance(module, nn.Module):
             raise TypeError(f"wrap() takes a torch.nn.Module, got {type(module).__name__}")
+        previous = _LIVE_WRAPPERS.get(module)
+        if previous is not None and previous() is not None and previous()._hook_handles:
+            raise ValueError(
+                "this model already has a live collective_ops wrapper (its gradients would be reduced twice); "
+                "use that wrapper, or call its remove_hooks() (or delete it) before wrapping again"
+            )
         bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
         first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
         reduce_op = parse_reduce_op(reduce_op)
@@ -113,9 +122,14 @@ class DistributedDataParallel(nn.Module):
         self._views: list[torch.Tensor] = []
         self._make_views()
         self._finalize_queued = False
+        self._nonfinite_local: list[str] = []
+        # Hooks hold the wrapper weakly: deleting it detaches them and frees its buffers.
+        this = weakref.ref(self)
         self._hook_handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
+            p.register_post_accumulate_grad_hook(_weak_hook(this, i)) for i, p in enumerate(self._params)
         ]
+        weakref.finalize(self, _remove_all, self._hook_handles)
+        _LIVE_WRAPPERS[module] = this
         if os.environ.get("COLLECTIVE_OPS_LOG_PLAN") or logger.isEnabledFor(logging.DEBUG):
             logger.info("%s", plan.describe())
 
@@ -154,34 +168,48 @@ class DistributedDataParallel(nn.Module):
         logger.info("collective_ops: buckets rebuilt from the observed gradient order:\n%s", plan.describe())
 
     # -- backward --------------------------------------------------------------------
-    def _make_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            manager = self.manager
-            if not manager.sync_enabled:
-                return
-            grad = param.grad
-            if self.check_finite and not bool(torch.isfinite(grad).all()):
-                raise FloatingPointError(
-                    f"gradient of parameter {self._param_names[index]!r} holds NaN or Inf on rank {self.engine.rank}"
-                )
-            if not self._finalize_queued:
-                self._finalize_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            if self.gradient_as_bucket_view:
-                view = self._views[index]
-                if grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
-                    param.grad = view  # from now on autograd accumulates straight into the bucket
-                manager.mark_ready(index)
-            else:
-                manager.mark_ready(index, grad)
-
-        return hook
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        """Runs in the autograd engine once ``param``'s gradient is fully accumulated."""
+        manager = self.manager
+        if not manager.sync_enabled:
+            return
+        grad = param.grad
+        if self.check_finite and not bool(torch.isfinite(grad).all()):
+            # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
+            self._nonfinite_local.append(self._param_names[index])
+        if not self._finalize_queued:
+            self._finalize_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if self.gradient_as_bucket_view:
+            view = self._views[index]
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                param.grad = view  # from now on autograd accumulates straight into the bucket
+            manager.mark_ready(index)
+        else:
+            manager.mark_ready(index, grad)
 
     def _finalize(self) -> None:
         self._finalize_queued = False
         self.manager.finalize()
         self._give_unused_their_gradient()
+        if self.check_finite:
+            self._raise_if_not_finite()
+
+    def _raise_if_not_finite(self) -> None:
+        """NaN/Inf anywhere reaches every rank through the sum, so every rank raises the same error."""
+        local, self._nonfinite_local = self._nonfinite_local, []
+        bad = [
+            name
+            for name, p in zip(self._param_names, self._params)
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        ]
+        if bad:
+            origin = f"; on rank {self.engine.rank} before reduction: {local}" if local else ""
+            raise FloatingPointError(
+                f"non-finite gradients (NaN or Inf) after reduction in {len(bad)} parameter(s): {bad[:10]}{origin}. "
+                "Lower the learning rate, use gradient clipping or loss scaling, or check the data of this step."
+            )
 
     def _give_unused_their_gradient(self) -> None:
         """A parameter unused here but used elsewhere gets the reduced gradient, as in DDP."""
@@ -205,7 +233,7 @@ class DistributedDataParallel(nn.Module):
             for i, p in enumerate(self._params):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self._make_hook(i)(p)
+                self._grad_ready(i, p)
         self._finalize()
 
     @contextlib.contextmanager
@@ -249,9 +277,7 @@ class DistributedDataParallel(nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (the model keeps working unwrapped)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
+        _remove_all(self._hook_handles)
 
     def comm_stats(self) -> dict[str, Any]:
         """Buckets, collectives and bytes per step, and communication time not hidden behind backward."""
@@ -280,6 +306,21 @@ class DistributedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         plan = self.manager.plan
         return f"buckets={len(plan.buckets)}, bucket_size_mb={plan.bucket_size_mb:g}, backend={self.engine.backend}"
+
+
+def _weak_hook(wrapper_ref: weakref.ref, index: int):
+    def hook(param: torch.Tensor) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper._grad_ready(index, param)
+
+    return hook
+
+
+def _remove_all(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def wrap(model: nn.Module, bucket_size_mb: float = 25.0, **options: Any) -> DistributedDataParallel:

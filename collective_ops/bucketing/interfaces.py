@@ -7,6 +7,7 @@ implements :class:`BucketEngine`; the core only ever calls these methods, which 
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -99,6 +100,25 @@ class CompletedHandle:
         return True
 
 
+def wait_with_timeout(handle: Any, timeout: float | None) -> Any:
+    """``handle.wait()``, raising ``TimeoutError`` after ``timeout`` seconds where the engine can.
+
+    torch's ``Work.wait`` takes a timeout; engines whose handles cannot (MindSpore's) just wait.
+    """
+    if timeout is None:
+        return handle.wait()
+    if isinstance(handle, ThenHandle):
+        return handle.wait(timeout)
+    try:
+        return handle.wait(timeout=datetime.timedelta(seconds=timeout))
+    except TypeError:  # this handle's wait() takes no timeout
+        return handle.wait()
+    except RuntimeError as exc:
+        if "timed out" in str(exc).lower():
+            raise TimeoutError(str(exc)) from exc
+        raise
+
+
 class ThenHandle:
     """Runs ``then`` once, after ``handle`` completes, on the first ``wait()``."""
 
@@ -107,9 +127,9 @@ class ThenHandle:
         self._then: Callable[[], Any] | None = then
         self._result: Any = None
 
-    def wait(self) -> Any:
+    def wait(self, timeout: float | None = None) -> Any:
         if self._handle is not None:
-            self._handle.wait()
+            wait_with_timeout(self._handle, timeout)
         if self._then is not None:
             then, self._then = self._then, None
             self._result = then()

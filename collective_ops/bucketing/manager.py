@@ -10,18 +10,36 @@ gradients arrive in.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .hooks import BucketContext, CommHook, allreduce_hook
-from .interfaces import BucketEngine, Handle
+from .interfaces import BucketEngine, Handle, wait_with_timeout
 from .plan import BucketPlan, complete_order
 
 logger = logging.getLogger(__name__)
 
 REDUCE_OPS = ("avg", "sum")
+DEFAULT_STALL_TIMEOUT_S = 300.0
+
+
+class StallError(RuntimeError):
+    """A bucket's collective did not complete in time: some rank is not taking part."""
+
+
+class CommunicationError(RuntimeError):
+    """A bucket's collective failed (a peer exited, the network broke)."""
+
+
+def stall_timeout_from_env() -> float | None:
+    value = os.environ.get("COLLECTIVE_OPS_STALL_TIMEOUT", "").strip()
+    if not value:
+        return DEFAULT_STALL_TIMEOUT_S
+    seconds = float(value)
+    return None if seconds <= 0 else seconds
 
 
 @dataclass
@@ -59,6 +77,9 @@ class BucketManager:
     ``rebuild_after_first_step`` replans from the observed ready order (rank 0's,
     broadcast) after the first synchronised iteration; ``on_rebuild`` is called with
     the new plan after buffers moved, so the adapter can re-point gradient views.
+    ``stall_timeout_s`` (default: ``COLLECTIVE_OPS_STALL_TIMEOUT``, else 300 s; None or
+    0 waits forever) bounds the wait for one bucket: past it every waiting rank raises a
+    :class:`StallError` naming the ranks that are not in the same reduction.
     """
 
     def __init__(
@@ -72,6 +93,7 @@ class BucketManager:
         rebuild_after_first_step: bool = True,
         on_rebuild: Callable[[BucketPlan], None] | None = None,
         observer: Any = None,
+        stall_timeout_s: float | None | str = "env",
     ) -> None:
         if reduce_op not in REDUCE_OPS:
             raise ValueError(f"reduce_op must be one of {REDUCE_OPS} for gradient reduction, got {reduce_op!r}")
@@ -82,6 +104,8 @@ class BucketManager:
         self.rebuild_after_first_step = rebuild_after_first_step
         self.on_rebuild = on_rebuild
         self.observer = observer
+        # How long finalize waits for one bucket before naming the ranks that are not taking part.
+        self.stall_timeout_s = stall_timeout_from_env() if stall_timeout_s == "env" else stall_timeout_s
         # Engines without cheap flat views (MindSpore) concatenate a bucket's gradients at launch.
         self._assembles = bool(getattr(engine, "assembles_buckets", False))
         self.sync_enabled = True
@@ -236,7 +260,12 @@ class BucketManager:
             stats.collectives += 1
         for bucket_index, handle in enumerate(self._handles):
             if handle is not None:
-                handle.wait()
+                try:
+                    wait_with_timeout(handle, self.stall_timeout_s)
+                except Exception as exc:
+                    error = self._diagnose(bucket_index, exc)
+                    self._reset_iteration()
+                    raise error from exc
             stats.buckets[bucket_index].completed = time.perf_counter()
             if self.observer is not None:
                 self.observer.bucket_completed(self, bucket_index)
@@ -262,6 +291,56 @@ class BucketManager:
         self._reset_iteration()
         if self.rebuild_after_first_step and self.steps_synced == 1:
             self._rebuild(observed)
+
+    def _progress(self, waiting_for: int) -> dict:
+        return {
+            "step": self.steps_synced,
+            "waiting_for_bucket": waiting_for,
+            "buckets": len(self.plan.buckets),
+            "launched": self._next_launch,
+            "gradients_ready": len(self._marked),
+            "gradients": len(self._param_names),
+        }
+
+    def _diagnose(self, bucket_index: int, exc: BaseException) -> RuntimeError:
+        """A clear error for a bucket that did not complete, naming the ranks not taking part."""
+        bucket = self.plan.buckets[bucket_index]
+        names = [self._param_names[i] for i in bucket.param_indices]
+        shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+        rank = self.engine.rank
+        where = (
+            f"rank {rank} waited for bucket {bucket_index} of step {self.steps_synced} "
+            f"({bucket.nbytes / 2**20:.2f} MiB: {shown})"
+        )
+        if not isinstance(exc, TimeoutError):
+            return CommunicationError(
+                f"{where}, and its collective failed: {exc}. A peer rank probably exited or crashed "
+                "(its own log says why), or the network between ranks failed."
+            )
+        exchange = getattr(self.engine, "exchange_progress", None)
+        peers: dict[int, dict | None] = exchange(self._progress(bucket_index)) if exchange else {}
+        lines = []
+        mine = self.steps_synced
+        for peer, info in sorted(peers.items()):
+            if info is None:
+                lines.append(
+                    f"  rank {peer}: did not report: it is not waiting in a gradient reduction "
+                    "(it stopped, crashed, skipped a backward, or is blocked in another collective)"
+                )
+            else:
+                differs = " <- a different step: a rank skipped or added a backward" if info["step"] != mine else ""
+                lines.append(
+                    f"  rank {peer}: step {info['step']}, waiting for bucket {info['waiting_for_bucket']} of "
+                    f"{info['buckets']}, {info['gradients_ready']}/{info['gradients']} gradients ready{differs}"
+                )
+        missing = [p for p, info in peers.items() if info is None]
+        return StallError(
+            f"stall: {where} for {self.stall_timeout_s:g} s. "
+            + (f"Ranks not taking part: {missing}. " if missing else "")
+            + "Every rank must run the same number of backward passes, and with data-dependent branches "
+            "pass find_unused_parameters=True. Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
+            + ("\n" + "\n".join(lines) if lines else "")
+        )
 
     def _rebuild(self, observed: list[int]) -> None:
         """Replan from rank 0's observed ready order; move buffer contents so no gradient is lost."""

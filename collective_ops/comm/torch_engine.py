@@ -201,6 +201,33 @@ class TorchEngine(Engine):
         dist.broadcast(t, src=src)
         return t.tolist()
 
+    def exchange_progress(self, mine: dict, grace_s: float = 2.0) -> dict[int, dict | None]:
+        """Publish this rank's progress on the rendezvous store and read the peers' (None: no report).
+
+        Only used once a wait has timed out: the store is a side channel that works while
+        the collectives are stuck. Values are JSON, never pickles.
+        """
+        import json
+        import time as _time
+
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # no store (a user-made group without one): no peer view
+            return {}
+        prefix = "collective_ops/progress/"
+        store.set(f"{prefix}{self.rank}", json.dumps(mine))
+        _time.sleep(grace_s)  # peers stalled on the same bucket time out at about the same moment
+        peers: dict[int, dict | None] = {}
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            key = f"{prefix}{peer}"
+            try:
+                peers[peer] = json.loads(store.get(key)) if store.check([key]) else None
+            except Exception:
+                peers[peer] = None
+        return peers
+
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Small metadata (e.g. JSON model signatures) from every rank. Bytes, never pickles."""
         world = self.world_size
