@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import collective_ops as co
 from collective_ops.bucketing import BucketManager, ParamSpec, hook_for_compression, plan_buckets
@@ -168,3 +170,37 @@ def test_gradient_bucket_refuses_bad_input(engine) -> None:
     assert len(bucket) == 1
     bucket.clear()
     assert bucket.allreduce() is None and bucket.num_collectives == 0
+
+
+tensor_lists = st.lists(
+    st.tuples(
+        st.sampled_from(["float32", "float16", "bfloat16", "float64", "int64"]),
+        st.lists(st.integers(1, 40), min_size=0, max_size=3),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=tensor_lists, cap_kib=st.sampled_from([1, 4, 64, 1024]), data=st.data())
+def test_gradient_bucket_fuzz(engine, rows, cap_kib, data) -> None:
+    """Any mix of dtypes, shapes and layouts: values come back intact, one collective per bucket."""
+    tensors = []
+    for dtype, shape, transpose in rows:
+        t = (torch.arange(int(torch.tensor(shape).prod()) if shape else 1) % 7).to(getattr(torch, dtype)).reshape(shape)
+        if transpose and t.dim() >= 2:
+            t = t.transpose(0, 1)  # non-contiguous: copied in, written back in place
+        tensors.append(t)
+    expected = [t.clone() for t in tensors]
+    op = data.draw(st.sampled_from(["sum", "max", "min"]))
+    bucket = co.GradientBucket(bucket_size_mb=cap_kib / 1024, reduce_op=op)
+    for t in tensors:
+        bucket.add(t)
+    bucket.allreduce()
+    for got, want in zip(tensors, expected):
+        assert torch.equal(got, want)
+    specs = [ParamSpec(f"t{i}", t.numel(), str(t.dtype), "cpu", t.element_size()) for i, t in enumerate(tensors)]
+    plan = plan_buckets(specs, cap_kib / 1024, cap_kib / 1024, order=range(len(specs)))
+    assert bucket.num_collectives == len(plan.buckets)

@@ -1,0 +1,165 @@
+"""Injected faults on real Gloo ranks: every surviving rank gets a clear error in bounded time, no hang."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+import weakref
+
+import pytest
+import torch
+
+import collective_ops as co
+from tests.harness import free_port, run_faulty_ranks, run_ranks
+
+STALL_ENV = {"COLLECTIVE_OPS_STALL_TIMEOUT": "3"}
+
+
+def _train(rank: int, steps_by_rank: dict, use_branch_by_rank: dict | None = None, find_unused: bool = False):
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, WithUnusedBranch, rank_batch
+
+    torch.manual_seed(0)
+    model = co.wrap(WithUnusedBranch(), bucket_size_mb=0.001, find_unused_parameters=find_unused)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    try:
+        for step in range(steps_by_rank[rank]):
+            x, y = rank_batch(MLP, step, rank)
+            use_branch = True if use_branch_by_rank is None else use_branch_by_rank[rank]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, use_branch=use_branch), y).backward()
+            optimizer.step()
+    except Exception as exc:  # the error this rank reports, and how long it took to come
+        seconds = time.monotonic() - start
+        if rank != 0:
+            time.sleep(8)  # stays alive (as a rank whose caller handles the error would): its peer must still see a stall
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": seconds}
+    time.sleep(8)  # a rank that finished early stays alive (not in a reduction) while its peers wait
+    return {"error": None}
+
+
+def skipped_backward(rank: int, world: int) -> dict:
+    return _train(rank, {0: 3, 1: 2})
+
+
+def different_branch(rank: int, world: int) -> dict:
+    return _train(rank, {0: 2, 1: 2}, use_branch_by_rank={0: True, 1: False})
+
+
+def killed_rank(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import build
+
+    model = co.wrap(build("mlp"), bucket_size_mb=0.01)
+    start = time.monotonic()
+    try:
+        for step in range(3):
+            if rank == 1 and step == 1:
+                os._exit(3)  # killed mid-training
+            model(torch.randn(4, 16)).sum().backward()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_rank_that_skips_a_backward_is_named() -> None:
+    results = run_faulty_ranks(2, skipped_backward, env=STALL_ENV, timeout=60)
+    status, out = results[0]
+    assert status == "ok" and out["error"], results
+    assert out["error"].startswith("StallError") and "Ranks not taking part: [1]" in out["error"], out["error"]
+    assert "rank 1: did not report" in out["error"]
+    assert out["seconds"] < 3 + 2 + 5, "the stall must be reported soon after the configured timeout"
+
+
+def test_a_different_branch_without_find_unused_is_reported_on_every_rank() -> None:
+    results = run_faulty_ranks(2, different_branch, env=STALL_ENV, timeout=60)
+    (s0, out0), (s1, out1) = results[0], results[1]
+    assert s0 == s1 == "ok", results
+    # the rank that skipped the branch names the parameters and the fix ...
+    assert "'branch.weight'" in out1["error"] and "find_unused_parameters=True" in out1["error"]
+    # ... and its peer, left waiting, names that rank instead of hanging
+    assert out0["error"].startswith("StallError") and "[1]" in out0["error"], out0["error"]
+
+
+def test_a_killed_rank_ends_its_peers_with_a_clear_error() -> None:
+    results = run_faulty_ranks(2, killed_rank, env=STALL_ENV, timeout=60)
+    status, out = results[0]
+    assert status == "ok" and out["error"], results
+    assert out["error"].startswith(("CommunicationError", "StallError")), out["error"]
+    assert "rank 0 waited for bucket" in out["error"]
+    assert out["seconds"] < 3 + 2 + 5
+    assert results[1][0] == "missing"  # it was killed
+
+
+def nonfinite(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import build
+
+    model = co.wrap(build("mlp"), check_finite=True)
+    x = torch.randn(4, 16)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    try:
+        model(x).sum().backward()
+        return {"error": None}
+    except FloatingPointError as exc:
+        return {"error": str(exc)}
+
+
+def test_nan_gradient_is_named_on_every_rank() -> None:
+    results = run_ranks(2, nonfinite)
+    for rank, out in enumerate(results):
+        assert out["error"] and "non-finite gradients" in out["error"] and "'net.0.weight'" in out["error"]
+        assert ("before reduction" in out["error"]) == (rank == 1)
+
+
+def test_rendezvous_trouble_fails_fast_with_a_hint(monkeypatch) -> None:
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    # a rank that never arrives
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"not every rank arrived within 2 s.*WORLD_SIZE=2"):
+        co.init("gloo", rank=0, world_size=2, master_port=free_port(), timeout=2)
+    assert time.monotonic() - start < 15
+    assert not co.is_initialized()
+    # the port is taken by someone else
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"port {port} is already in use"):
+            co.init("gloo", rank=0, world_size=1, master_port=port, timeout=5)
+    assert not co.is_initialized()
+
+
+def test_no_hooks_or_buffers_outlive_a_deleted_wrapper(monkeypatch) -> None:
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    from tests.models import build
+
+    try:
+        model = build("mlp")
+        wrapped = co.wrap(model)
+        with pytest.raises(ValueError, match="already has a live collective_ops wrapper"):
+            co.wrap(model)
+        buffers = [weakref.ref(b) for b in wrapped.manager.buffers]
+        model(torch.randn(2, 16)).sum().backward()  # through the unwrapped model: hooks fire
+        assert all(p.grad is not None for p in model.parameters())
+        model.zero_grad(set_to_none=True)  # the gradients were views into the buckets: let them go too
+        del wrapped
+        gc.collect()
+        assert all(ref() is None for ref in buffers), "bucket buffers must be freed with their wrapper"
+        assert all(not p._post_accumulate_grad_hooks for p in model.parameters()), "hooks must be removed"
+        model.zero_grad()
+        model(torch.randn(2, 16)).sum().backward()  # plain autograd again
+        rewrapped = co.wrap(model)  # and wrapping again is fine
+        assert rewrapped.manager.plan.buckets
+    finally:
+        co.shutdown()
