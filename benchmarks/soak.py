@@ -76,8 +76,12 @@ def main(argv=None) -> int:
     rss = result["rss_mb"]
     growth = (rss[args.steps] - rss[100]) / rss[100] * 100
     print(f"# soak: {args.steps} steps, {args.world} Gloo ranks, MLP, Adam (rank 0)")
-    print(f"  RSS at step 100: {rss[100]:.1f} MiB; at step {args.steps}: {rss[args.steps]:.1f} MiB; growth {growth:+.2f}%")
-    print(f"  after 20 wrap/train/delete cycles: RSS {rss['after_rewraps']:.1f} MiB; hooks left on parameters: {result['hooks_left']}")
+    print(
+        f"  RSS at step 100: {rss[100]:.1f} MiB; at step {args.steps}: {rss[args.steps]:.1f} MiB; growth {growth:+.2f}%"
+    )
+    print(
+        f"  after 20 wrap/train/delete cycles: RSS {rss['after_rewraps']:.1f} MiB; hooks left on parameters: {result['hooks_left']}"
+    )
     return 0
 
 

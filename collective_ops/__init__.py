@@ -36,6 +36,13 @@ class GradientBucket(_CoreGradientBucket):
         super().__init__(bucket_size_mb, reduce_op, engine_for=engine_for_tensor)
 
 
+def tune(model: Any, step_fn: Any, **options: Any) -> Any:
+    """Choose and set ``bucket_size_mb`` for a wrapped model (see :func:`collective_ops.tuning.tune`)."""
+    from .tuning import tune as _tune
+
+    return _tune(model, step_fn, **options)
+
+
 def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
     """Make ``model`` data-parallel: a ``torch.nn.Module`` or a ``mindspore.nn.Cell``."""
     from .adapters import wrap as _wrap
@@ -58,5 +65,6 @@ __all__ = [
     "is_initialized",
     "reduce_scatter",
     "shutdown",
+    "tune",
     "wrap",
 ]

@@ -37,7 +37,9 @@ def _train(rank: int, steps_by_rank: dict, use_branch_by_rank: dict | None = Non
     except Exception as exc:  # the error this rank reports, and how long it took to come
         seconds = time.monotonic() - start
         if rank != 0:
-            time.sleep(8)  # stays alive (as a rank whose caller handles the error would): its peer must still see a stall
+            time.sleep(
+                8
+            )  # stays alive (as a rank whose caller handles the error would): its peer must still see a stall
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": seconds}
     time.sleep(8)  # a rank that finished early stays alive (not in a reduction) while its peers wait
     return {"error": None}

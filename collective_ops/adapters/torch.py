@@ -53,7 +53,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        bucket_size_mb: float = 25.0,
+        bucket_size_mb: float | str = 25.0,
         *,
         first_bucket_mb: float = 1.0,
         reduce_op: str = "avg",
@@ -65,8 +65,17 @@ class DistributedDataParallel(nn.Module):
         rebuild_buckets: bool = True,
         check_finite: bool = False,
         trace: bool | None = None,
+        auto_tune_step: int = 2,
     ) -> None:
         super().__init__()
+        # "auto": start at 25 MiB, profile step `auto_tune_step`, then settle on the simulator's choice.
+        self._auto_tune_at = None
+        if isinstance(bucket_size_mb, str):
+            if bucket_size_mb != "auto":
+                raise ValueError(f"bucket_size_mb must be a number of MiB or 'auto', got {bucket_size_mb!r}")
+            if auto_tune_step < 1:
+                raise ValueError(f"auto_tune_step must be >= 1, got {auto_tune_step}")
+            self._auto_tune_at, bucket_size_mb = auto_tune_step, 25.0
         if isinstance(module, DistributedDataParallel):
             raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
         if isinstance(module, nn.parallel.DistributedDataParallel):
@@ -87,6 +96,7 @@ class DistributedDataParallel(nn.Module):
         if comm_hook is not None and compression is not None:
             raise ValueError("give either compression or comm_hook, not both (compression is a built-in comm_hook)")
         hook = comm_hook or hook_for_compression(compression)
+        self.auto_tune_report = None
 
         if not runtime.is_initialized("torch"):
             runtime.init(framework="torch")
@@ -195,6 +205,42 @@ class DistributedDataParallel(nn.Module):
         self._give_unused_their_gradient()
         if self.check_finite:
             self._raise_if_not_finite()
+        if self._auto_tune_at is not None and self.manager.steps_synced == self._auto_tune_at:
+            self._auto_tune()
+
+    def _auto_tune(self) -> None:
+        """Online mode: simulate every candidate on the step just profiled; rank 0's choice for all."""
+        from ..tuning import CANDIDATES_MB, BackwardProfile, measure_alpha_beta, predict
+
+        self._auto_tune_at = None
+        stats = self.manager.last_stats
+        start = stats.backward_start or 0.0
+        profile = BackwardProfile(
+            {i: t - start for i, t in stats.ready_times.items()}, (stats.finalize_start or start) - start, 0.0
+        )
+        cost = measure_alpha_beta()  # every rank is here, at the end of the same step
+        plan = self.manager.plan
+        predictions = predict(plan.params, profile, cost, CANDIDATES_MB, plan.first_bucket_mb, plan.order)
+        choice = self.engine.broadcast_ints([round(predictions[0].bucket_size_mb * 1000)], src=0)[0] / 1000
+        self.set_bucket_size(choice)
+        self.auto_tune_report = predictions
+        logger.info(
+            "collective_ops: bucket_size_mb='auto' settled on %g MiB (predicted exposed communication %.1f ms, "
+            "%d collectives; alpha=%.1f us, beta=%.3f ns/B); candidates: %s",
+            choice,
+            predictions[0].exposed_comm_s * 1e3,
+            predictions[0].collectives,
+            cost.alpha * 1e6,
+            cost.beta * 1e9,
+            ", ".join(f"{p.bucket_size_mb:g}: {p.exposed_comm_s * 1e3:.1f} ms" for p in predictions),
+        )
+
+    def set_bucket_size(self, bucket_size_mb: float, first_bucket_mb: float | None = None) -> None:
+        """Replan with another bucket size between steps (every rank must call it with the same value)."""
+        bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
+        if first_bucket_mb is not None:
+            first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
+        self.manager.replan(bucket_size_mb, first_bucket_mb)
 
     def _raise_if_not_finite(self) -> None:
         """NaN/Inf anywhere reaches every rank through the sum, so every rank raises the same error."""

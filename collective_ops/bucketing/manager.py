@@ -18,7 +18,7 @@ from typing import Any
 
 from .hooks import BucketContext, CommHook, allreduce_hook
 from .interfaces import BucketEngine, Handle, wait_with_timeout
-from .plan import BucketPlan, complete_order
+from .plan import BucketPlan, complete_order, plan_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class StepStats:
     finalize_end: float | None = None
     exposed_comm_s: float = 0.0  # time finalize waited on communication not hidden by backward
     buckets: list[BucketTiming] = field(default_factory=list)
+    ready_times: dict[int, float] = field(default_factory=dict)  # parameter index -> when its gradient was ready
 
 
 class BucketManager:
@@ -194,6 +195,7 @@ class BucketManager:
             self._stats.backward_start = now
         self._marked.add(index)
         self._observed.append(index)
+        self._stats.ready_times[index] = now
         timing = self._stats.buckets[bucket_index]
         timing.first_ready = timing.first_ready or now
         self._pending[bucket_index] -= 1
@@ -343,27 +345,35 @@ class BucketManager:
         )
 
     def _rebuild(self, observed: list[int]) -> None:
-        """Replan from rank 0's observed ready order; move buffer contents so no gradient is lost."""
+        """Replan from rank 0's observed ready order."""
         order = self.engine.broadcast_ints(complete_order(observed, len(self._param_names)), src=0)
-        new_plan = self.plan.rebuild(order)
-        if new_plan.fingerprint() == self.plan.fingerprint():
-            return
+        if self._adopt(self.plan.rebuild(order)):
+            logger.info("rebuilt buckets from the observed gradient order: %d bucket(s)", len(self.plan.buckets))
+
+    def replan(self, bucket_size_mb: float, first_bucket_mb: float | None = None) -> BucketPlan:
+        """Change the bucket size between iterations (same order); every rank must call it alike."""
+        if self.in_progress:
+            raise RuntimeError("cannot change the bucket size in the middle of a backward pass")
+        first = self.plan.first_bucket_mb if first_bucket_mb is None else first_bucket_mb
+        self._adopt(plan_buckets(self.plan.params, bucket_size_mb, min(first, bucket_size_mb), order=self.plan.order))
+        return self.plan
+
+    def _adopt(self, new_plan: BucketPlan) -> bool:
+        """Switch to ``new_plan``, moving every gradient segment so nothing is lost. False if unchanged."""
+        if new_plan.fingerprint() == self.plan.fingerprint() and new_plan.bucket_size_mb == self.plan.bucket_size_mb:
+            return False
         old_segments = [self.param_segment(i) for i in range(len(self._param_names))]
         new_buffers = [self.engine.zeros(b.numel, b.dtype, b.device) for b in new_plan.buckets]
         for index, (old_buffer, old_offset, numel) in enumerate(old_segments):
             bucket_index, slot = new_plan.location[index]
             segment = self.engine.segment(old_buffer, old_offset, numel)
             self.engine.write(new_buffers[bucket_index], new_plan.buckets[bucket_index].offsets[slot], segment)
-        logger.info(
-            "rebuilt buckets from the observed gradient order: %d -> %d bucket(s)",
-            len(self.plan.buckets),
-            len(new_plan.buckets),
-        )
         self._set_plan(new_plan)
         self.buffers = new_buffers
         self._reset_iteration()
         if self.on_rebuild is not None:
             self.on_rebuild(new_plan)
+        return True
 
     # -- modes ---------------------------------------------------------------------
     def set_sync(self, enabled: bool) -> None:

@@ -1,0 +1,227 @@
+"""Choosing ``bucket_size_mb``: a cost model fitted on the live cluster, a schedule simulator, a tuner.
+
+Cost model: one allreduce of ``b`` bytes at the current world size costs ``alpha + beta * b``
+(least squares over a short size sweep of the live backend). For other world sizes and
+links, the ring-allreduce model: ``2(N-1) * alpha_link + 2(N-1)/N * b / bandwidth``.
+
+Simulator: backward produces gradients at measured times (one profiled step); a bucket
+can start once all its gradients are ready and the previous bucket has finished (one
+communication channel, buckets in plan order, as the bucket manager launches them).
+Predicted step = compute time + communication left after backward ends (exposed).
+
+Everything here is framework-free except :func:`measure_alpha_beta` (torch engine) and
+:func:`tune` (a wrapped torch model).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .bucketing import BucketPlan, ParamSpec, plan_buckets
+
+logger = logging.getLogger("collective_ops")
+
+CANDIDATES_MB = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds for one allreduce of ``nbytes``: ``alpha + beta * nbytes``."""
+
+    alpha: float
+    beta: float
+    label: str = "measured"
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.alpha) and np.isfinite(self.beta)) or self.alpha < 0 or self.beta < 0:
+            raise ValueError(f"cost model needs finite alpha >= 0 and beta >= 0, got {self.alpha}, {self.beta}")
+
+    def cost(self, nbytes: int) -> float:
+        return self.alpha + self.beta * nbytes
+
+    @classmethod
+    def fit(cls, nbytes: Sequence[int], seconds: Sequence[float]) -> CostModel:
+        """Least-squares fit of ``seconds = alpha + beta * nbytes`` (clamped at zero)."""
+        x = np.asarray(nbytes, dtype=float)
+        y = np.asarray(seconds, dtype=float)
+        if x.size < 2 or np.unique(x).size < 2:
+            raise ValueError("fitting a cost model needs at least two different sizes")
+        beta, alpha = np.polyfit(x, y, 1)
+        return cls(max(float(alpha), 0.0), max(float(beta), 0.0), "fitted")
+
+    @classmethod
+    def ring(cls, world_size: int, link_latency_s: float, link_bandwidth_Bps: float) -> CostModel:
+        """Ring allreduce at ``world_size`` ranks over links of the given latency and bandwidth (a projection)."""
+        if world_size < 2:
+            return cls(0.0, 0.0, "ring N=1")
+        steps = 2 * (world_size - 1)
+        return cls(
+            steps * link_latency_s,
+            2 * (world_size - 1) / world_size / link_bandwidth_Bps,
+            f"ring N={world_size} (simulation)",
+        )
+
+
+@dataclass(frozen=True)
+class BackwardProfile:
+    """When each parameter's gradient became ready, relative to the start of the step (seconds)."""
+
+    ready_s: dict[int, float]  # parameter index -> seconds after step start
+    backward_end_s: float  # when backward (and so the last gradient) ended
+    step_compute_s: float  # forward + backward + optimizer, without exposed communication
+
+    def __post_init__(self) -> None:
+        if not self.ready_s:
+            raise ValueError("a backward profile needs the ready time of at least one gradient")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    bucket_size_mb: float
+    first_bucket_mb: float
+    step_s: float
+    exposed_comm_s: float
+    comm_s: float
+    collectives: int
+    finishes_s: tuple[float, ...]
+
+
+def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel) -> Prediction:
+    """Predict a step of ``plan``: buckets start when ready and the channel is free, in plan order."""
+    channel_free = 0.0
+    finishes = []
+    comm = 0.0
+    for bucket in plan.buckets:
+        ready = max((profile.ready_s.get(i, profile.backward_end_s) for i in bucket.param_indices), default=0.0)
+        start = max(ready, channel_free)
+        duration = cost.cost(bucket.nbytes)
+        channel_free = start + duration
+        finishes.append(channel_free)
+        comm += duration
+    exposed = max(0.0, channel_free - profile.backward_end_s)
+    return Prediction(
+        plan.bucket_size_mb,
+        plan.first_bucket_mb,
+        profile.step_compute_s + exposed,
+        exposed,
+        comm,
+        len(plan.buckets),
+        tuple(finishes),
+    )
+
+
+def predict(
+    specs: Sequence[ParamSpec],
+    profile: BackwardProfile,
+    cost: CostModel,
+    candidates_mb: Sequence[float] = CANDIDATES_MB,
+    first_bucket_mb: float | None = 1.0,
+    order: Sequence[int] | None = None,
+) -> list[Prediction]:
+    """Predictions for each candidate size, best first. ``order``: the observed ready order."""
+    if order is None:
+        order = sorted(profile.ready_s, key=profile.ready_s.get)
+    out = []
+    for mb in candidates_mb:
+        first = min(first_bucket_mb, mb) if first_bucket_mb else mb
+        out.append(simulate(plan_buckets(specs, mb, first, order=order), profile, cost))
+    return sorted(out, key=lambda p: (p.step_s, p.collectives))
+
+
+def measure_alpha_beta(
+    sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24), iters: int = 5
+) -> CostModel:
+    """Fit alpha/beta of allreduce on the live torch group (every rank calls it; same result everywhere)."""
+    from .bench import run_sweep
+
+    rows = run_sweep("allreduce", list(sizes), warmup=2, iters=iters, impls=("raw",), progress=False, rounds=1)
+    return CostModel.fit([r.bytes for r in rows], [r.time_us * 1e-6 for r in rows])
+
+
+def profile_from_stats(stats, step_start: float, step_end: float) -> BackwardProfile:
+    """A :class:`BackwardProfile` from the bucket manager's stats of one step."""
+    backward_end = stats.finalize_start if stats.finalize_start is not None else step_end
+    ready = {i: t - step_start for i, t in stats.ready_times.items()}
+    compute = (step_end - step_start) - stats.exposed_comm_s
+    return BackwardProfile(ready, backward_end - step_start, max(compute, 0.0))
+
+
+@dataclass
+class TuneResult:
+    bucket_size_mb: float
+    first_bucket_mb: float
+    predictions: list[Prediction]
+    measured_s: dict[float, float]
+    cost: CostModel
+    trial_steps: int
+
+    def describe(self) -> str:
+        lines = [
+            f"cost model: alpha={self.cost.alpha * 1e6:.1f} us, beta={self.cost.beta * 1e9:.3f} ns/B ({self.cost.label})"
+        ]
+        for p in self.predictions:
+            measured = self.measured_s.get(p.bucket_size_mb)
+            lines.append(
+                f"  {p.bucket_size_mb:>6g} MiB: predicted {p.step_s * 1e3:8.1f} ms (exposed {p.exposed_comm_s * 1e3:6.1f} ms, "
+                f"{p.collectives} collectives)" + (f", measured {measured * 1e3:8.1f} ms" if measured else "")
+            )
+        lines.append(f"chosen: bucket_size_mb={self.bucket_size_mb:g} after {self.trial_steps} trial steps")
+        return "\n".join(lines)
+
+
+def tune(
+    model,
+    step_fn: Callable[[], None],
+    candidates_mb: Sequence[float] = CANDIDATES_MB,
+    confirm_top: int = 2,
+    confirm_steps: int = 3,
+    cost: CostModel | None = None,
+) -> TuneResult:
+    """Choose ``bucket_size_mb`` for a wrapped torch model and set it.
+
+    ``step_fn()`` runs one training step (forward, backward, optimizer) on the wrapped
+    model. One profiled step and a short allreduce sweep feed the simulator; the best
+    ``confirm_top`` predictions are then timed for ``confirm_steps`` real steps each and
+    the fastest wins. Rank 0 decides and broadcasts, so every rank ends with the same size.
+    """
+    import torch
+
+    for mb in candidates_mb:
+        if not mb > 0:
+            raise ValueError(f"candidate bucket sizes must be positive MiB, got {mb!r}")
+    if confirm_top < 1 or confirm_steps < 1:
+        raise ValueError("confirm_top and confirm_steps must be at least 1")
+    engine = model.engine
+    manager = model.manager
+    step_fn()  # warm-up (and the first-step rebuild)
+    start = time.perf_counter()
+    step_fn()
+    profile = profile_from_stats(manager.last_stats, start, time.perf_counter())
+    cost = cost or measure_alpha_beta()
+    specs = list(manager.plan.params)
+    predictions = predict(specs, profile, cost, candidates_mb, manager.plan.first_bucket_mb, manager.plan.order)
+    measured: dict[float, float] = {}
+    trial_steps = 2
+    for prediction in predictions[:confirm_top]:
+        model.set_bucket_size(prediction.bucket_size_mb)
+        step_fn()  # settle buffers
+        times = []
+        for _ in range(confirm_steps):
+            t0 = time.perf_counter()
+            step_fn()
+            times.append(time.perf_counter() - t0)
+        trial_steps += confirm_steps + 1
+        slowest = torch.tensor([float(np.median(times))], dtype=torch.float64)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        measured[prediction.bucket_size_mb] = float(slowest)
+    best_local = min(measured, key=measured.get)
+    choice = engine.broadcast_ints([round(best_local * 1000)], src=0)[0] / 1000  # rank 0 decides
+    model.set_bucket_size(choice)
+    result = TuneResult(choice, min(manager.plan.first_bucket_mb, choice), predictions, measured, cost, trial_steps)
+    logger.info("collective_ops.tune:\n%s", result.describe())
+    return result

@@ -1,0 +1,126 @@
+"""The cost model and schedule simulator by hand; the tuner and bucket_size_mb='auto' on real Gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from collective_ops.bucketing import ParamSpec, plan_buckets
+from collective_ops.tuning import CANDIDATES_MB, BackwardProfile, CostModel, predict, simulate
+from tests.harness import run_ranks
+
+MIB = 2**20
+
+
+def specs(n: int, mib_each: float = 1.0) -> list[ParamSpec]:
+    return [ParamSpec(f"p{i}", int(mib_each * MIB) // 4, "float32", "cpu", 4) for i in range(n)]
+
+
+def test_one_bucket() -> None:
+    plan = plan_buckets(specs(2), bucket_size_mb=100, first_bucket_mb=100)
+    profile = BackwardProfile({0: 2.0, 1: 1.0}, backward_end_s=2.0, step_compute_s=3.0)
+    p = simulate(plan, profile, CostModel(0.1, 0.0))
+    assert p.collectives == 1 and p.finishes_s == pytest.approx((2.1,))
+    assert p.exposed_comm_s == pytest.approx(0.1) and p.step_s == pytest.approx(3.1)
+
+
+def test_all_buckets_ready_at_once() -> None:
+    plan = plan_buckets(specs(3), bucket_size_mb=1, first_bucket_mb=1)  # one 1 MiB parameter per bucket
+    profile = BackwardProfile({0: 1.0, 1: 1.0, 2: 1.0}, 1.0, 1.5)
+    cost = CostModel(0.01, 0.02 / MIB)  # 0.03 s per 1 MiB bucket
+    p = simulate(plan, profile, cost)
+    assert p.finishes_s == pytest.approx((1.03, 1.06, 1.09))
+    assert p.exposed_comm_s == pytest.approx(0.09) and p.comm_s == pytest.approx(0.09)
+
+
+def test_compute_bound_hides_everything() -> None:
+    plan = plan_buckets(specs(3), 1, 1)  # buckets in ready order: p2, p1, p0
+    profile = BackwardProfile({2: 0.1, 1: 0.5, 0: 0.9}, 1.0, 2.0)
+    p = simulate(plan, profile, CostModel(0.05, 0.0))
+    assert p.finishes_s == pytest.approx((0.15, 0.55, 0.95))
+    assert p.exposed_comm_s == 0.0 and p.step_s == pytest.approx(2.0)
+
+
+def test_communication_bound_queues() -> None:
+    plan = plan_buckets(specs(3), 1, 1)
+    profile = BackwardProfile({2: 0.1, 1: 0.2, 0: 0.3}, 0.3, 1.0)
+    p = simulate(plan, profile, CostModel(1.0, 0.0))
+    assert p.finishes_s == pytest.approx((1.1, 2.1, 3.1))
+    assert p.exposed_comm_s == pytest.approx(2.8)
+
+
+def test_latency_bound_prefers_bigger_buckets() -> None:
+    # 40 small gradients ready at the very end, expensive calls: one big bucket wins
+    profile = BackwardProfile({i: 1.0 for i in range(40)}, 1.0, 1.0)
+    ranked = predict(specs(40, 0.1), profile, CostModel(0.05, 1e-10), candidates_mb=(1, 2, 5, 10))
+    # 4 MiB in all: 5 and 10 MiB both give [1 MiB first bucket, rest] = 2 calls; 1 MiB gives 4
+    assert ranked[0].collectives == 2 and ranked[0].bucket_size_mb in (5, 10)
+    assert ranked[-1].bucket_size_mb == 1 and ranked[-1].exposed_comm_s == pytest.approx(
+        4 * 0.05 + 4e-10 * MIB / 10 * 10, rel=1e-3
+    )
+
+
+def test_cost_model_fit_and_ring_projection() -> None:
+    fitted = CostModel.fit([1000, 2000, 4000], [0.002 + 1e-6 * b for b in (1000, 2000, 4000)])
+    assert fitted.alpha == pytest.approx(0.002) and fitted.beta == pytest.approx(1e-6)
+    ring = CostModel.ring(8, link_latency_s=5e-6, link_bandwidth_Bps=25e9)
+    assert ring.alpha == pytest.approx(14 * 5e-6) and ring.beta == pytest.approx(1.75 / 25e9)
+    assert "simulation" in ring.label
+    with pytest.raises(ValueError, match="two different sizes"):
+        CostModel.fit([8, 8], [1.0, 2.0])
+    with pytest.raises(ValueError, match="alpha >= 0"):
+        CostModel(-1.0, 0.0)
+    with pytest.raises(ValueError, match="at least one gradient"):
+        BackwardProfile({}, 1.0, 1.0)
+
+
+def tuner_checks(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    model = co.wrap(build("mlp"), bucket_size_mb=25)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = rank_batch(MLP, 0, rank)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    result = co.tune(model, step, candidates_mb=(0.01, 0.05, 25), confirm_top=2, confirm_steps=2)
+    out = {
+        "chosen": result.bucket_size_mb,
+        "plan": model.manager.plan.bucket_size_mb,
+        "predicted": len(result.predictions),
+        "measured": sorted(result.measured_s),
+        "trial_steps": result.trial_steps,
+    }
+    with pytest.raises(ValueError, match="positive MiB"):
+        co.tune(model, step, candidates_mb=(0,))
+
+    auto = co.wrap(build("mlp"), bucket_size_mb="auto", auto_tune_step=2)
+    optimizer = torch.optim.SGD(auto.parameters(), lr=0.01)
+    sizes = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(auto(x), y).backward()
+        optimizer.step()
+        sizes.append(auto.manager.plan.bucket_size_mb)
+    out["auto_sizes"] = sizes
+    out["auto_report"] = auto.auto_tune_report is not None
+    with pytest.raises(ValueError, match="'auto'"):
+        co.wrap(build("mlp"), bucket_size_mb="fast")
+    return out
+
+
+def test_tuner_and_auto_on_real_ranks() -> None:
+    outs = run_ranks(2, tuner_checks)
+    assert outs[0]["chosen"] == outs[1]["chosen"] in (0.01, 0.05, 25)
+    for out in outs:
+        assert out["plan"] == out["chosen"] and out["predicted"] == 3 and len(out["measured"]) == 2
+        assert out["trial_steps"] < 3 * 3 + 2, "fewer steps than trying every candidate"
+        sizes = out["auto_sizes"]
+        assert sizes[0] == 25.0 and sizes[1] == sizes[2] == sizes[3] in CANDIDATES_MB, sizes  # settled at step 2
+        assert out["auto_report"]
+    assert outs[0]["auto_sizes"] == outs[1]["auto_sizes"]
