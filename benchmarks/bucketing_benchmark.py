@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.common import spawn  # noqa: E402
 from collective_ops.bucketing import ParamSpec, plan_buckets  # noqa: E402
 
 
@@ -136,23 +137,6 @@ def scaling_rank(rank: int, world: int, port: int, args, queue) -> None:
     co.shutdown()
     if rank == 0:
         queue.put({"world": world, "step_s": float(median), "images_per_s": 8 * world / float(median)})
-
-
-def spawn(target, world: int, *args):
-    import multiprocessing as mp
-
-    from tests.harness import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-    return result
 
 
 def main(argv=None) -> int:

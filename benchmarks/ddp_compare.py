@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.common import spawn  # noqa: E402
+
 MODELS = ("transformer", "cnn", "mlp")
 
 
@@ -155,23 +157,6 @@ def memory_rank(rank: int, world: int, port: int, args, kind: str, name: str, qu
                 "base_mb": baseline / 1024,
             }
         )
-
-
-def spawn(target, world: int, *args):
-    import multiprocessing as mp
-
-    from tests.harness import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
-    return result
 
 
 def main(argv=None) -> int:

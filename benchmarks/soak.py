@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 100:
         parser.error("--steps must be at least 100 (RSS is compared with step 100)")
-    from benchmarks.ddp_compare import spawn
+    from benchmarks.common import spawn
 
     result = spawn(rank_main, args.world, args)
     rss = result["rss_mb"]

@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     heatmap_parser = sub.add_parser("heatmap", help="summarize a communication trace and draw ranks x buckets heatmaps")
     heatmap.add_arguments(heatmap_parser)
     heatmap_parser.set_defaults(func=heatmap.run)
+
+    from . import tuning
+
+    tune_parser = sub.add_parser(
+        "tune", help="project a saved step profile to other world sizes and links (simulation) and pick bucket_size_mb"
+    )
+    tuning.add_arguments(tune_parser)
+    tune_parser.set_defaults(func=tuning.run)
     return parser
 
 

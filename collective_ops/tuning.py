@@ -205,10 +205,15 @@ def tune(
     cost = cost or measure_alpha_beta()
     specs = list(manager.plan.params)
     predictions = predict(specs, profile, cost, candidates_mb, manager.plan.first_bucket_mb, manager.plan.order)
+    # Each rank ranks the candidates from its own profile; rank 0's shortlist is everyone's, or
+    # ranks would try different plans and their collectives would no longer match.
+    local = [round(p.bucket_size_mb * 1000) for p in predictions[:confirm_top]]
+    local += [-1] * (confirm_top - len(local))
+    shortlist = [v / 1000 for v in engine.broadcast_ints(local, src=0) if v >= 0]
     measured: dict[float, float] = {}
     trial_steps = 2
-    for prediction in predictions[:confirm_top]:
-        model.set_bucket_size(prediction.bucket_size_mb)
+    for size in shortlist:
+        model.set_bucket_size(size)
         step_fn()  # settle buffers
         times = []
         for _ in range(confirm_steps):
@@ -218,10 +223,86 @@ def tune(
         trial_steps += confirm_steps + 1
         slowest = torch.tensor([float(np.median(times))], dtype=torch.float64)
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-        measured[prediction.bucket_size_mb] = float(slowest)
+        measured[size] = float(slowest)
     best_local = min(measured, key=measured.get)
     choice = engine.broadcast_ints([round(best_local * 1000)], src=0)[0] / 1000  # rank 0 decides
     model.set_bucket_size(choice)
     result = TuneResult(choice, min(manager.plan.first_bucket_mb, choice), predictions, measured, cost, trial_steps)
     logger.info("collective_ops.tune:\n%s", result.describe())
     return result
+
+
+def save_profile(model, step_fn: Callable[[], None], path: str) -> BackwardProfile:
+    """Profile one step of a wrapped model and save it (shapes, ready times) for ``collective-ops tune``."""
+    import json
+
+    step_fn()
+    start = time.perf_counter()
+    step_fn()
+    manager = model.manager
+    profile = profile_from_stats(manager.last_stats, start, time.perf_counter())
+    if manager.engine.rank == 0:
+        payload = {
+            "params": [[p.name, p.numel, p.dtype, p.device, p.itemsize] for p in manager.plan.params],
+            "order": list(manager.plan.order),
+            "ready_s": {str(k): v for k, v in profile.ready_s.items()},
+            "backward_end_s": profile.backward_end_s,
+            "step_compute_s": profile.step_compute_s,
+            "first_bucket_mb": manager.plan.first_bucket_mb,
+        }
+        with open(path, "w") as f:
+            json.dump(payload, f)
+    return profile
+
+
+def load_profile(path: str) -> tuple[list[ParamSpec], list[int], BackwardProfile, float]:
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        specs = [ParamSpec(*row) for row in data["params"]]
+        profile = BackwardProfile(
+            {int(k): float(v) for k, v in data["ready_s"].items()},
+            float(data["backward_end_s"]),
+            float(data["step_compute_s"]),
+        )
+        return specs, [int(i) for i in data["order"]], profile, float(data.get("first_bucket_mb", 1.0))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a profile written by collective_ops.tuning.save_profile ({exc})") from None
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--profile", required=True, help="a profile from collective_ops.tuning.save_profile")
+    parser.add_argument("--world", type=int, nargs="+", default=[8, 64, 512, 4096], help="world sizes to project to")
+    parser.add_argument("--latency-us", type=float, default=5.0, help="per-hop link latency (alpha), microseconds")
+    parser.add_argument("--bandwidth-gbs", type=float, default=25.0, help="per-link bandwidth, GB/s")
+    parser.add_argument("--candidates", type=float, nargs="+", default=list(CANDIDATES_MB))
+
+
+def run(args) -> int:
+    try:
+        specs, order, profile, first = load_profile(args.profile)
+    except ValueError as exc:
+        print(f"collective-ops tune: {exc}")
+        return 2
+    if args.latency_us < 0 or args.bandwidth_gbs <= 0 or any(w < 1 for w in args.world):
+        print("collective-ops tune: need --latency-us >= 0, --bandwidth-gbs > 0 and world sizes >= 1")
+        return 2
+    print(
+        f"SIMULATION (ring allreduce, alpha {args.latency_us:g} us per hop, {args.bandwidth_gbs:g} GB/s links), "
+        f"profile {args.profile}: {len(specs)} parameters, backward {profile.backward_end_s * 1e3:.1f} ms, "
+        f"compute {profile.step_compute_s * 1e3:.1f} ms"
+    )
+    for world in args.world:
+        cost = CostModel.ring(world, args.latency_us * 1e-6, args.bandwidth_gbs * 1e9)
+        ranked = predict(specs, profile, cost, args.candidates, first, order)
+        best = ranked[0]
+        print(
+            f"  N={world:<5} best bucket_size_mb={best.bucket_size_mb:g}: step {best.step_s * 1e3:.1f} ms, "
+            f"exposed {best.exposed_comm_s * 1e3:.1f} ms, {best.collectives} collectives; "
+            + ", ".join(
+                f"{p.bucket_size_mb:g}: {p.step_s * 1e3:.1f}" for p in sorted(ranked, key=lambda p: p.bucket_size_mb)
+            )
+        )
+    return 0

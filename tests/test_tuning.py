@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from collective_ops.bucketing import ParamSpec, plan_buckets
@@ -73,7 +76,7 @@ def test_cost_model_fit_and_ring_projection() -> None:
         BackwardProfile({}, 1.0, 1.0)
 
 
-def tuner_checks(rank: int, world: int) -> dict:
+def tuner_checks(rank: int, world: int, profile_path: str) -> dict:
     import torch
 
     import collective_ops as co
@@ -98,6 +101,15 @@ def tuner_checks(rank: int, world: int) -> dict:
     }
     with pytest.raises(ValueError, match="positive MiB"):
         co.tune(model, step, candidates_mb=(0,))
+    # ranks that rank the candidates differently (here: opposite cost models) must still try rank 0's shortlist
+    from collective_ops.tuning import CostModel
+
+    opposite = CostModel(1.0, 0.0) if rank == 0 else CostModel(0.0, 1e-3)  # rank 0: fewest calls; rank 1: smallest
+    result = co.tune(model, step, candidates_mb=(0.01, 25), confirm_top=1, confirm_steps=1, cost=opposite)
+    out["disagreeing_choice"] = result.bucket_size_mb
+    from collective_ops.tuning import save_profile
+
+    save_profile(model, step, profile_path)
 
     auto = co.wrap(build("mlp"), bucket_size_mb="auto", auto_tune_step=2)
     optimizer = torch.optim.SGD(auto.parameters(), lr=0.01)
@@ -114,8 +126,9 @@ def tuner_checks(rank: int, world: int) -> dict:
     return out
 
 
-def test_tuner_and_auto_on_real_ranks() -> None:
-    outs = run_ranks(2, tuner_checks)
+def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
+    profile_path = tmp_path / "profile.json"
+    outs = run_ranks(2, tuner_checks, str(profile_path))
     assert outs[0]["chosen"] == outs[1]["chosen"] in (0.01, 0.05, 25)
     for out in outs:
         assert out["plan"] == out["chosen"] and out["predicted"] == 3 and len(out["measured"]) == 2
@@ -124,3 +137,19 @@ def test_tuner_and_auto_on_real_ranks() -> None:
         assert sizes[0] == 25.0 and sizes[1] == sizes[2] == sizes[3] in CANDIDATES_MB, sizes  # settled at step 2
         assert out["auto_report"]
     assert outs[0]["auto_sizes"] == outs[1]["auto_sizes"]
+    assert outs[0]["disagreeing_choice"] == outs[1]["disagreeing_choice"] == 25  # rank 0's shortlist
+
+    # the saved profile projects to other world sizes (a simulation, and labelled so)
+    result = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(profile_path), "--world", "8", "4096"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.startswith("SIMULATION") and "N=8 " in result.stdout and "N=4096" in result.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    result = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(bad)], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "not a profile" in result.stdout

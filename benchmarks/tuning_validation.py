@@ -1,0 +1,148 @@
+"""Does the simulator predict step time? Does the tuner find the best bucket size, and beat DDP's default?
+
+    python benchmarks/tuning_validation.py --world 2 --model transformer --steps 8
+
+1. Profile one step of the wrapped model and fit alpha/beta on the live group.
+2. For every candidate bucket size: predicted step time against measured (median of --steps).
+3. collective_ops.tune's choice and its trial steps, against the best of that exhaustive sweep.
+4. wrap with the tuned size against torch DDP with its defaults (alternating blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import spawn  # noqa: E402
+from benchmarks.ddp_compare import build_model, one_step  # noqa: E402
+
+
+def timed_steps(model, optimizer, batches, steps: int) -> float:
+    times = []
+    for i in range(steps):
+        times.append(one_step(model, optimizer, batches[i % len(batches)]))
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t)
+
+
+def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    import collective_ops as co
+    from collective_ops.tuning import CANDIDATES_MB, measure_alpha_beta, predict, profile_from_stats
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    model, batch = build_model(args.model)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [batch(gen) for _ in range(4)]
+    wrapped = co.wrap(model, bucket_size_mb=25)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    for i in range(3):
+        one_step(wrapped, optimizer, batches[i % 4])
+    profiles = []
+    for i in range(3):  # the median profile step
+        start = time.perf_counter()
+        one_step(wrapped, optimizer, batches[i % 4])
+        profiles.append(profile_from_stats(wrapped.manager.last_stats, start, time.perf_counter()))
+    profile = sorted(profiles, key=lambda p: p.step_compute_s)[1]
+    cost = measure_alpha_beta()
+    plan = wrapped.manager.plan
+    predictions = {p.bucket_size_mb: p for p in predict(plan.params, profile, cost, CANDIDATES_MB, 1.0, plan.order)}
+    sweep = {}
+    for mb in CANDIDATES_MB:
+        wrapped.set_bucket_size(mb, 1.0)
+        one_step(wrapped, optimizer, batches[0])
+        sweep[mb] = timed_steps(wrapped, optimizer, batches, args.steps)
+    # the tuner, from a fresh wrapper
+    model2, _ = build_model(args.model)
+    tuned = co.wrap(model2, bucket_size_mb=25)
+    opt2 = torch.optim.SGD(tuned.parameters(), lr=1e-3)
+    counter = {"i": 0}
+
+    def step() -> None:
+        counter["i"] += 1
+        one_step(tuned, opt2, batches[counter["i"] % 4])
+
+    result = co.tune(tuned, step, confirm_top=2, confirm_steps=3)
+    # tuned wrap against DDP defaults, alternating blocks
+    model3, _ = build_model(args.model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model3)
+    opt3 = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    one_step(ddp, opt3, batches[0])
+    versus = {"ddp": [], "tuned": []}
+    for round_ in range(args.rounds):
+        order = [("ddp", ddp, opt3), ("tuned", tuned, opt2)]
+        for name, m, o in order if round_ % 2 == 0 else order[::-1]:
+            versus[name].append(timed_steps(m, o, batches, args.steps))
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(
+            {
+                "alpha_us": cost.alpha * 1e6,
+                "beta_ns_per_byte": cost.beta * 1e9,
+                "profile_compute_ms": profile.step_compute_s * 1e3,
+                "backward_end_ms": profile.backward_end_s * 1e3,
+                "rows": [
+                    {
+                        "mb": mb,
+                        "predicted_ms": predictions[mb].step_s * 1e3,
+                        "measured_ms": sweep[mb] * 1e3,
+                        "collectives": predictions[mb].collectives,
+                    }
+                    for mb in CANDIDATES_MB
+                ],
+                "tuned_mb": result.bucket_size_mb,
+                "tune_trial_steps": result.trial_steps,
+                "sweep_steps": len(CANDIDATES_MB) * (args.steps + 1),
+                "ddp_ms": statistics.median(versus["ddp"]) * 1e3,
+                "tuned_ms": statistics.median(versus["tuned"]) * 1e3,
+            }
+        )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--model", choices=["transformer", "cnn", "mlp"], default="transformer")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of DDP and the tuned wrap")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    r = spawn(rank_main, args.world, args)
+    print(
+        f"# tuning_validation: {args.model}, {args.world} Gloo ranks; alpha {r['alpha_us']:.0f} us, "
+        f"beta {r['beta_ns_per_byte']:.3f} ns/B; profiled compute {r['profile_compute_ms']:.0f} ms, "
+        f"backward ends at {r['backward_end_ms']:.0f} ms"
+    )
+    print(f"  {'bucket MiB':>10} {'collectives':>11} {'predicted ms':>13} {'measured ms':>12} {'error':>7}")
+    for row in r["rows"]:
+        error = (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"] * 100
+        print(
+            f"  {row['mb']:>10g} {row['collectives']:>11} {row['predicted_ms']:>13.1f} {row['measured_ms']:>12.1f} {error:>+6.1f}%"
+        )
+    best = min(r["rows"], key=lambda row: row["measured_ms"])
+    tuned_row = next(row for row in r["rows"] if row["mb"] == r["tuned_mb"])
+    print(
+        f"  tuner chose {r['tuned_mb']:g} MiB in {r['tune_trial_steps']} trial steps (the sweep took {r['sweep_steps']}); "
+        f"its measured step is {tuned_row['measured_ms'] / best['measured_ms']:.3f}x the sweep's best ({best['mb']:g} MiB)"
+    )
+    print(
+        f"  tuned wrap {r['tuned_ms']:.1f} ms vs DDP default {r['ddp_ms']:.1f} ms: ratio {r['tuned_ms'] / r['ddp_ms']:.3f}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
