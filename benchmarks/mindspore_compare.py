@@ -5,8 +5,9 @@
         benchmarks/mindspore_compare.py --steps 20 --json out.json        # or under msrun directly
 
 Both reducers live in the same processes and alternate in blocks of steps; each step
-ends by reading the loss and the first parameter (``asnumpy`` synchronises: on CPU
-``CommHandle.wait()`` does not block), and the median step of each is reported.
+ends with ``mindspore.runtime.synchronize()`` (on CPU ``CommHandle.wait()`` does not
+block, and MindSpore's runtime would otherwise let one step's reductions run into the
+next step), and the median step of each is reported.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def run(args) -> None:
         loss, grads = grad_fn(*data[i % len(data)])
         opt(reduce(grads))
         loss.asnumpy()
-        opt.parameters[0].asnumpy()  # the update is done, so its gradient's reduction is too
+        ms.runtime.synchronize()  # every update (so every reduction) is done: a step ends here for both
         return time.perf_counter() - start
 
     times = {kind: [] for kind in setups}
