@@ -32,3 +32,15 @@ def check_allreduce(got: np.ndarray, world: int, dtype: str, op: str) -> None:
         np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=f"{dtype} {op}")
     else:
         np.testing.assert_array_equal(got, expected, err_msg=f"{dtype} {op}")
+
+
+def collect_errors(cases: dict, kinds: tuple = (ValueError, TypeError)) -> dict:
+    """Run each bad-input call; its error message (with the type when a custom one), or None if it passed."""
+    errors = {}
+    for name, call in cases.items():
+        try:
+            call()
+            errors[name] = None
+        except kinds as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors

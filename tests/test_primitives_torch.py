@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import OPS, check_allreduce, rank_input
+from tests.reference import OPS, check_allreduce, collect_errors, rank_input
 
 DTYPES = ["float32", "float16", "bfloat16", "int64"]
 
@@ -67,7 +67,6 @@ def primitive_checks(rank: int, world: int) -> dict:
     out["numpy_allgather"] = (type(gathered).__name__, gathered)
 
     # bad input: refused before any communication, with a message that says what to do
-    errors = {}
     cases = {
         "unknown_op": lambda: co.allreduce(torch.ones(2), op="median"),
         "non_contiguous": lambda: co.allreduce(torch.ones(4, 4).t()),
@@ -78,13 +77,7 @@ def primitive_checks(rank: int, world: int) -> dict:
         "not_a_tensor": lambda: co.allreduce([1.0, 2.0]),
         "readonly_numpy": lambda: co.allreduce(np.ones(3, dtype=np.float32)[::2]),
     }
-    for name, call in cases.items():
-        try:
-            call()
-            errors[name] = None
-        except (ValueError, TypeError) as exc:
-            errors[name] = str(exc)
-    out["errors"] = errors
+    out["errors"] = collect_errors(cases)
     return out
 
 

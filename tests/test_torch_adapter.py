@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
+from tests.reference import collect_errors
 
 STEPS = 3
 # Attention's key bias has a mathematically zero gradient (softmax ignores a shift), so its
@@ -230,7 +231,6 @@ def feature_checks(rank: int, world: int) -> dict:
     }
 
     # bad input: each refused with a clear message, on every rank, without a hang
-    errors = {}
     torch.manual_seed(0)
     mismatched = nn.Sequential(nn.Linear(16, 8 if rank == 0 else 9))
     cases = {
@@ -243,13 +243,7 @@ def feature_checks(rank: int, world: int) -> dict:
         "bad_compression": lambda: co.wrap(build("mlp"), compression="int8"),
         "not_a_model": lambda: co.wrap(object()),
     }
-    for name, call in cases.items():
-        try:
-            call()
-            errors[name] = None
-        except (ValueError, TypeError, ModelMismatchError) as exc:
-            errors[name] = f"{type(exc).__name__}: {exc}"
-    out["errors"] = errors
+    out["errors"] = collect_errors(cases, (ValueError, TypeError, ModelMismatchError))
     return out
 
 

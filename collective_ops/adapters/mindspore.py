@@ -33,13 +33,11 @@ from ..bucketing import (
     CommHook,
     ParamSpec,
     fused_collective,
-    hook_for_compression,
     plan_buckets,
-    validate_bucket_mb,
 )
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks
-from ..ops import parse_reduce_op
+from ._options import resolve_options
 
 logger = logging.getLogger("collective_ops")
 
@@ -76,13 +74,9 @@ class DataParallel:
             raise ValueError("this network is already wrapped by collective_ops; wrap the original network once")
         if not isinstance(network, nn.Cell):
             raise TypeError(f"wrap() takes a mindspore.nn.Cell, got {type(network).__name__}")
-        bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
-        first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
-        reduce_op = parse_reduce_op(reduce_op)
-        if reduce_op not in ("avg", "sum"):
-            raise ValueError(f"reduce_op for gradients must be 'avg' or 'sum', got {reduce_op!r}")
-        if comm_hook is not None and compression is not None:
-            raise ValueError("give either compression or comm_hook, not both (compression is a built-in comm_hook)")
+        bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
+            bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
+        )
         if not runtime.is_initialized("mindspore"):
             runtime.init(framework="mindspore")
         self.engine: MindSporeEngine = runtime.get_engine("mindspore")
@@ -114,7 +108,7 @@ class DataParallel:
             plan_buckets(specs, bucket_size_mb, first_bucket_mb),
             self.engine,
             reduce_op=reduce_op,
-            comm_hook=comm_hook or hook_for_compression(compression),
+            comm_hook=hook,
             find_unused_parameters=find_unused_parameters,
             rebuild_after_first_step=rebuild_buckets,
             observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
@@ -207,23 +201,12 @@ class DataParallel:
         self._hook_handles = []
 
     def comm_stats(self) -> dict[str, Any]:
-        manager = self.manager
-        stats = manager.last_stats
-        steps = max(manager.totals["steps"], 1)
+        """Buckets, collectives and bytes per step, and communication time not hidden behind backward."""
         return {
             "mode": self._last_mode,
             "backend": self.engine.backend,
-            "world_size": self.engine.world_size,
-            "buckets": len(manager.plan.buckets),
-            "bucket_bytes": [b.nbytes for b in manager.plan.buckets],
-            "bucket_params": [len(b.param_indices) for b in manager.plan.buckets],
-            "plan_fingerprint": manager.plan.fingerprint(),
-            "steps": manager.totals["steps"],
-            "collectives_per_step": stats.collectives,
-            "bytes_per_step": stats.bytes_communicated,
-            "exposed_comm_s": stats.exposed_comm_s,
-            "mean_exposed_comm_s": manager.totals["exposed_comm_s"] / steps,
             "compression": self.compression,
+            **self.manager.stats_summary(),
         }
 
     def describe_plan(self) -> str:

@@ -27,13 +27,12 @@ from ..bucketing import (
     CommHook,
     ParamSpec,
     fused_collective,
-    hook_for_compression,
     plan_buckets,
     validate_bucket_mb,
 )
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks
-from ..ops import parse_reduce_op
+from ._options import resolve_options
 
 logger = logging.getLogger("collective_ops")
 
@@ -88,14 +87,9 @@ class DistributedDataParallel(nn.Module):
                 "this model already has a live collective_ops wrapper (its gradients would be reduced twice); "
                 "use that wrapper, or call its remove_hooks() (or delete it) before wrapping again"
             )
-        bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
-        first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
-        reduce_op = parse_reduce_op(reduce_op)
-        if reduce_op not in ("avg", "sum"):
-            raise ValueError(f"reduce_op for gradients must be 'avg' or 'sum', got {reduce_op!r}")
-        if comm_hook is not None and compression is not None:
-            raise ValueError("give either compression or comm_hook, not both (compression is a built-in comm_hook)")
-        hook = comm_hook or hook_for_compression(compression)
+        bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
+            bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
+        )
         self.auto_tune_report = None
 
         if not runtime.is_initialized("torch"):
@@ -327,23 +321,11 @@ class DistributedDataParallel(nn.Module):
 
     def comm_stats(self) -> dict[str, Any]:
         """Buckets, collectives and bytes per step, and communication time not hidden behind backward."""
-        manager = self.manager
-        stats = manager.last_stats
-        steps = max(manager.totals["steps"], 1)
         return {
             "mode": "overlap",
             "backend": self.engine.backend,
-            "world_size": self.engine.world_size,
-            "buckets": len(manager.plan.buckets),
-            "bucket_bytes": [b.nbytes for b in manager.plan.buckets],
-            "bucket_params": [len(b.param_indices) for b in manager.plan.buckets],
-            "plan_fingerprint": manager.plan.fingerprint(),
-            "steps": manager.totals["steps"],
-            "collectives_per_step": stats.collectives,
-            "bytes_per_step": stats.bytes_communicated,
-            "exposed_comm_s": stats.exposed_comm_s,
-            "mean_exposed_comm_s": manager.totals["exposed_comm_s"] / steps,
             "compression": self.compression,
+            **self.manager.stats_summary(),
         }
 
     def describe_plan(self) -> str:

@@ -145,6 +145,24 @@ class BucketManager:
         """True between the first gradient of an iteration and its finalize()."""
         return bool(self._marked)
 
+    def stats_summary(self) -> dict[str, Any]:
+        """Buckets, collectives and bytes per step, and communication not hidden behind backward."""
+        stats = self.last_stats
+        plan = self.plan
+        return {
+            "world_size": self.engine.world_size,
+            "buckets": len(plan.buckets),
+            "bucket_bytes": [b.nbytes for b in plan.buckets],
+            "bucket_params": [len(b.param_indices) for b in plan.buckets],
+            "bucket_size_mb": plan.bucket_size_mb,
+            "plan_fingerprint": plan.fingerprint(),
+            "steps": self.totals["steps"],
+            "collectives_per_step": stats.collectives,
+            "bytes_per_step": stats.bytes_communicated,
+            "exposed_comm_s": stats.exposed_comm_s,
+            "mean_exposed_comm_s": self.totals["exposed_comm_s"] / max(self.totals["steps"], 1),
+        }
+
     def bucket_results(self, bucket_index: int) -> list[Any]:
         """The bucket's reduced values, one flat tensor per parameter in bucket order."""
         bucket = self.plan.buckets[bucket_index]

@@ -12,6 +12,7 @@ import collective_ops as co
 from collective_ops.adapters.mindspore import TrainOneStepCell
 from collective_ops.consistency import ModelMismatchError
 from tests.msrun_harness import write_result
+from tests.reference import collect_errors
 
 MODE = sys.argv[1]
 ms.set_context(mode=ms.PYNATIVE_MODE if MODE == "pynative" else ms.GRAPH_MODE)
@@ -119,19 +120,15 @@ if MODE == "pynative":
     out["train_one_step"] = {p.name: p.asnumpy().tolist() for p in wrapped_cell.network.trainable_params()}
 
 # 5. bad input: refused on every rank, no hang
-errors = {}
-for name, call in {
-    "mismatch": lambda: co.wrap(nn.Dense(4, 5 if rank == 0 else 6)),
-    "bucket_zero": lambda: co.wrap(build(0), bucket_size_mb=0),
-    "already_wrapped": lambda: co.wrap(wrapped),
-    "wrong_count": lambda: wrapped.reduce((ms.Tensor(np.ones(1, np.float32)),)),
-}.items():
-    try:
-        call()
-        errors[name] = None
-    except (ValueError, TypeError, ModelMismatchError) as exc:
-        errors[name] = f"{type(exc).__name__}: {exc}"
-out["errors"] = errors
+out["errors"] = collect_errors(
+    {
+        "mismatch": lambda: co.wrap(nn.Dense(4, 5 if rank == 0 else 6)),
+        "bucket_zero": lambda: co.wrap(build(0), bucket_size_mb=0),
+        "already_wrapped": lambda: co.wrap(wrapped),
+        "wrong_count": lambda: wrapped.reduce((ms.Tensor(np.ones(1, np.float32)),)),
+    },
+    (ValueError, TypeError, ModelMismatchError),
+)
 
 write_result(rank, out)
 co.shutdown()

@@ -7,7 +7,7 @@ import numpy as np
 
 import collective_ops as co
 from tests.msrun_harness import write_result
-from tests.reference import OPS, rank_input
+from tests.reference import OPS, collect_errors, rank_input
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ctx = co.init()  # msrun's environment: MindSpore communication
@@ -63,19 +63,14 @@ bucket.allreduce()
 out["bucket_equal"] = all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(tensors, reference))
 out["bucket_collectives"] = bucket.num_collectives
 
-errors = {}
-for name, call in {
-    "unknown_op": lambda: co.allreduce(ms.Tensor(np.ones(2, np.float32)), op="median"),
-    "int_avg": lambda: co.allreduce(ms.Tensor(np.ones(2, np.int64)), op="avg"),
-    "reduce_scatter_shape": lambda: co.reduce_scatter(ms.Tensor(np.ones(world * 2 + 1, np.float32))),
-    "bad_src": lambda: co.broadcast(ms.Tensor(np.ones(2, np.float32)), src=world),
-}.items():
-    try:
-        call()
-        errors[name] = None
-    except (ValueError, TypeError) as exc:
-        errors[name] = str(exc)
-out["errors"] = errors
+out["errors"] = collect_errors(
+    {
+        "unknown_op": lambda: co.allreduce(ms.Tensor(np.ones(2, np.float32)), op="median"),
+        "int_avg": lambda: co.allreduce(ms.Tensor(np.ones(2, np.int64)), op="avg"),
+        "reduce_scatter_shape": lambda: co.reduce_scatter(ms.Tensor(np.ones(world * 2 + 1, np.float32))),
+        "bad_src": lambda: co.broadcast(ms.Tensor(np.ones(2, np.float32)), src=world),
+    }
+)
 
 write_result(rank, out)
 co.shutdown()  # ends with a barrier: no rank leaves while a peer still sends
