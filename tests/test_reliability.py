@@ -165,3 +165,28 @@ def test_no_hooks_or_buffers_outlive_a_deleted_wrapper(monkeypatch) -> None:
         assert rewrapped.manager.plan.buckets
     finally:
         co.shutdown()
+
+
+def mismatched_shapes(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+
+    out = {}
+    for name, call in {
+        "allreduce": lambda: co.allreduce(torch.ones(3 + rank)),
+        "allgather": lambda: co.allgather(torch.ones(2, dtype=torch.float32 if rank == 0 else torch.float64)),
+    }.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    co.allreduce(torch.ones(4))  # matching calls still work afterwards
+    return out
+
+
+def test_mismatched_shapes_across_ranks_are_named_in_debug_mode() -> None:
+    for out in run_ranks(2, mismatched_shapes, env={"COLLECTIVE_OPS_CHECK_SHAPES": "1"}):
+        assert "rank 0: (3,) float32, rank 1: (4,) float32" in out["allreduce"]
+        assert "rank 0: (2,) float32, rank 1: (2,) float64" in out["allgather"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,9 @@ class TorchEngine(Engine):
     def __init__(self, backend: str, device: torch.device) -> None:
         self.backend = backend
         self.device = device
+        # Debug mode: agree on shape and dtype before every primitive (one small extra collective),
+        # so a mismatch is an error naming the ranks instead of a transport abort or a hang.
+        self.check_shapes = os.environ.get("COLLECTIVE_OPS_CHECK_SHAPES", "") == "1"
 
     @property
     def rank(self) -> int:
@@ -63,7 +67,18 @@ class TorchEngine(Engine):
                 f"{what}: tensor is on {tensor.device}, but backend {self.backend!r} reduces "
                 f"{self.device.type} tensors; move it with tensor.to({str(self.device)!r})"
             )
+        if self.check_shapes:
+            self._check_same_everywhere(tensor, what)
         return tensor
+
+    def _check_same_everywhere(self, tensor: torch.Tensor, what: str) -> None:
+        mine = f"{tuple(tensor.shape)} {dtype_name(tensor.dtype)}".encode()
+        everyone = self.allgather_bytes(mine)
+        if len(set(everyone)) > 1:
+            listing = ", ".join(f"rank {r}: {b.decode()}" for r, b in enumerate(everyone))
+            raise ValueError(
+                f"{what}: ranks passed different tensors ({listing}); every rank must pass the same shape and dtype"
+            )
 
     @staticmethod
     def _back(result: torch.Tensor, like: Any) -> Any:
