@@ -195,13 +195,10 @@ class BucketManager:
         now = time.perf_counter()
         bucket_index, _slot = self.plan.location[index]
         if grad is not None:
-            numel, dtype, device = self.engine.describe(grad)
-            spec = self.plan.params[index]
-            if (numel, dtype, device) != (spec.numel, spec.dtype, spec.device):
-                raise ValueError(
-                    f"gradient of parameter {name!r} has numel={numel}, dtype={dtype}, device={device}; "
-                    f"the bucket plan expects numel={spec.numel}, dtype={spec.dtype}, device={spec.device}"
-                )
+            # Engines that assemble buckets (MindSpore) pay a pipeline wait to describe a tensor: their
+            # gradients' layout is checked in the first synchronised step, whose shapes later ones repeat.
+            if not (self._assembles and self.steps_synced > 0):
+                self._check_gradient(index, grad)
             if self._assembles:
                 self._staged[index] = grad  # concatenated with its bucket-mates at launch: one op
             else:
@@ -220,6 +217,15 @@ class BucketManager:
         if self._pending[bucket_index] == 0:
             timing.last_ready = now
             self._launch_ready_buckets()
+
+    def _check_gradient(self, index: int, grad: Any) -> None:
+        numel, dtype, device = self.engine.describe(grad)
+        spec = self.plan.params[index]
+        if (numel, dtype, device) != (spec.numel, spec.dtype, spec.device):
+            raise ValueError(
+                f"gradient of parameter {spec.name!r} has numel={numel}, dtype={dtype}, device={device}; "
+                f"the bucket plan expects numel={spec.numel}, dtype={spec.dtype}, device={spec.device}"
+            )
 
     def _launch_ready_buckets(self) -> None:
         buckets = self.plan.buckets

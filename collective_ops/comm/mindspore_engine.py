@@ -13,6 +13,7 @@ through ``copy_`` and slice assignment, which are.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +63,9 @@ class MindSporeEngine(Engine):
         self.device = device
         self._rank = mdist.get_rank()
         self._world = mdist.get_world_size()
+        # Buffers this engine made (contiguous by construction). Asking a tensor whether it is
+        # contiguous waits for MindSpore's async pipeline, which would stall every bucket launch.
+        self._own_buffers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by id: Tensor == is elementwise
 
     @property
     def rank(self) -> int:
@@ -83,7 +87,7 @@ class MindSporeEngine(Engine):
             return ms.Tensor(np.ascontiguousarray(array)), lambda result: np.copyto(array, result.asnumpy())
         if not isinstance(tensor, ms.Tensor):
             raise TypeError(f"{what} takes a mindspore.Tensor or numpy.ndarray, got {type(tensor).__name__}")
-        if not tensor.is_contiguous():
+        if self._own_buffers.get(id(tensor)) is not tensor and not tensor.is_contiguous():
             raise ValueError(f"{what}: tensor is not contiguous; pass tensor.contiguous()")
         return tensor, None
 
@@ -181,8 +185,12 @@ class MindSporeEngine(Engine):
     def is_contiguous(self, tensor: Any) -> bool:
         return isinstance(tensor, ms.Tensor) and tensor.is_contiguous()
 
+    def _own(self, tensor: ms.Tensor) -> ms.Tensor:
+        self._own_buffers[id(tensor)] = tensor
+        return tensor
+
     def zeros(self, numel: int, dtype: str, device: str) -> ms.Tensor:
-        return mint.zeros(numel, dtype=getattr(ms, dtype))
+        return self._own(mint.zeros(numel, dtype=getattr(ms, dtype)))
 
     @staticmethod
     def _piece(buffer: ms.Tensor, offset: int, numel: int) -> ms.Tensor:
@@ -201,7 +209,7 @@ class MindSporeEngine(Engine):
 
     def pack(self, tensors: Sequence[ms.Tensor]) -> ms.Tensor:
         """One flat buffer holding ``tensors`` in order."""
-        return mint.cat([t.reshape(-1) for t in tensors])
+        return self._own(mint.cat([t.reshape(-1) for t in tensors]))
 
     def unpack(self, buffer: ms.Tensor, numels: Sequence[int]) -> list[ms.Tensor]:
         return list(mint.split(buffer, list(numels)))
@@ -219,7 +227,7 @@ class MindSporeEngine(Engine):
         buffer.copy_(buffer * factor)
 
     def cast(self, buffer: ms.Tensor, dtype: str) -> ms.Tensor:
-        return buffer.astype(getattr(ms, dtype))
+        return self._own(buffer.astype(getattr(ms, dtype)))
 
     def copy_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
         dst.copy_(src.reshape(dst.shape).astype(dst.dtype))
