@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mindspore as ms
@@ -174,14 +174,9 @@ class DataParallel:
         """A drop-in for ``nn.DistributedGradReducer``: a callable on the gradient tuple."""
         return lambda grads: self.reduce(grads, params)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Gradient accumulation: hooks stay quiet; pass the summed gradients to reduce() afterwards."""
-        self.manager.set_sync(False)
-        try:
-            yield
-        finally:
-            self.manager.set_sync(True)
+        return self.manager.no_sync()
 
     # -- the network's face ---------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -276,14 +275,9 @@ class DistributedDataParallel(nn.Module):
                 self._grad_ready(i, p)
         self._finalize()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally; the first backward after the block synchronizes them all."""
-        self.manager.set_sync(False)
-        try:
-            yield
-        finally:
-            self.manager.set_sync(True)
+        return self.manager.no_sync()
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,10 +9,11 @@ gradients arrive in.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -400,6 +401,15 @@ class BucketManager:
         return True
 
     # -- modes ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within the block gradients are not communicated (accumulation); sync resumes after it."""
+        self.set_sync(False)
+        try:
+            yield
+        finally:
+            self.set_sync(True)
+
     def set_sync(self, enabled: bool) -> None:
         """Disable to accumulate gradients locally (no_sync); re-enable for the synchronising step."""
         if not enabled and self.in_progress:

@@ -65,7 +65,9 @@ class MindSporeEngine(Engine):
         self._world = mdist.get_world_size()
         # Buffers this engine made (contiguous by construction). Asking a tensor whether it is
         # contiguous waits for MindSpore's async pipeline, which would stall every bucket launch.
-        self._own_buffers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by id: Tensor == is elementwise
+        self._own_buffers: weakref.WeakValueDictionary = (
+            weakref.WeakValueDictionary()
+        )  # by id: Tensor == is elementwise
 
     @property
     def rank(self) -> int:
