@@ -305,6 +305,7 @@ def _run_and_report(args: argparse.Namespace) -> None:
         args.warmup,
         args.iters,
         tuple(args.impl or ("raw", "collective_ops")),
+        rounds=args.rounds,
     )
     if co.get_rank() == 0:
         print(format_table(rows, co.get_world_size()))
