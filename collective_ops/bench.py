@@ -8,7 +8,8 @@ per-rank input for allreduce and broadcast, and of the full (gathered / pre-scat
 tensor for allgather and reduce_scatter, as nccl-tests counts them. Each size ends with
 a correctness check of the result (``wrong`` counts mismatching elements).
 
-Run under ``torchrun`` (any world size), or ``--spawn N`` to start N local ranks.
+Run under ``torchrun`` (any world size), ``--spawn N`` to start N local ranks, or under
+``msrun`` for MindSpore communication (``mint.distributed`` beside collective_ops).
 """
 
 from __future__ import annotations
@@ -209,6 +210,101 @@ def run_sweep(
     return rows
 
 
+def run_sweep_mindspore(
+    op: str,
+    sizes: Sequence[int],
+    dtype_name: str = "float32",
+    reduce_op: str = "sum",
+    warmup: int = 5,
+    iters: int = 20,
+    impls: Sequence[str] = ("raw", "collective_ops"),
+    rounds: int = 5,
+) -> list[Row]:
+    """The same sweep on MindSpore communication (under msrun): mint.distributed beside collective_ops.
+
+    MCCL (CPU) has no tensor-form allgather or reduce_scatter kernels, so those ops time the
+    list-form allgather and collective_ops' composed reduce_scatter; every step ends with
+    ``mindspore.runtime.synchronize()`` (CPU handles return before the work is done).
+    """
+    import mindspore as ms
+    import mindspore.mint.distributed as mdist
+    import numpy as np
+    from mindspore import mint
+
+    import collective_ops as co
+
+    rank, world = co.get_rank(), co.get_world_size()
+    dtype = getattr(ms, dtype_name, None)
+    if dtype is None or not isinstance(dtype, type(ms.float32)):
+        raise ValueError(f"unknown dtype {dtype_name!r}; use e.g. float32, float16, int32")
+
+    def raw(t):
+        if op == "allreduce":
+            return mdist.all_reduce(t, op=reduce_op)
+        if op == "broadcast":
+            return mdist.broadcast(t, 0)
+        if op == "allgather":
+            return mdist.all_gather([mint.zeros(t.shape, dtype=t.dtype) for _ in range(world)], t)
+        return co.reduce_scatter(t, op=reduce_op)  # no native CPU kernel to compare with
+
+    ours = {
+        "allreduce": lambda t: co.allreduce(t, op=reduce_op),
+        "broadcast": lambda t: co.broadcast(t, src=0),
+        "allgather": lambda t: co.allgather(t),
+        "reduce_scatter": lambda t: co.reduce_scatter(t, op=reduce_op),
+    }[op]
+    all_impls = {"raw": raw, "collective_ops": ours}
+    rows: list[Row] = []
+    for nbytes in sizes:
+        itemsize = int(ms.Tensor(np.zeros(1), dtype).itemsize)
+        count = max(nbytes // itemsize, 1)
+        if op in ("allgather", "reduce_scatter"):
+            count = max(count // world, 1) * (1 if op == "allgather" else world)
+        t = ms.Tensor(np.ones(count), dtype)
+        total_bytes = count * itemsize * (world if op == "allgather" else 1)
+        block = max(iters // rounds, 1)
+        per_block = {name: [] for name in impls}
+        for name in impls:
+            for _ in range(warmup):
+                all_impls[name](t)
+        ms.runtime.synchronize()
+        for _ in range(rounds):
+            for name in impls:
+                mdist.barrier()
+                start = time.perf_counter()
+                for _ in range(block):
+                    all_impls[name](t)
+                ms.runtime.synchronize()
+                per_block[name].append((time.perf_counter() - start) / block)
+        for name in impls:
+            times = ms.Tensor(np.asarray(per_block[name], dtype=np.float32))
+            co.allreduce(times, op="max")
+            probe = ms.Tensor(np.full(count, rank + 1.0), dtype)  # mint.full has no CPU kernel
+            result = all_impls[name](probe) if name == "collective_ops" else None
+            if name == "raw":
+                all_impls[name](probe)
+                result = probe if op in ("allreduce", "broadcast") else None
+            wrong = _count_wrong_numpy(op, result, rank, world, count) if result is not None else 0
+            seconds = float(np.median(times.asnumpy()))
+            algbw, busbw = bandwidths(op, total_bytes, seconds, world)
+            rows.append(Row(op, name, total_bytes, count, dtype_name, seconds * 1e6, algbw, busbw, wrong))
+    return rows
+
+
+def _count_wrong_numpy(op: str, result, rank: int, world: int, count: int) -> int:
+    import mindspore as ms
+    import numpy as np
+
+    got = np.asarray(result.astype(ms.float32).asnumpy(), dtype=np.float64).reshape(-1)
+    if op == "allreduce" or op == "reduce_scatter":
+        expected = np.full(got.shape, world * (world + 1) / 2)
+    elif op == "broadcast":
+        expected = np.ones(got.shape)
+    else:
+        expected = np.repeat(np.arange(1, world + 1, dtype=np.float64), count)
+    return int((np.abs(got - expected) > 1e-3 * np.maximum(np.abs(expected), 1)).sum())
+
+
 def format_table(rows: Sequence[Row], world: int) -> str:
     lines = [
         f"# collective-ops bench: {rows[0].op if rows else ''}, {world} rank(s); time = median block, slowest rank",
@@ -297,7 +393,8 @@ def _run_and_report(args: argparse.Namespace) -> None:
     import collective_ops as co
 
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
-    rows = run_sweep(
+    sweep = run_sweep_mindspore if co.context().framework == "mindspore" else run_sweep
+    rows = sweep(
         args.op,
         sizes,
         args.dtype,
@@ -336,6 +433,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import collective_ops as co
 
-    co.init(args.backend)
+    co.init(args.backend)  # under msrun: MindSpore communication, so the MindSpore sweep
     _run_and_report(args)
     return 0

@@ -80,3 +80,12 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
         assert "already wrapped" in errors["already_wrapped"]
         assert "got 1 gradients for" in errors["wrong_count"]
     assert results[0]["stats"]["plan_fingerprint"] == results[1]["stats"]["plan_fingerprint"]
+
+
+def test_benchmark_sweep_under_msrun() -> None:
+    from collective_ops.bench import OPS
+
+    for rows in run_msrun("bench.py", world=2):
+        for op in OPS:
+            assert [r["impl"] for r in rows[op]] == ["raw", "collective_ops"] * 2
+            assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows[op]), rows[op]
