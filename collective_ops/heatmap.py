@@ -99,6 +99,16 @@ def analyze(events: Sequence[dict]) -> Analysis:
     bucket_events = [e for e in events if e.get("cat") == "bucket" and e.get("ph") == "X"]
     if not bucket_events:
         raise TraceError("the trace holds no bucket events: was a wrapped model trained with tracing on?")
+    # Bucket numbers change meaning when the plan changes (the rebuild after step 1, a new size):
+    # keep the plan of the latest step, the steady state.
+    plans: dict[str, int] = {}
+    for e in bucket_events:
+        args = e.get("args")
+        if isinstance(args, dict) and "plan" in args:
+            plans[str(args["plan"])] = max(plans.get(str(args["plan"]), -1), int(args.get("step", -1)))
+    if len(plans) > 1:
+        latest = max(plans, key=plans.get)
+        bucket_events = [e for e in bucket_events if str(e["args"].get("plan")) == latest]
     durations: dict[tuple[int, int], list[float]] = defaultdict(list)
     exposed: dict[tuple[int, int], list[float]] = defaultdict(list)
     launches: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)  # (step, bucket) -> rank -> ts

@@ -81,6 +81,7 @@ class Tracer:
 
     def step_finished(self, manager: Any, stats: Any) -> None:
         plan = manager.plan
+        fingerprint = plan.fingerprint()[:12]  # bucket numbers mean something only within one plan
         step = stats.step
         if stats.backward_start is not None and stats.finalize_start is not None:
             self._add(
@@ -122,6 +123,7 @@ class Tracer:
                     "args": {
                         "step": step,
                         "bucket": bucket.index,
+                        "plan": fingerprint,
                         "bytes": bucket.nbytes,
                         "dtype": bucket.dtype,
                         "num_params": len(names),

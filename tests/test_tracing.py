@@ -169,3 +169,21 @@ def test_analysis_by_hand() -> None:
     np.testing.assert_allclose(analysis.comm_ms, [[5.0], [2.0]])
     assert analysis.slowest_rank == 1 and analysis.most_exposed_bucket == 0
     assert analysis.hidden_share == pytest.approx(1 - 1.0 / 7.0)
+
+
+def test_analysis_keeps_the_latest_plan() -> None:
+    def bucket(pid, step, index, plan):
+        return {
+            "ph": "X",
+            "cat": "bucket",
+            "pid": pid,
+            "ts": 0.0,
+            "dur": 1000.0,
+            "args": {"bucket": index, "step": step, "plan": plan, "bytes": 8},
+        }
+
+    # step 0 ran a 3-bucket plan; after the rebuild, steps 1-2 ran a 2-bucket one
+    events = [bucket(r, 0, b, "old") for r in (0, 1) for b in range(3)]
+    events += [bucket(r, s, b, "new") for r in (0, 1) for s in (1, 2) for b in range(2)]
+    analysis = analyze(events)
+    assert analysis.buckets == [0, 1] and analysis.steps == [1, 2]
