@@ -9,11 +9,16 @@ from ..ops import parse_reduce_op
 
 
 def resolve_options(
-    bucket_size_mb: float, first_bucket_mb: float, reduce_op: Any, compression: str | None, comm_hook: CommHook | None
-) -> tuple[float, float, str, CommHook]:
+    bucket_size_mb: float,
+    first_bucket_mb: float | None,
+    reduce_op: Any,
+    compression: str | None,
+    comm_hook: CommHook | None,
+) -> tuple[float, float | None, str, CommHook]:
     """Validated (bucket_size_mb, first_bucket_mb, reduce_op, comm_hook), or a clear error."""
     bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
-    first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
+    if first_bucket_mb is not None:  # None: the adapter chooses
+        first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
     reduce_op = parse_reduce_op(reduce_op)
     if reduce_op not in ("avg", "sum"):
         raise ValueError(f"reduce_op for gradients must be 'avg' or 'sum', got {reduce_op!r}")

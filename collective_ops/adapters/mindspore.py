@@ -60,7 +60,7 @@ class DataParallel:
         network: nn.Cell,
         bucket_size_mb: float = 25.0,
         *,
-        first_bucket_mb: float = 1.0,
+        first_bucket_mb: float | None = None,
         reduce_op: str = "avg",
         find_unused_parameters: bool = False,
         compression: str | None = None,
@@ -76,7 +76,7 @@ class DataParallel:
             raise TypeError(f"wrap() takes a mindspore.nn.Cell, got {type(network).__name__}")
         bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
             bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
-        )
+        )  # first_bucket_mb None: chosen below, once overlap is known
         if not runtime.is_initialized("mindspore"):
             runtime.init(framework="mindspore")
         self.engine: MindSporeEngine = runtime.get_engine("mindspore")
@@ -100,6 +100,16 @@ class DataParallel:
             )
             handle.wait()
 
+        if overlap is None:
+            # On CPU (MCCL) collectives run in the same queue as backward's kernels: launching them
+            # mid-backward only stalls it (measured: docs/mindspore.md), so reduce after backward there.
+            overlap = _pynative() and self.engine.backend != "mccl"
+        self.overlap = overlap
+        if self.overlap and not _pynative():
+            raise ValueError("overlap=True needs PyNative mode: parameter hooks do not run inside GRAPH-mode graphs")
+        if first_bucket_mb is None:
+            # A small first bucket starts communication early in backward; after backward it only adds a call.
+            first_bucket_mb = 1.0 if self.overlap else bucket_size_mb
         specs = [
             ParamSpec(p.name, int(p.size), dtype_name(p.dtype), self.engine.device, int(p.itemsize))
             for p in self._params
@@ -113,13 +123,6 @@ class DataParallel:
             rebuild_after_first_step=rebuild_buckets,
             observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
         )
-        if overlap is None:
-            # On CPU (MCCL) collectives run in the same queue as backward's kernels: launching them
-            # mid-backward only stalls it (measured: docs/mindspore.md), so reduce after backward there.
-            overlap = _pynative() and self.engine.backend != "mccl"
-        self.overlap = overlap
-        if self.overlap and not _pynative():
-            raise ValueError("overlap=True needs PyNative mode: parameter hooks do not run inside GRAPH-mode graphs")
         self._hook_handles = []
         if self.overlap:
             for i, p in enumerate(self._params):

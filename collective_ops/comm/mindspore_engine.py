@@ -109,7 +109,8 @@ class MindSporeEngine(Engine):
     def allreduce(self, tensor: Any, op: Any = "sum", async_op: bool = False, group: Any = None) -> Any:
         op = parse_reduce_op(op)
         t, write_back = self._native(tensor, "allreduce")
-        if op == "avg" and not t.is_floating_point():
+        own = self._own_buffers.get(id(t)) is t  # our buffers hold gradients: floating, no dtype query
+        if op == "avg" and not own and not t.is_floating_point():
             raise ValueError(
                 f"allreduce(op='avg') of a {dtype_name(t.dtype)} tensor cannot hold the mean; "
                 "use op='sum' and divide, or cast to a floating dtype"
