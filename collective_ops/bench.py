@@ -142,6 +142,36 @@ def _sync(device) -> None:
         torch.accelerator.synchronize()
 
 
+def time_alternating(
+    calls: dict[str, Callable[[], object]],
+    warmup: int,
+    iters: int,
+    rounds: int,
+    sync: Callable[[], object],
+    barrier: Callable[[], object],
+) -> dict[str, list[float]]:
+    """Seconds per call of each implementation, per block; implementations alternate block by block.
+
+    Alternating spreads a noisy machine's drift over every implementation alike. ``sync``
+    waits for the device (or MindSpore's queue), ``barrier`` lines the ranks up per block.
+    """
+    block = max(iters // rounds, 1)
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    sync()
+    per_block: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            barrier()
+            start = time.perf_counter()
+            for _ in range(block):
+                call()
+            sync()
+            per_block[name].append((time.perf_counter() - start) / block)
+    return per_block
+
+
 def run_sweep(
     op: str,
     sizes: Sequence[int],
@@ -184,21 +214,8 @@ def run_sweep(
         total_bytes = t.numel() * t.element_size() * (world if op == "allgather" else 1)
         # Implementations alternate in blocks (ABAB...) so drift on a noisy machine hits both alike;
         # each block's time is the slowest rank's, and the median block is reported.
-        block = max(iters // rounds, 1)
-        per_block = {name: [] for name in impls}
-        for name in impls:
-            for _ in range(warmup):
-                all_impls[name](t, out)
-        for _ in range(rounds):
-            for name in impls:
-                impl = all_impls[name]
-                _sync(device)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(block):
-                    impl(t, out)
-                _sync(device)
-                per_block[name].append((time.perf_counter() - start) / block)
+        calls = {name: (lambda impl=all_impls[name], t=t, out=out: impl(t, out)) for name in impls}
+        per_block = time_alternating(calls, warmup, iters, rounds, lambda: _sync(device), dist.barrier)
         for name in impls:
             times = torch.tensor(per_block[name], dtype=torch.float64)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -262,20 +279,8 @@ def run_sweep_mindspore(
             count = max(count // world, 1) * (1 if op == "allgather" else world)
         t = ms.Tensor(np.ones(count), dtype)
         total_bytes = count * itemsize * (world if op == "allgather" else 1)
-        block = max(iters // rounds, 1)
-        per_block = {name: [] for name in impls}
-        for name in impls:
-            for _ in range(warmup):
-                all_impls[name](t)
-        ms.runtime.synchronize()
-        for _ in range(rounds):
-            for name in impls:
-                mdist.barrier()
-                start = time.perf_counter()
-                for _ in range(block):
-                    all_impls[name](t)
-                ms.runtime.synchronize()
-                per_block[name].append((time.perf_counter() - start) / block)
+        calls = {name: (lambda impl=all_impls[name], t=t: impl(t)) for name in impls}
+        per_block = time_alternating(calls, warmup, iters, rounds, ms.runtime.synchronize, mdist.barrier)
         for name in impls:
             times = ms.Tensor(np.asarray(per_block[name], dtype=np.float32))
             co.allreduce(times, op="max")
