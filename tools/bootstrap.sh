@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # Reinstall only when the pinned requirements or the package metadata change.
 stamp="$VENV/.collective-ops-setup"
-want="$(cat requirements/dev.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+want="$("$PYTHON" -c 'import hashlib; print(hashlib.sha256(open("requirements/dev.txt","rb").read() + open("pyproject.toml","rb").read()).hexdigest())')"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/python" -m pip install -qq --disable-pip-version-check -r requirements/dev.txt
     "$VENV/bin/python" -m pip install -qq --disable-pip-version-check --no-deps -e .
