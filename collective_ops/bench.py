@@ -102,37 +102,58 @@ def _impls(op: str, reduce_op: str) -> dict[str, Callable]:
     return {"raw": raw, "collective_ops": ours}
 
 
+def _element_count(op: str, nbytes: int, itemsize: int, world: int) -> int:
+    """Elements of each rank's input: ``nbytes`` is the gathered size for allgather, the input size otherwise."""
+    count = max(nbytes // itemsize, 1)
+    if op == "allgather":
+        return max(count // world, 1)
+    if op == "reduce_scatter":  # divisible by the world size
+        return max(count // world, 1) * world
+    return count
+
+
 def _tensors(op: str, nbytes: int, dtype, world: int, device):
     import torch
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = max(nbytes // itemsize, 1)
-    if op == "allgather":  # nbytes is the gathered size
-        count = max(count // world, 1)
-        return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count * world, dtype=dtype, device=device)
-    if op == "reduce_scatter":  # nbytes is the input size
-        count = max(count // world, 1) * world
-        return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count // world, dtype=dtype, device=device)
-    return torch.zeros(count, dtype=dtype, device=device), None
+    count = _element_count(op, nbytes, torch.empty((), dtype=dtype).element_size(), world)
+    t = torch.zeros(count, dtype=dtype, device=device)
+    if op == "allgather":
+        return t, torch.zeros(count * world, dtype=dtype, device=device)
+    if op == "reduce_scatter":
+        return t, torch.zeros(count // world, dtype=dtype, device=device)
+    return t, None
+
+
+def _count_wrong(op: str, got, world: int, count: int) -> int:
+    """Wrong elements in ``got`` (numpy) after ``op`` on inputs filled with rank + 1 (``count`` per rank)."""
+    import numpy as np
+
+    got = np.asarray(got, dtype=np.float64).reshape(-1)
+    if op == "broadcast":
+        expected = np.ones(got.shape)
+    elif op == "allgather":
+        expected = np.repeat(np.arange(1, world + 1, dtype=np.float64), count)
+    else:  # allreduce, reduce_scatter: the sum of 1..world everywhere
+        expected = np.full(got.shape, world * (world + 1) / 2)
+    if got.shape != expected.shape:
+        return max(got.size, expected.size)
+    return int((np.abs(got - expected) > 1e-3 * np.maximum(np.abs(expected), 1)).sum())
+
+
+def _check_sweep_args(warmup: int, iters: int, rounds: int, impls: Sequence[str]) -> None:
+    if warmup < 0 or iters < 1 or rounds < 1:
+        raise ValueError(f"need warmup >= 0, iters >= 1 and rounds >= 1, got {warmup}, {iters}, {rounds}")
+    unknown = set(impls) - {"raw", "collective_ops"}
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {sorted(unknown)}; use raw and/or collective_ops")
 
 
 def _check(op: str, impl: Callable, t, out, rank: int, world: int) -> int:
     """Run once on known data; count wrong elements."""
-    import torch
-
     t.fill_(rank + 1)
     result = impl(t, out)
-    if op == "allreduce":
-        got, expected = t, torch.full_like(t, world * (world + 1) / 2)
-    elif op == "broadcast":
-        got, expected = t, torch.full_like(t, 1)
-    elif op == "allgather":
-        got = out if result is None else result
-        expected = torch.arange(1, world + 1, dtype=t.dtype, device=t.device).repeat_interleave(t.numel())
-    else:
-        got = out if result is None else result
-        expected = torch.full_like(got, world * (world + 1) / 2)
-    return int((got.double() - expected.double()).abs().gt(1e-3 * expected.double().abs().clamp(min=1)).sum())
+    got = t if op in ("allreduce", "broadcast") else (out if result is None else result)
+    return _count_wrong(op, got.double().cpu().numpy(), world, t.numel())
 
 
 def _sync(device) -> None:
@@ -189,17 +210,13 @@ def run_sweep(
 
     import collective_ops as co
 
-    if warmup < 0 or iters < 1 or rounds < 1:
-        raise ValueError(f"need warmup >= 0, iters >= 1 and rounds >= 1, got {warmup}, {iters}, {rounds}")
+    _check_sweep_args(warmup, iters, rounds, impls)
     rank, world = co.get_rank(), co.get_world_size()
     device = torch.device(co.context().device)
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype_name!r}; use e.g. float32, float16, bfloat16, int32")
     all_impls = _impls(op, reduce_op)
-    unknown = set(impls) - set(all_impls)
-    if unknown:
-        raise ValueError(f"unknown implementation(s) {sorted(unknown)}; use raw and/or collective_ops")
     rows: list[Row] = []
     iterator = sizes
     if progress and rank == 0:
@@ -250,18 +267,24 @@ def run_sweep_mindspore(
 
     import collective_ops as co
 
+    _check_sweep_args(warmup, iters, rounds, impls)
     rank, world = co.get_rank(), co.get_world_size()
     dtype = getattr(ms, dtype_name, None)
     if dtype is None or not isinstance(dtype, type(ms.float32)):
         raise ValueError(f"unknown dtype {dtype_name!r}; use e.g. float32, float16, int32")
 
     def raw(t):
+        """The framework call; returns what to check (the gathered list concatenated for allgather)."""
         if op == "allreduce":
-            return mdist.all_reduce(t, op=reduce_op)
+            mdist.all_reduce(t, op=reduce_op)
+            return t
         if op == "broadcast":
-            return mdist.broadcast(t, 0)
+            mdist.broadcast(t, 0)
+            return t
         if op == "allgather":
-            return mdist.all_gather([mint.zeros(t.shape, dtype=t.dtype) for _ in range(world)], t)
+            parts = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(world)]
+            mdist.all_gather(parts, t)
+            return parts
         return co.reduce_scatter(t, op=reduce_op)  # no native CPU kernel to compare with
 
     ours = {
@@ -271,12 +294,15 @@ def run_sweep_mindspore(
         "reduce_scatter": lambda t: co.reduce_scatter(t, op=reduce_op),
     }[op]
     all_impls = {"raw": raw, "collective_ops": ours}
+
+    def as_numpy(result) -> np.ndarray:
+        parts = result if isinstance(result, list) else [result]
+        return np.concatenate([p.astype(ms.float32).asnumpy().reshape(-1) for p in parts])
+
+    itemsize = int(ms.Tensor(np.zeros(1), dtype).itemsize)
     rows: list[Row] = []
     for nbytes in sizes:
-        itemsize = int(ms.Tensor(np.zeros(1), dtype).itemsize)
-        count = max(nbytes // itemsize, 1)
-        if op in ("allgather", "reduce_scatter"):
-            count = max(count // world, 1) * (1 if op == "allgather" else world)
+        count = _element_count(op, nbytes, itemsize, world)
         t = ms.Tensor(np.ones(count), dtype)
         total_bytes = count * itemsize * (world if op == "allgather" else 1)
         calls = {name: (lambda impl=all_impls[name], t=t: impl(t)) for name in impls}
@@ -285,29 +311,11 @@ def run_sweep_mindspore(
             times = ms.Tensor(np.asarray(per_block[name], dtype=np.float32))
             co.allreduce(times, op="max")
             probe = ms.Tensor(np.full(count, rank + 1.0), dtype)  # mint.full has no CPU kernel
-            result = all_impls[name](probe) if name == "collective_ops" else None
-            if name == "raw":
-                all_impls[name](probe)
-                result = probe if op in ("allreduce", "broadcast") else None
-            wrong = _count_wrong_numpy(op, result, rank, world, count) if result is not None else 0
+            wrong = _count_wrong(op, as_numpy(all_impls[name](probe)), world, count)
             seconds = float(np.median(times.asnumpy()))
             algbw, busbw = bandwidths(op, total_bytes, seconds, world)
             rows.append(Row(op, name, total_bytes, count, dtype_name, seconds * 1e6, algbw, busbw, wrong))
     return rows
-
-
-def _count_wrong_numpy(op: str, result, rank: int, world: int, count: int) -> int:
-    import mindspore as ms
-    import numpy as np
-
-    got = np.asarray(result.astype(ms.float32).asnumpy(), dtype=np.float64).reshape(-1)
-    if op == "allreduce" or op == "reduce_scatter":
-        expected = np.full(got.shape, world * (world + 1) / 2)
-    elif op == "broadcast":
-        expected = np.ones(got.shape)
-    else:
-        expected = np.repeat(np.arange(1, world + 1, dtype=np.float64), count)
-    return int((np.abs(got - expected) > 1e-3 * np.maximum(np.abs(expected), 1)).sum())
 
 
 def format_table(rows: Sequence[Row], world: int) -> str:
