@@ -93,7 +93,17 @@ def init(
     return context
 
 
-def _init(backend, rank, world_size, device_id, timeout, master_addr, master_port, algorithm, framework) -> DistContext:
+def _init(
+    backend: str | None,
+    rank: int | None,
+    world_size: int | None,
+    device_id: int | None,
+    timeout: datetime.timedelta | None,
+    master_addr: str | None,
+    master_port: int | None,
+    algorithm: str | None,
+    framework: str | None,
+) -> DistContext:
     framework = _default_framework(framework)
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)

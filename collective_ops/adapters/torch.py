@@ -168,7 +168,7 @@ class DistributedDataParallel(nn.Module):
             for p, old_view, new_view in zip(self._params, old, self._views):
                 if p.grad is not None and p.grad.data_ptr() == old_view.data_ptr():
                     p.grad = new_view  # the manager already moved the values
-        logger.info("collective_ops: buckets rebuilt from the observed gradient order:\n%s", plan.describe())
+        logger.info("collective_ops: new bucket plan:\n%s", plan.describe())  # rebuild or set_bucket_size
 
     # -- backward --------------------------------------------------------------------
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:

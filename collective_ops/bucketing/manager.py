@@ -39,7 +39,12 @@ def stall_timeout_from_env() -> float | None:
     value = os.environ.get("COLLECTIVE_OPS_STALL_TIMEOUT", "").strip()
     if not value:
         return DEFAULT_STALL_TIMEOUT_S
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(
+            f"COLLECTIVE_OPS_STALL_TIMEOUT={value!r} is not a number of seconds (0 waits forever)"
+        ) from None
     return None if seconds <= 0 else seconds
 
 
@@ -65,7 +70,8 @@ class StepStats:
     finalize_end: float | None = None
     exposed_comm_s: float = 0.0  # time finalize waited on communication not hidden by backward
     buckets: list[BucketTiming] = field(default_factory=list)
-    ready_times: dict[int, float] = field(default_factory=dict)  # parameter index -> when its gradient was ready
+    # parameter index -> when its gradient was ready; insertion order is the observed ready order
+    ready_times: dict[int, float] = field(default_factory=dict)
 
 
 class BucketManager:
@@ -134,7 +140,6 @@ class BucketManager:
         buckets = self.plan.buckets
         self._pending = [len(b.param_indices) for b in buckets]
         self._marked: set[int] = set()
-        self._observed: list[int] = []
         self._copy_targets: dict[int, Any] = {}
         self._staged: dict[int, Any] = {}  # engines that assemble buckets at launch: the gradients
         self._handles: list[Handle | None] = [None] * len(buckets)
@@ -210,7 +215,6 @@ class BucketManager:
         if not self._marked:
             self._stats.backward_start = now
         self._marked.add(index)
-        self._observed.append(index)
         self._stats.ready_times[index] = now
         timing = self._stats.buckets[bucket_index]
         timing.first_ready = timing.first_ready or now
@@ -306,7 +310,7 @@ class BucketManager:
             self.globally_unused = frozenset(i for i, c in enumerate(counts) if c == 0)
         stats.finalize_end = time.perf_counter()
         stats.exposed_comm_s = stats.finalize_end - stats.finalize_start
-        observed = list(self._observed)
+        observed = list(stats.ready_times)  # insertion order: the order gradients became ready
         self.last_stats = stats
         self.totals["collectives"] += stats.collectives
         self.totals["bytes"] += stats.bytes_communicated
