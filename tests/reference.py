@@ -34,6 +34,15 @@ def check_allreduce(got: np.ndarray, world: int, dtype: str, op: str) -> None:
         np.testing.assert_array_equal(got, expected, err_msg=f"{dtype} {op}")
 
 
+def check_gather_and_scatter(out: dict, rank: int, world: int) -> None:
+    """The allgather / reduce_scatter results both primitive workers report, against numpy."""
+    expected_gather = np.concatenate([np.arange(6).reshape(2, 3) + 100 * r for r in range(world)])
+    np.testing.assert_array_equal(out["allgather"], expected_gather)
+    np.testing.assert_array_equal(out["allgather_async"], expected_gather)
+    full_sum = sum(np.arange(world * 4) * (r + 1) for r in range(world))
+    np.testing.assert_array_equal(out["reduce_scatter"], full_sum[rank * 4 : rank * 4 + 4])
+
+
 def collect_errors(cases: dict, kinds: tuple = (ValueError, TypeError)) -> dict:
     """Run each bad-input call; its error message (with the type when a custom one), or None if it passed."""
     errors = {}

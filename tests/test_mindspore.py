@@ -7,7 +7,7 @@ import pytest
 
 from collective_ops.heatmap import analyze, load_events
 from tests.msrun_harness import requires_mindspore, run_msrun
-from tests.reference import OPS, check_allreduce
+from tests.reference import OPS, check_allreduce, check_gather_and_scatter
 
 pytestmark = requires_mindspore
 
@@ -25,11 +25,7 @@ def test_primitives_match_numpy() -> None:
                 assert out[f"inplace/{dtype}/{op}"], "allreduce must return the tensor it reduced in place"
         assert out["async"] == [1.5] * 3 and out["async_completed"]
         np.testing.assert_array_equal(out["broadcast"], np.full((4, 2), 10.0))
-        expected_gather = np.concatenate([np.arange(6).reshape(2, 3) + 100 * r for r in range(world)])
-        np.testing.assert_array_equal(out["allgather"], expected_gather)
-        np.testing.assert_array_equal(out["allgather_async"], expected_gather)
-        full_sum = sum(np.arange(world * 4) * (r + 1) for r in range(world))
-        np.testing.assert_array_equal(out["reduce_scatter"], full_sum[rank * 4 : rank * 4 + 4])
+        check_gather_and_scatter(out, rank, world)
         np.testing.assert_array_equal(
             out["reduce_scatter_max"], (np.arange(world * 4) * world)[rank * 4 : rank * 4 + 4]
         )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import OPS, check_allreduce, collect_errors, rank_input
+from tests.reference import OPS, check_allreduce, check_gather_and_scatter, collect_errors, rank_input
 
 DTYPES = ["float32", "float16", "bfloat16", "int64"]
 
@@ -95,14 +95,11 @@ def test_primitives_match_numpy(world: int) -> None:
         np.testing.assert_array_equal(out["async_result"], np.full(1000, (world + 1) / 2, dtype=np.float32))
         np.testing.assert_array_equal(out["broadcast"], np.full((4, 2), (world - 1) * 10.0))
         np.testing.assert_array_equal(out["broadcast_async"], np.zeros(3))
-        expected_gather = np.concatenate([np.arange(6).reshape(2, 3) + 100 * r for r in range(world)])
-        np.testing.assert_array_equal(out["allgather"], expected_gather)
-        np.testing.assert_array_equal(out["allgather_async"], expected_gather)
-        full_sum = sum(np.arange(world * 4) * (r + 1) for r in range(world))
-        np.testing.assert_array_equal(out["reduce_scatter"], full_sum[rank * 4 : rank * 4 + 4])
+        check_gather_and_scatter(out, rank, world)
         np.testing.assert_array_equal(
             out["reduce_scatter_max"], (np.arange(world * 4) * world)[rank * 4 : rank * 4 + 4].reshape(1, 4)
         )
+        full_sum = sum(np.arange(world * 4) * (r + 1) for r in range(world))
         np.testing.assert_allclose(out["reduce_scatter_avg"], full_sum[rank * 4 : rank * 4 + 4] / world, rtol=1e-7)
         same, arr = out["numpy_inplace"]
         assert same
