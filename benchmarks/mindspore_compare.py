@@ -8,6 +8,13 @@ Both reducers live in the same processes and alternate in blocks of steps; each 
 ends with ``mindspore.runtime.synchronize()`` (on CPU ``CommHandle.wait()`` does not
 block, and MindSpore's runtime would otherwise let one step's reductions run into the
 next step), and the median step of each is reported.
+
+``--paths`` adds reference paths built from raw MindSpore calls (no reduction at all, one
+fused ``ops.AllReduce`` after backward, one async ``mint.distributed.all_reduce`` per
+gradient from a parameter hook) and splits every step into phases: ``backward`` (until
+``value_and_grad`` returns), ``reduce`` (until the reducer returns) and ``update`` (the
+optimizer, which waits for the reduced gradients, through the final synchronize). That
+is the measurement behind docs/mindspore.md's account of where the time goes on MCCL.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ def parse_args(argv=None):
         help="convnet: compute-heavy (examples/train_mindspore.py); mlp: 24 Dense layers, communication-heavy",
     )
     parser.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--paths", action="store_true", help="also time raw reference paths, per phase")
     parser.add_argument("--json")
     return parser.parse_args(argv)
 
@@ -51,27 +59,31 @@ def launch(args) -> int:
     env.setdefault("GLOG_v", "3")
     from tests.harness import free_port
 
-    cmd = [
-        "msrun",
-        f"--worker_num={args.world}",
-        f"--local_worker_num={args.world}",
-        f"--master_port={free_port()}",
-        f"--log_dir={out / 'logs'}",
-        "--join=True",
-        __file__,
-        "--steps",
-        str(args.steps),
-        "--block",
-        str(args.block),
-        "--bucket-size-mb",
-        str(args.bucket_size_mb),
-        "--json",
-        str(out / "result.json"),
-        "--model",
-        args.model,
-        "--overlap",
-        args.overlap,
-    ] + (["--graph"] if args.graph else [])
+    cmd = (
+        [
+            "msrun",
+            f"--worker_num={args.world}",
+            f"--local_worker_num={args.world}",
+            f"--master_port={free_port()}",
+            f"--log_dir={out / 'logs'}",
+            "--join=True",
+            __file__,
+            "--steps",
+            str(args.steps),
+            "--block",
+            str(args.block),
+            "--bucket-size-mb",
+            str(args.bucket_size_mb),
+            "--json",
+            str(out / "result.json"),
+            "--model",
+            args.model,
+            "--overlap",
+            args.overlap,
+        ]
+        + (["--graph"] if args.graph else [])
+        + (["--paths"] if args.paths else [])
+    )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not (out / "result.json").exists():
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
@@ -110,58 +122,119 @@ def run(args) -> None:
         return nn.SequentialCell(*layers, nn.Dense(256, 10))
 
     setups = {}
-    for kind in ("DistributedGradReducer", "collective_ops"):
+    kinds = ["DistributedGradReducer", "collective_ops"]
+    if args.paths:
+        kinds += ["no reduction", "fused ops.AllReduce", "per-gradient hook launch"]
+    for kind in kinds:
         ms.set_seed(0)
         net = build()
         opt = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
+        wrapped = None
         if kind == "collective_ops":
             overlap = {"auto": None, "on": True, "off": False}[args.overlap]
             wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=overlap)
             reduce = wrapped.reduce
-        else:
-            wrapped = None
+        elif kind == "DistributedGradReducer":
             reduce = nn.DistributedGradReducer(opt.parameters, mean=True, degree=ctx.world_size)
+        else:
+            reduce = reference_path(kind, opt.parameters, ctx.world_size)
 
         def forward(x, y, net=net):
             return loss_fn(net(x), y)
 
         setups[kind] = (ms.value_and_grad(forward, None, opt.parameters), reduce, opt, wrapped)
 
-    def step(kind: str, i: int) -> float:
+    phase_names = ("backward", "reduce", "update", "step")
+
+    def step(kind: str, i: int) -> tuple[float, ...]:
         grad_fn, reduce, opt, _ = setups[kind]
         start = time.perf_counter()
         loss, grads = grad_fn(*data[i % len(data)])
-        opt(reduce(grads))
+        backward_done = time.perf_counter()
+        reduced = reduce(grads)
+        reduce_done = time.perf_counter()
+        opt(reduced)
         loss.asnumpy()
         ms.runtime.synchronize()  # every update (so every reduction) is done: a step ends here for both
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        return backward_done - start, reduce_done - backward_done, end - reduce_done, end - start
 
-    times = {kind: [] for kind in setups}
+    times = {kind: {name: [] for name in phase_names} for kind in setups}
     for kind in setups:
         for i in range(2):
             step(kind, i)  # warm-up (and collective_ops' bucket rebuild)
     for round_ in range(max(args.steps // args.block, 1)):
         order = list(setups) if round_ % 2 == 0 else list(reversed(list(setups)))
         for kind in order:
-            times[kind] += [step(kind, i) for i in range(args.block)]
+            for i in range(args.block):
+                for name, value in zip(phase_names, step(kind, i)):
+                    times[kind][name].append(value)
     if ctx.rank == 0:
-        ref = statistics.median(times["DistributedGradReducer"]) * 1e3
-        ours = statistics.median(times["collective_ops"]) * 1e3
+        median_ms = {k: {n: statistics.median(v) * 1e3 for n, v in phases.items()} for k, phases in times.items()}
+        ref = median_ms["DistributedGradReducer"]["step"]
+        ours = median_ms["collective_ops"]["step"]
         stats = setups["collective_ops"][3].comm_stats()
+        n_grads = len(setups["collective_ops"][2].parameters)
         params = sum(int(p.size) for p in setups["collective_ops"][2].parameters)
-        table = (
+        calls = {
+            "DistributedGradReducer": f"{n_grads} (one per gradient)",
+            "collective_ops": f"{stats['collectives_per_step']} ({stats['mode']})",
+            "no reduction": "0",
+            "fused ops.AllReduce": "1 (after backward)",
+            "per-gradient hook launch": f"{n_grads} (during backward)",
+        }
+        lines = [
             f"# mindspore_compare: {ctx.world_size} ranks, backend {ctx.backend}, {'GRAPH' if args.graph else 'PyNative'} "
-            f"mode, {args.model} {params / 1e6:.2f} M params, bucket_size_mb={args.bucket_size_mb:g}\n"
-            f"# {'reducer':<24} {'median step ms':>15} {'collectives/step':>17}\n"
-            f"  {'DistributedGradReducer':<24} {ref:>15.1f} {len(setups['collective_ops'][2].parameters):>17}  (one per gradient)\n"
-            f"  {'collective_ops':<24} {ours:>15.1f} {stats['collectives_per_step']:>17}  ({stats['mode']})\n"
-            f"# ratio collective_ops / DistributedGradReducer = {ours / ref:.3f}"
-        )
+            f"mode, {args.model} {params / 1e6:.2f} M params, bucket_size_mb={args.bucket_size_mb:g}",
+            f"# {'reducer':<26} {'median step ms':>15} {'collectives/step':>24}"
+            + ("   backward   reduce   update (median ms)" if args.paths else ""),
+        ]
+        for kind, phases in median_ms.items():
+            line = f"  {kind:<26} {phases['step']:>15.1f} {calls[kind]:>24}"
+            if args.paths:
+                line += f" {phases['backward']:>10.1f} {phases['reduce']:>8.1f} {phases['update']:>8.1f}"
+            lines.append(line)
+        lines.append(f"# ratio collective_ops / DistributedGradReducer = {ours / ref:.3f}")
+        table = "\n".join(lines)
         if args.json:
             Path(args.json).write_text(json.dumps({"table": table, "times_s": times, "ratio": ours / ref}))
         else:
             print(table)
     co.shutdown()
+
+
+def reference_path(kind: str, params, world_size: int):
+    """A reducer built from raw MindSpore calls, to show what each way of launching costs."""
+    import mindspore as ms
+    import mindspore.mint.distributed as mdist
+    from mindspore import mint, ops
+
+    if kind == "no reduction":
+        return lambda grads: grads
+    if kind == "fused ops.AllReduce":  # one flat buffer, reduced in MindSpore's kernel queue
+        allreduce, scale = ops.AllReduce(), ms.Tensor(1.0 / world_size, ms.float32)
+        sizes = [int(p.size) for p in params]
+
+        def fused(grads):
+            flat = allreduce(mint.cat([g.reshape(-1) for g in grads])) * scale
+            return tuple(part.reshape(p.shape) for part, p in zip(mint.split(flat, sizes), params))
+
+        return fused
+    if kind == "per-gradient hook launch":  # each gradient reduced (async) as backward produces it
+        reduced = {}
+
+        def make_hook(name):
+            def hook(grad):
+                copy = grad.copy()
+                mdist.all_reduce(copy, op="avg", async_op=True)
+                reduced[name] = copy
+
+            return hook
+
+        for p in params:
+            p.register_hook(make_hook(p.name))
+        return lambda grads: tuple(reduced.pop(p.name) for p in params)
+    raise ValueError(kind)
 
 
 def main(argv=None) -> int:
