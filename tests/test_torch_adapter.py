@@ -145,6 +145,25 @@ def feature_checks(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     out["unused_ours"] = unused_run(co.wrap(WithUnusedBranch(), bucket_size_mb=0.001, find_unused_parameters=True))
 
+    # Gradients kept between steps (zero_grad(set_to_none=False): autograd accumulates into the bucket
+    # views, the hook scales the whole bucket) and a bucket mixing kept and fresh gradients (fresh ones
+    # are scaled as they are copied in, the kept one on its own segment): bit-identical to DDP.
+    def zero_grad_run(model, mode: str) -> dict:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        first = next(model.parameters())
+        for step in range(3):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad(set_to_none=False)
+            if mode == "mixed":
+                first.grad = None  # fresh next backward; its bucket-mates keep their gradients
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        return _snapshot(model.module)
+
+    for mode in ("kept", "mixed"):
+        out[f"zero_grad_{mode}_ddp"] = zero_grad_run(torch.nn.parallel.DistributedDataParallel(build("mlp")), mode)
+        out[f"zero_grad_{mode}_ours"] = zero_grad_run(co.wrap(build("mlp"), bucket_size_mb=25), mode)
+
     # the same parameter unused on every rank without find_unused_parameters: a clear error everywhere
     torch.manual_seed(0)
     model = co.wrap(WithUnusedBranch(), bucket_size_mb=0.001)
@@ -262,6 +281,8 @@ def test_adapter_features(world: int) -> None:
         same(out["no_sync_view"], out["no_sync_ddp"], "no_sync (view) vs DDP")
         same(out["no_sync_copy"], out["no_sync_ddp"], "no_sync (copy) vs DDP")
         same(out["unused_ours"], out["unused_ddp"], "find_unused_parameters vs DDP")
+        same(out["zero_grad_kept_ours"], out["zero_grad_kept_ddp"], "zero_grad(set_to_none=False) vs DDP")
+        same(out["zero_grad_mixed_ours"], out["zero_grad_mixed_ddp"], "kept and fresh gradients in a bucket vs DDP")
         assert (
             out["unused_error"]
             and "'branch.weight'" in out["unused_error"]

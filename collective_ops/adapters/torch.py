@@ -185,10 +185,18 @@ class DistributedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if self.gradient_as_bucket_view:
             view = self._views[index]
+            prescaled = False
             if grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
+                # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
+                # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
+                scale = manager.copy_in_scale
+                if scale is None:
+                    view.copy_(grad)
+                else:
+                    torch.mul(grad, scale, out=view)
+                    prescaled = True
                 param.grad = view  # from now on autograd accumulates straight into the bucket
-            manager.mark_ready(index)
+            manager.mark_ready(index, prescaled=prescaled)
         else:
             manager.mark_ready(index, grad)
 

@@ -22,6 +22,9 @@ class BucketContext:
     buffer: Any
     engine: BucketEngine
     reduce_op: str  # "sum" or "avg"
+    # True when every gradient in the buffer was already multiplied by 1/world_size as it was
+    # copied in (BucketManager.copy_in_scale): the hook must not scale again.
+    prescaled: bool = False
 
     @property
     def world_size(self) -> int:
@@ -37,7 +40,8 @@ def allreduce_hook(ctx: BucketContext) -> Handle:
         if getattr(ctx.engine, "native_avg", False):
             # One pass instead of two where the engine averages itself (MindSpore: sum, then divide).
             return ctx.engine.allreduce(ctx.buffer, "avg", async_op=True)
-        ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size)
+        if not ctx.prescaled:
+            ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size)
     return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
 
 

@@ -108,6 +108,14 @@ class BucketManager:
         self.engine = engine
         self.reduce_op = reduce_op
         self.comm_hook: CommHook = comm_hook or allreduce_hook
+        self._copy_in_scale = (
+            1.0 / engine.world_size
+            if self.comm_hook is allreduce_hook
+            and reduce_op == "avg"
+            and engine.world_size > 1
+            and not getattr(engine, "native_avg", False)
+            else None
+        )
         self.find_unused_parameters = find_unused_parameters
         self.rebuild_after_first_step = rebuild_after_first_step
         self.on_rebuild = on_rebuild
@@ -140,6 +148,7 @@ class BucketManager:
         buckets = self.plan.buckets
         self._pending = [len(b.param_indices) for b in buckets]
         self._marked: set[int] = set()
+        self._prescaled: set[int] = set()
         self._copy_targets: dict[int, Any] = {}
         self._staged: dict[int, Any] = {}  # engines that assemble buckets at launch: the gradients
         self._handles: list[Handle | None] = [None] * len(buckets)
@@ -175,17 +184,27 @@ class BucketManager:
         numels = [self.plan.params[i].numel for i in bucket.param_indices]
         return self.engine.unpack(self.buffers[bucket_index], numels)
 
+    @property
+    def copy_in_scale(self) -> float | None:
+        """The factor an adapter may apply while copying a gradient into its bucket (then
+        ``mark_ready(..., prescaled=True)``), saving the default hook's separate scaling pass
+        over the bucket, as DDP fuses it into its copy. None when the hook must see raw sums.
+        """
+        return self._copy_in_scale
+
     def is_marked(self, index: int) -> bool:
         """True if parameter ``index``'s gradient was marked ready this iteration."""
         return index in self._marked
 
     # -- per-gradient ------------------------------------------------------------
-    def mark_ready(self, index: int, grad: Any = None, write_back: bool = True) -> None:
+    def mark_ready(self, index: int, grad: Any = None, write_back: bool = True, prescaled: bool = False) -> None:
         """Parameter ``index``'s gradient is final for this iteration.
 
         Pass ``grad`` when the gradient is not a view into the bucket buffer: it is
         copied in now and, with ``write_back``, the reduced value is written back into
         it by finalize() (adapters that read results from the buffers pass False).
+        ``prescaled``: the adapter wrote it into its segment already multiplied by
+        ``copy_in_scale``.
         """
         if not self.sync_enabled:
             return
@@ -215,6 +234,10 @@ class BucketManager:
         if not self._marked:
             self._stats.backward_start = now
         self._marked.add(index)
+        if prescaled:
+            if self._copy_in_scale is None:
+                raise ValueError("prescaled=True, but this manager's hook expects unscaled gradients")
+            self._prescaled.add(index)
         self._stats.ready_times[index] = now
         timing = self._stats.buckets[bucket_index]
         timing.first_ready = timing.first_ready or now
@@ -248,13 +271,30 @@ class BucketManager:
                     grad = self.engine.segment(*self.param_segment(i))
                 members.append(grad)
             self.buffers[bucket_index] = self.engine.pack(members)
-        ctx = BucketContext(bucket, self.buffers[bucket_index], self.engine, self.reduce_op)
+        prescaled = bool(self._prescaled) and self._scale_the_rest(bucket_index)
+        ctx = BucketContext(bucket, self.buffers[bucket_index], self.engine, self.reduce_op, prescaled)
         self._stats.buckets[bucket_index].launched = time.perf_counter()
         self._handles[bucket_index] = self.comm_hook(ctx)
         self._stats.collectives += 1
         self._stats.bytes_communicated += bucket.nbytes
         if self.observer is not None:
             self.observer.bucket_launched(self, bucket_index)
+
+    def _scale_the_rest(self, bucket_index: int) -> bool:
+        """Scale, one segment each, the members not scaled on copy-in; True if the bucket had any that were.
+
+        A bucket with no prescaled member is left to the hook's single pass over the buffer.
+        Unused parameters' zeros need no scaling.
+        """
+        members = self.plan.buckets[bucket_index].param_indices
+        if not any(i in self._prescaled for i in members):
+            return False
+        factor = self._copy_in_scale
+        for i in members:
+            if i in self._marked and i not in self._prescaled:
+                buffer, offset, numel = self.param_segment(i)
+                self.engine.scale_(self.engine.segment(buffer, offset, numel), factor)
+        return True
 
     # -- end of backward ---------------------------------------------------------
     def finalize(self, force: bool = False) -> None:

@@ -40,14 +40,18 @@ class TorchEngine(Engine):
         # Debug mode: agree on shape and dtype before every primitive (one small extra collective),
         # so a mismatch is an error naming the ranks instead of a transport abort or a hang.
         self.check_shapes = os.environ.get("COLLECTIVE_OPS_CHECK_SHAPES", "") == "1"
+        # Fixed for the life of the process group (an engine is made per init); asked on every
+        # gradient hook, where dist.get_world_size()'s lookups add up.
+        self._rank = dist.get_rank()
+        self._world_size = dist.get_world_size()
 
     @property
     def rank(self) -> int:
-        return dist.get_rank()
+        return self._rank
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size()
+        return self._world_size
 
     def owns(self, tensor: Any) -> bool:
         return isinstance(tensor, (torch.Tensor, np.ndarray))
