@@ -177,7 +177,7 @@ def run(args) -> None:
         n_grads = len(setups["collective_ops"][2].parameters)
         params = sum(int(p.size) for p in setups["collective_ops"][2].parameters)
         calls = {
-            "DistributedGradReducer": f"{n_grads} (one per gradient)",
+            "DistributedGradReducer": f"{n_grads} in one @jit graph",
             "collective_ops": f"{stats['collectives_per_step']} ({stats['mode']})",
             "no reduction": "0",
             "fused ops.AllReduce": "1 (after backward)",
@@ -186,11 +186,11 @@ def run(args) -> None:
         lines = [
             f"# mindspore_compare: {ctx.world_size} ranks, backend {ctx.backend}, {'GRAPH' if args.graph else 'PyNative'} "
             f"mode, {args.model} {params / 1e6:.2f} M params, bucket_size_mb={args.bucket_size_mb:g}",
-            f"# {'reducer':<26} {'median step ms':>15} {'collectives/step':>24}"
+            f"# {'reducer':<26} {'median step ms':>15} {'collectives/step':>36}"
             + ("   backward   reduce   update (median ms)" if args.paths else ""),
         ]
         for kind, phases in median_ms.items():
-            line = f"  {kind:<26} {phases['step']:>15.1f} {calls[kind]:>24}"
+            line = f"  {kind:<26} {phases['step']:>15.1f} {calls[kind]:>36}"
             if args.paths:
                 line += f" {phases['backward']:>10.1f} {phases['reduce']:>8.1f} {phases['update']:>8.1f}"
             lines.append(line)

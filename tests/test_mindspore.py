@@ -64,9 +64,14 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
         _same(out["ours"], out["dgr"], "parameters after 3 steps vs DistributedGradReducer")
         _same(out["unused_ours"], out["unused_dgr"], "unused parameter on one rank")
         _same(out["accum_ours"], out["accum_dgr"], "gradient accumulation")
+        _same(out["after_compiled"], out["dgr"], "after backward, compiled, vs DistributedGradReducer")
+        _same(out["after_eager"], out["dgr"], "after backward, eager, vs DistributedGradReducer")
+        assert out["after_compiled_stats"]["mode"] == "fused-after-backward (compiled)"
+        assert out["after_eager_stats"]["mode"] == "fused-after-backward"
         stats = out["stats"]
-        assert stats["mode"] == ("overlap" if mode == "pynative" else "fused-after-backward")
-        assert stats["buckets"] > 1 and stats["collectives_per_step"] == stats["buckets"]
+        assert stats["mode"] == ("overlap" if mode == "pynative" else "fused-after-backward (compiled)")
+        for s in (stats, out["after_compiled_stats"], out["after_eager_stats"]):
+            assert s["buckets"] > 1 and s["collectives_per_step"] == s["buckets"]
         assert stats["backend"] == "mccl"
         if mode == "pynative":
             _same(out["train_one_step"], out["dgr"], "TrainOneStepCell")

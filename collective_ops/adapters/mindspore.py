@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from ..bucketing import (
     BucketManager,
     CommHook,
     ParamSpec,
+    allreduce_hook,
     fused_collective,
     plan_buckets,
 )
@@ -68,6 +70,7 @@ class DataParallel:
         broadcast_parameters: bool = True,
         rebuild_buckets: bool = True,
         overlap: bool | None = None,
+        compile_reduction: bool = True,
         trace: bool | None = None,
     ) -> None:
         if isinstance(network, DataParallel):
@@ -123,6 +126,10 @@ class DataParallel:
             rebuild_after_first_step=rebuild_buckets,
             observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
         )
+        # After backward, the whole plan can be reduced by one compiled graph (CompiledReduction) when the
+        # default hook applies: no Python between kernels, as DistributedGradReducer's @jit.
+        self._compile = compile_reduction and hook is allreduce_hook
+        self._compiled: dict[str, Any] = {}  # plan fingerprint -> CompiledReduction, or None if unsupported
         self._hook_handles = []
         if self.overlap:
             for i, p in enumerate(self._params):
@@ -161,8 +168,16 @@ class DataParallel:
         manager = self.manager
         if not manager.sync_enabled:
             raise RuntimeError("reduce() inside no_sync(): leave the no_sync() block first")
-        mode = "overlap" if manager.in_progress else "fused-after-backward"
         by_index = dict(zip(indices, grads))
+        if self._compile and not manager.in_progress and len(by_index) == len(self._params):
+            compiled = self._compiled_reduction()
+            if compiled is not None:
+                start = time.perf_counter()
+                reduced = compiled(tuple(by_index[i] for i in range(len(self._params))))
+                manager.record_compiled_step(start, time.perf_counter())
+                self._last_mode = "fused-after-backward (compiled)"
+                return tuple(reduced[i] for i in indices)
+        mode = "overlap" if manager.in_progress else "fused-after-backward"
         for i in manager.plan.order:  # gradients no hook saw (GRAPH mode, or none arrived): launch in plan order
             if i in by_index and not manager.is_marked(i):
                 manager.mark_ready(i, by_index[i], write_back=False)
@@ -172,6 +187,19 @@ class DataParallel:
         for bucket_index, bucket in enumerate(manager.plan.buckets):
             flat.update(zip(bucket.param_indices, manager.bucket_results(bucket_index)))
         return tuple(flat[i].reshape(tuple(p.shape)) for i, p in zip(indices, params))
+
+    def _compiled_reduction(self) -> Any:
+        plan = self.manager.plan
+        key = plan.fingerprint()
+        if key not in self._compiled:
+            self._compiled[key] = self.engine.compiled_reduction(
+                [b.param_indices for b in plan.buckets],
+                [p.numel for p in plan.params],
+                [tuple(p.shape) for p in self._params],
+                [p.dtype for p in plan.params],
+                self.manager.reduce_op,
+            )
+        return self._compiled[key]
 
     def grad_reducer(self, params: Sequence[Any] | None = None):
         """A drop-in for ``nn.DistributedGradReducer``: a callable on the gradient tuple."""

@@ -349,6 +349,32 @@ class BucketManager:
             counts = self.engine.to_list(used_map)
             self.globally_unused = frozenset(i for i, c in enumerate(counts) if c == 0)
         stats.finalize_end = time.perf_counter()
+        self._end_step(stats)
+
+    def record_compiled_step(self, start: float, end: float) -> None:
+        """Account for a step whose buckets an engine reduced in one compiled call (all of them, in plan order).
+
+        ``start``/``end`` bracket the call; engines that run it asynchronously return before the
+        communication ends, so the step's exposed communication is then only the launch time.
+        """
+        if self._marked:
+            raise RuntimeError("a compiled reduction cannot finish a step whose gradients were marked one by one")
+        buckets = self.plan.buckets
+        stats = StepStats(
+            step=self.steps_synced,
+            collectives=len(buckets),
+            bytes_communicated=sum(b.nbytes for b in buckets),
+            backward_start=start,
+            finalize_start=start,
+            finalize_end=end,
+            buckets=[BucketTiming(start, start, start, end) for _ in buckets],
+            ready_times=dict.fromkeys(self.plan.order, start),
+        )
+        self.globally_unused = frozenset()  # every gradient was given
+        self._end_step(stats)
+
+    def _end_step(self, stats: StepStats) -> None:
+        """Counters, observer, reset, and the first-step rebuild: the end of every synchronised step."""
         stats.exposed_comm_s = stats.finalize_end - stats.finalize_start
         observed = list(stats.ready_times)  # insertion order: the order gradients became ready
         self.last_stats = stats

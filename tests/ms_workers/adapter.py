@@ -81,6 +81,12 @@ wrapped = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001, over
 out["ours"], out["ours_grads"] = train(wrapped.network, wrapped.reduce)
 out["stats"] = wrapped.comm_stats()
 
+# 1b. both after-backward paths: one compiled graph (the default) and eager bucket by bucket
+for name, compiled in (("compiled", True), ("eager", False)):
+    after = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001, overlap=False, compile_reduction=compiled)
+    out[f"after_{name}"], _ = train(after.network, after.reduce)
+    out[f"after_{name}_stats"] = after.comm_stats()
+
 # 2. a parameter unused on rank 1 in steps 0 and 2
 unused_fn = lambda step: not (rank == 1 and step != 1)  # noqa: E731
 reference_net = build(0)

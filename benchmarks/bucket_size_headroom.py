@@ -1,0 +1,99 @@
+"""How much can any bucket size win? DDP and wrap at every candidate size against DDP's default.
+
+    python benchmarks/bucket_size_headroom.py --models mlp transformer --rounds 12
+
+A tuner can only be as good as the best bucket size. This times torch DDP with each
+``bucket_cap_mb`` and collective_ops.wrap with each ``bucket_size_mb`` (CANDIDATES_MB),
+all in the same processes, alternating in blocks of steps (the order reversed every
+round, so machine noise hits every configuration alike), and reports each median step
+as a ratio to DDP with its defaults (25 MiB). If no size gets below 0.95x here, no
+tuner of bucket sizes can reach 0.95x DDP's default on this machine and workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import spawn  # noqa: E402
+from benchmarks.ddp_compare import MODELS, build_model, one_step  # noqa: E402
+
+
+def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    import collective_ops as co
+    from collective_ops.tuning import CANDIDATES_MB
+
+    torch.set_num_threads(args.threads)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    results = {}
+    for name in args.models:
+        configs = {}
+        for kind in ("ddp", "collective_ops"):
+            for mb in CANDIDATES_MB:
+                model, batch = build_model(name)
+                if kind == "ddp":
+                    wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
+                else:
+                    wrapped = co.wrap(model, bucket_size_mb=mb)
+                gen = torch.Generator().manual_seed(rank)
+                optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+                configs[(kind, mb)] = (wrapped, optimizer, [batch(gen) for _ in range(4)])
+        for wrapped, optimizer, batches in configs.values():
+            for i in range(3):  # warm-up, and the bucket rebuilds after step 1
+                one_step(wrapped, optimizer, batches[i % 4])
+        times = {key: [] for key in configs}
+        keys = list(configs)
+        for round_ in range(args.rounds):
+            for key in keys if round_ % 2 == 0 else keys[::-1]:
+                wrapped, optimizer, batches = configs[key]
+                for i in range(args.block):
+                    t = torch.tensor([one_step(wrapped, optimizer, batches[i % 4])], dtype=torch.float64)
+                    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the step is the slowest rank's
+                    times[key].append(float(t))
+        results[name] = {f"{kind} {mb:g}": statistics.median(v) * 1e3 for (kind, mb), v in times.items()}
+        del configs
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(results)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["mlp", "cnn", "transformer"])
+    parser.add_argument("--rounds", type=int, default=12, help="alternation rounds over every configuration")
+    parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    results = spawn(rank_main, args.world, args)
+    from collective_ops.tuning import CANDIDATES_MB
+
+    print(
+        f"# bucket_size_headroom: world {args.world}, gloo, {args.rounds} rounds x {args.block} steps per configuration"
+    )
+    print("# median step as a ratio to DDP's default (bucket_cap_mb=25)")
+    print(f"  {'model':<12} {'DDP 25 ms':>9}  " + " ".join(f"{mb:>6g}" for mb in CANDIDATES_MB) + "  (MiB)")
+    for name, row in results.items():
+        ref = row["ddp 25"]
+        for kind in ("ddp", "collective_ops"):
+            ratios = [row[f"{kind} {mb:g}"] / ref for mb in CANDIDATES_MB]
+            label = f"{name} {'DDP' if kind == 'ddp' else 'wrap'}"
+            print(f"  {label:<16} {ref:>5.1f}  " + " ".join(f"{r:>6.3f}" for r in ratios) + f"  best {min(ratios):.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "median_step_ms": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
