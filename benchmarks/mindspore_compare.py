@@ -47,6 +47,9 @@ def parse_args(argv=None):
         help="convnet: compute-heavy (examples/train_mindspore.py); mlp: 24 Dense layers, communication-heavy",
     )
     parser.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument(
+        "--compression", choices=["fp16"], help="collective_ops communicates in fp16 (DistributedGradReducer: fp32)"
+    )
     parser.add_argument("--paths", action="store_true", help="also time raw reference paths, per phase")
     parser.add_argument("--json")
     return parser.parse_args(argv)
@@ -83,6 +86,7 @@ def launch(args) -> int:
         ]
         + (["--graph"] if args.graph else [])
         + (["--paths"] if args.paths else [])
+        + (["--compression", args.compression] if args.compression else [])
     )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not (out / "result.json").exists():
@@ -132,7 +136,7 @@ def run(args) -> None:
         wrapped = None
         if kind == "collective_ops":
             overlap = {"auto": None, "on": True, "off": False}[args.overlap]
-            wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=overlap)
+            wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=overlap, compression=args.compression)
             reduce = wrapped.reduce
         elif kind == "DistributedGradReducer":
             reduce = nn.DistributedGradReducer(opt.parameters, mean=True, degree=ctx.world_size)
@@ -185,7 +189,8 @@ def run(args) -> None:
         }
         lines = [
             f"# mindspore_compare: {ctx.world_size} ranks, backend {ctx.backend}, {'GRAPH' if args.graph else 'PyNative'} "
-            f"mode, {args.model} {params / 1e6:.2f} M params, bucket_size_mb={args.bucket_size_mb:g}",
+            f"mode, {args.model} {params / 1e6:.2f} M params, bucket_size_mb={args.bucket_size_mb:g}"
+            + (f", collective_ops compression={args.compression}" if args.compression else ""),
             f"# {'reducer':<26} {'median step ms':>15} {'collectives/step':>36}"
             + ("   backward   reduce   update (median ms)" if args.paths else ""),
         ]

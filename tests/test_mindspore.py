@@ -68,6 +68,13 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
         _same(out["after_eager"], out["dgr"], "after backward, eager, vs DistributedGradReducer")
         assert out["after_compiled_stats"]["mode"] == "fused-after-backward (compiled)"
         assert out["after_eager_stats"]["mode"] == "fused-after-backward"
+        _same(out["fp16_compiled"], out["fp16_eager"], "fp16 compression: compiled vs eager hook")
+        assert (out["fp16_compiled_mode"], out["fp16_eager_mode"]) == (
+            "fused-after-backward (compiled)",
+            "fused-after-backward",
+        )
+        drift = max(np.abs(np.array(out["fp16_compiled"][k]) - np.array(out["dgr"][k])).max() for k in out["dgr"])
+        assert 0 < drift < 1e-2, f"fp16 on the wire should differ from fp32 DGR only in rounding, not {drift}"
         stats = out["stats"]
         assert stats["mode"] == ("overlap" if mode == "pynative" else "fused-after-backward (compiled)")
         for s in (stats, out["after_compiled_stats"], out["after_eager_stats"]):

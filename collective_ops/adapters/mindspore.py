@@ -37,6 +37,7 @@ from ..bucketing import (
     fused_collective,
     plan_buckets,
 )
+from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks
 from ._options import resolve_options
@@ -128,7 +129,8 @@ class DataParallel:
         )
         # After backward, the whole plan can be reduced by one compiled graph (CompiledReduction) when the
         # default hook applies: no Python between kernels, as DistributedGradReducer's @jit.
-        self._compile = compile_reduction and hook is allreduce_hook
+        self._compile = compile_reduction and (hook is allreduce_hook or compression is not None)
+        self._wire_dtype = COMPRESSIONS[compression.lower()] if compression is not None else None
         self._compiled: dict[str, Any] = {}  # plan fingerprint -> CompiledReduction, or None if unsupported
         self._hook_handles = []
         if self.overlap:
@@ -198,6 +200,7 @@ class DataParallel:
                 [tuple(p.shape) for p in self._params],
                 [p.dtype for p in plan.params],
                 self.manager.reduce_op,
+                self._wire_dtype,
             )
         return self._compiled[key]
 

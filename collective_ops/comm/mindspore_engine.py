@@ -181,13 +181,22 @@ class MindSporeEngine(Engine):
         shapes: Sequence[Sequence[int]],
         dtypes: Sequence[str],
         reduce_op: str,
+        wire_dtype: str | None = None,
     ) -> CompiledReduction | None:
-        """A compiled whole-plan reduction, or None where ops.AllReduce cannot do what was asked."""
+        """A compiled whole-plan reduction, or None where ops.AllReduce cannot do what was asked.
+
+        ``wire_dtype``: communicate in this dtype (compression); gradients already in it are not cast.
+        """
         supported = _COMPILED_DTYPES.get(self.backend, _COMPILED_DTYPES_DEFAULT)
-        if reduce_op not in ("sum", "avg") or any(d not in supported for d in dtypes):
+        if len(set(dtypes)) != 1:
+            return None  # mixed-precision plans: the eager path handles each bucket's dtype
+        dtype = dtypes[0]
+        if wire_dtype == dtype:
+            wire_dtype = None
+        if reduce_op not in ("sum", "avg") or (wire_dtype or dtype) not in supported:
             return None
         scale = 1.0 / self._world if reduce_op == "avg" and self._world > 1 else None
-        return CompiledReduction(buckets, numels, shapes, scale)
+        return CompiledReduction(buckets, numels, shapes, scale, getattr(ms, wire_dtype) if wire_dtype else None)
 
     def shutdown(self) -> None:
         # Peers that exit while others still send fail after ~30 s: meet at a barrier first.
@@ -277,7 +286,9 @@ class CompiledReduction(nn.Cell):
     What ``nn.DistributedGradReducer`` gets from ``@jit`` and comm fusion, with our bucket plan:
     one launch per step for the whole reduction, no Python between the kernels, and the graph
     runs asynchronously like any other MindSpore call. Averaging multiplies the sum by
-    ``1/world`` as ``DistributedGradReducer(mean=True)`` does. Compiled once per plan.
+    ``1/world`` as ``DistributedGradReducer(mean=True)`` does. With a ``wire_dtype``
+    (compression) a bucket is cast, scaled, summed and cast back, the arithmetic of the
+    eager compression hook. Compiled once per plan.
     """
 
     def __init__(
@@ -286,8 +297,10 @@ class CompiledReduction(nn.Cell):
         numels: Sequence[int],
         shapes: Sequence[Sequence[int]],
         scale: float | None,
+        wire_dtype: Any = None,
     ) -> None:
         super().__init__(auto_prefix=False)
+        self.wire_dtype = wire_dtype
         self.buckets = tuple(tuple(b) for b in buckets)
         self.numels = tuple(int(n) for n in numels)
         self.shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
@@ -304,9 +317,16 @@ class CompiledReduction(nn.Cell):
                 flat = ops.reshape(grads[bucket[0]], (-1,))
             else:
                 flat = ops.concat([ops.reshape(grads[i], (-1,)) for i in bucket])
-            flat = self.allreduce(flat)
-            if self.scale is not None:
-                flat = flat * ops.cast(self.scale, flat.dtype)
+            if self.wire_dtype is not None:
+                grad_dtype = flat.dtype
+                flat = ops.cast(flat, self.wire_dtype)
+                if self.scale is not None:
+                    flat = flat * ops.cast(self.scale, self.wire_dtype)
+                flat = ops.cast(self.allreduce(flat), grad_dtype)
+            else:
+                flat = self.allreduce(flat)
+                if self.scale is not None:
+                    flat = flat * ops.cast(self.scale, flat.dtype)
             parts = ops.split(flat, tuple(self.numels[i] for i in bucket))
             for k in range(len(bucket)):
                 out[bucket[k]] = ops.reshape(parts[k], self.shapes[bucket[k]])

@@ -86,6 +86,10 @@ for name, compiled in (("compiled", True), ("eager", False)):
     after = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001, overlap=False, compile_reduction=compiled)
     out[f"after_{name}"], _ = train(after.network, after.reduce)
     out[f"after_{name}_stats"] = after.comm_stats()
+    # fp16 on the wire: the compiled graph must do the eager compression hook's arithmetic
+    after = co.wrap(build(rank), bucket_size_mb=0.002, overlap=False, compile_reduction=compiled, compression="fp16")
+    out[f"fp16_{name}"], _ = train(after.network, after.reduce)
+    out[f"fp16_{name}_mode"] = after.comm_stats()["mode"]
 
 # 2. a parameter unused on rank 1 in steps 0 and 2
 unused_fn = lambda step: not (rank == 1 and step != 1)  # noqa: E731
