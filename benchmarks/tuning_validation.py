@@ -2,7 +2,8 @@
 
     python benchmarks/tuning_validation.py --world 2 --model transformer --steps 8
 
-1. Profile one step of the wrapped model and fit alpha/beta on the live group.
+1. Fit alpha/beta on the live group; profile the wrapped model (ready times, compute alone and
+   the contention between overlapped communication and compute: tuning.profile_with_contention).
 2. For every candidate bucket size: predicted step time against measured (median of --steps).
 3. collective_ops.tune's choice and its trial steps, against the best of that exhaustive sweep.
 4. wrap with the tuned size against torch DDP with its defaults (alternating blocks).
@@ -14,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,7 +36,7 @@ def timed_steps(model, optimizer, batches, steps: int) -> float:
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     import collective_ops as co
-    from collective_ops.tuning import CANDIDATES_MB, measure_alpha_beta, predict, profile_from_stats
+    from collective_ops.tuning import CANDIDATES_MB, measure_alpha_beta, predict, profile_with_contention
 
     torch.set_num_threads(1)
     co.init("gloo", rank=rank, world_size=world, master_port=port)
@@ -47,15 +47,18 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
     for i in range(3):
         one_step(wrapped, optimizer, batches[i % 4])
-    profiles = []
-    for i in range(3):  # the median profile step
-        start = time.perf_counter()
-        one_step(wrapped, optimizer, batches[i % 4])
-        profiles.append(profile_from_stats(wrapped.manager.last_stats, start, time.perf_counter()))
-    profile = sorted(profiles, key=lambda p: p.step_compute_s)[1]
+    counter = {"i": 0}
+
+    def next_step() -> None:
+        counter["i"] += 1
+        one_step(wrapped, optimizer, batches[counter["i"] % 4])
+
     cost = measure_alpha_beta()
+    profile, contention = profile_with_contention(wrapped, next_step, cost, steps=3)
     plan = wrapped.manager.plan
-    predictions = {p.bucket_size_mb: p for p in predict(plan.params, profile, cost, CANDIDATES_MB, 1.0, plan.order)}
+    predictions = {
+        p.bucket_size_mb: p for p in predict(plan.params, profile, cost, CANDIDATES_MB, 1.0, plan.order, contention)
+    }
     sweep = {}
     for mb in CANDIDATES_MB:
         wrapped.set_bucket_size(mb, 1.0)
@@ -65,11 +68,11 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     model2, _ = build_model(args.model)
     tuned = co.wrap(model2, bucket_size_mb=25)
     opt2 = torch.optim.SGD(tuned.parameters(), lr=1e-3)
-    counter = {"i": 0}
+    counter2 = {"i": 0}
 
     def step() -> None:
-        counter["i"] += 1
-        one_step(tuned, opt2, batches[counter["i"] % 4])
+        counter2["i"] += 1
+        one_step(tuned, opt2, batches[counter2["i"] % 4])
 
     result = co.tune(tuned, step, confirm_top=2, confirm_steps=3)
     # tuned wrap against DDP defaults, alternating blocks
@@ -90,6 +93,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                 "alpha_us": cost.alpha * 1e6,
                 "beta_ns_per_byte": cost.beta * 1e9,
                 "profile_compute_ms": profile.step_compute_s * 1e3,
+                "contention": contention,
                 "backward_end_ms": profile.backward_end_s * 1e3,
                 "rows": [
                     {
@@ -121,7 +125,8 @@ def main(argv=None) -> int:
     r = spawn(rank_main, args.world, args)
     print(
         f"# tuning_validation: {args.model}, {args.world} Gloo ranks; alpha {r['alpha_us']:.0f} us, "
-        f"beta {r['beta_ns_per_byte']:.3f} ns/B; profiled compute {r['profile_compute_ms']:.0f} ms, "
+        f"beta {r['beta_ns_per_byte']:.3f} ns/B; compute alone {r['profile_compute_ms']:.0f} ms, "
+        f"contention {r['contention']:.2f}, "
         f"backward ends at {r['backward_end_ms']:.0f} ms"
     )
     print(f"  {'bucket MiB':>10} {'collectives':>11} {'predicted ms':>13} {'measured ms':>12} {'error':>7}")

@@ -7,7 +7,11 @@ links, the ring-allreduce model: ``2(N-1) * alpha_link + 2(N-1)/N * b / bandwidt
 Simulator: backward produces gradients at measured times (one profiled step); a bucket
 can start once all its gradients are ready and the previous bucket has finished (one
 communication channel, buckets in plan order, as the bucket manager launches them).
-Predicted step = compute time + communication left after backward ends (exposed).
+Predicted step = compute time + communication left after backward ends (exposed)
++ ``contention`` x communication that ran during backward. ``contention`` is 0 where
+communication has engines of its own (GPU/NPU) and near 1 where it shares the CPU cores
+with backward (Gloo on CPU); :func:`profile_with_contention` measures it: compute with
+every bucket after backward (nothing overlaps) against compute at the current plan.
 
 Everything here is framework-free except :func:`measure_alpha_beta` (torch engine) and
 :func:`tune` (a wrapped torch model).
@@ -90,9 +94,20 @@ class Prediction:
     collectives: int
     finishes_s: tuple[float, ...]
 
+    @property
+    def hidden_comm_s(self) -> float:
+        """Communication that ran while backward was still running (a serial channel: comm - exposed)."""
+        return max(self.comm_s - self.exposed_comm_s, 0.0)
 
-def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel) -> Prediction:
-    """Predict a step of ``plan``: buckets start when ready and the channel is free, in plan order."""
+
+def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, contention: float = 0.0) -> Prediction:
+    """Predict a step of ``plan``: buckets start when ready and the channel is free, in plan order.
+
+    ``contention``: the share of communication overlapping backward that slows backward down
+    by as much (0: free overlap; 1: overlap only time-shares the same cores).
+    """
+    if not 0.0 <= contention <= 1.0:
+        raise ValueError(f"contention is a share between 0 and 1, got {contention!r}")
     channel_free = 0.0
     finishes = []
     comm = 0.0
@@ -104,10 +119,11 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel) -> Pre
         finishes.append(channel_free)
         comm += duration
     exposed = max(0.0, channel_free - profile.backward_end_s)
+    hidden = max(comm - exposed, 0.0)
     return Prediction(
         plan.bucket_size_mb,
         plan.first_bucket_mb,
-        profile.step_compute_s + exposed,
+        profile.step_compute_s + exposed + contention * hidden,
         exposed,
         comm,
         len(plan.buckets),
@@ -122,6 +138,7 @@ def predict(
     candidates_mb: Sequence[float] = CANDIDATES_MB,
     first_bucket_mb: float | None = 1.0,
     order: Sequence[int] | None = None,
+    contention: float = 0.0,
 ) -> list[Prediction]:
     """Predictions for each candidate size, best first. ``order``: the observed ready order."""
     if order is None:
@@ -129,12 +146,12 @@ def predict(
     out = []
     for mb in candidates_mb:
         first = min(first_bucket_mb, mb) if first_bucket_mb else mb
-        out.append(simulate(plan_buckets(specs, mb, first, order=order), profile, cost))
+        out.append(simulate(plan_buckets(specs, mb, first, order=order), profile, cost, contention))
     return sorted(out, key=lambda p: (p.step_s, p.collectives))
 
 
 def measure_alpha_beta(
-    sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24), iters: int = 5
+    sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24), iters: int = 10
 ) -> CostModel:
     """Fit alpha/beta of allreduce on the live torch group (every rank calls it; same result everywhere)."""
     from .bench import run_sweep
@@ -151,6 +168,44 @@ def profile_from_stats(stats, step_start: float, step_end: float) -> BackwardPro
     return BackwardProfile(ready, backward_end - step_start, max(compute, 0.0))
 
 
+def _median_profile(model, step_fn: Callable[[], None], steps: int) -> BackwardProfile:
+    profiles = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step_fn()
+        profiles.append(profile_from_stats(model.manager.last_stats, start, time.perf_counter()))
+    return sorted(profiles, key=lambda p: p.step_compute_s)[len(profiles) // 2]
+
+
+def profile_with_contention(
+    model, step_fn: Callable[[], None], cost: CostModel, steps: int = 3
+) -> tuple[BackwardProfile, float]:
+    """(profile whose compute is free of communication, contention) for a wrapped model.
+
+    ``steps`` profiled steps at the current plan give the gradients' ready times and the
+    compute with communication overlapping it; ``steps`` more with the whole model in one
+    bucket (launched after backward: nothing overlaps) give the compute alone. The
+    difference, over the communication the simulator overlaps at the current plan, is
+    the contention. Leaves the model on its current plan; costs ``2 * steps + 2`` steps.
+    """
+    manager = model.manager
+    plan = manager.plan
+    current = (plan.bucket_size_mb, plan.first_bucket_mb)
+    shared = _median_profile(model, step_fn, steps)
+    whole_mb = max(sum(b.nbytes for b in plan.buckets) / 2**20 * 2, 1.0)
+    model.set_bucket_size(whole_mb, whole_mb)
+    try:
+        step_fn()  # settle on the new buffers
+        alone = _median_profile(model, step_fn, steps).step_compute_s
+    finally:
+        model.set_bucket_size(*current)
+    step_fn()
+    profile = BackwardProfile(shared.ready_s, shared.backward_end_s, min(alone, shared.step_compute_s))
+    hidden = simulate(plan, profile, cost).hidden_comm_s
+    contention = (shared.step_compute_s - profile.step_compute_s) / hidden if hidden > 0 else 0.0
+    return profile, float(min(max(contention, 0.0), 1.0))
+
+
 @dataclass
 class TuneResult:
     bucket_size_mb: float
@@ -159,10 +214,12 @@ class TuneResult:
     measured_s: dict[float, float]
     cost: CostModel
     trial_steps: int
+    contention: float = 0.0
 
     def describe(self) -> str:
         lines = [
-            f"cost model: alpha={self.cost.alpha * 1e6:.1f} us, beta={self.cost.beta * 1e9:.3f} ns/B ({self.cost.label})"
+            f"cost model: alpha={self.cost.alpha * 1e6:.1f} us, beta={self.cost.beta * 1e9:.3f} ns/B ({self.cost.label}); "
+            f"contention {self.contention:.2f}"
         ]
         for p in self.predictions:
             measured = self.measured_s.get(p.bucket_size_mb)
@@ -181,37 +238,44 @@ def tune(
     confirm_top: int = 2,
     confirm_steps: int = 3,
     cost: CostModel | None = None,
+    profile_steps: int = 2,
+    keep_current: bool = True,
 ) -> TuneResult:
     """Choose ``bucket_size_mb`` for a wrapped torch model and set it.
 
     ``step_fn()`` runs one training step (forward, backward, optimizer) on the wrapped
-    model. One profiled step and a short allreduce sweep feed the simulator; the best
-    ``confirm_top`` predictions are then timed for ``confirm_steps`` real steps each and
-    the fastest wins. Rank 0 decides and broadcasts, so every rank ends with the same size.
+    model. Profiled steps (:func:`profile_with_contention`) and a short allreduce sweep
+    feed the simulator; the best ``confirm_top`` predictions (and, with ``keep_current``,
+    the current size) are then timed for ``confirm_steps`` real steps each and the fastest
+    wins. Rank 0 decides and broadcasts, so every rank ends with the same size.
     """
     import torch
 
     for mb in candidates_mb:
         if not mb > 0:
             raise ValueError(f"candidate bucket sizes must be positive MiB, got {mb!r}")
-    if confirm_top < 1 or confirm_steps < 1:
-        raise ValueError("confirm_top and confirm_steps must be at least 1")
+    if confirm_top < 1 or confirm_steps < 1 or profile_steps < 1:
+        raise ValueError("confirm_top, confirm_steps and profile_steps must be at least 1")
     engine = model.engine
     manager = model.manager
     step_fn()  # warm-up (and the first-step rebuild)
-    start = time.perf_counter()
-    step_fn()
-    profile = profile_from_stats(manager.last_stats, start, time.perf_counter())
     cost = cost or measure_alpha_beta()
+    profile, contention = profile_with_contention(model, step_fn, cost, profile_steps)
     specs = list(manager.plan.params)
-    predictions = predict(specs, profile, cost, candidates_mb, manager.plan.first_bucket_mb, manager.plan.order)
+    predictions = predict(
+        specs, profile, cost, candidates_mb, manager.plan.first_bucket_mb, manager.plan.order, contention
+    )
     # Each rank ranks the candidates from its own profile; rank 0's shortlist is everyone's, or
     # ranks would try different plans and their collectives would no longer match.
     local = [round(p.bucket_size_mb * 1000) for p in predictions[:confirm_top]]
     local += [-1] * (confirm_top - len(local))
     shortlist = [v / 1000 for v in engine.broadcast_ints(local, src=0) if v >= 0]
+    current = manager.plan.bucket_size_mb
+    if keep_current and current not in shortlist:
+        # The incumbent is timed too: a mispredicted shortlist cannot move the model to a slower size.
+        shortlist.append(current)
     measured: dict[float, float] = {}
-    trial_steps = 2
+    trial_steps = 1 + 2 * profile_steps + 2
     for size in shortlist:
         model.set_bucket_size(size)
         step_fn()  # settle buffers
@@ -227,7 +291,9 @@ def tune(
     best_local = min(measured, key=measured.get)
     choice = engine.broadcast_ints([round(best_local * 1000)], src=0)[0] / 1000  # rank 0 decides
     model.set_bucket_size(choice)
-    result = TuneResult(choice, min(manager.plan.first_bucket_mb, choice), predictions, measured, cost, trial_steps)
+    result = TuneResult(
+        choice, min(manager.plan.first_bucket_mb, choice), predictions, measured, cost, trial_steps, contention
+    )
     logger.info("collective_ops.tune:\n%s", result.describe())
     return result
 
