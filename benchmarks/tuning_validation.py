@@ -59,11 +59,16 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     predictions = {
         p.bucket_size_mb: p for p in predict(plan.params, profile, cost, CANDIDATES_MB, 1.0, plan.order, contention)
     }
-    sweep = {}
-    for mb in CANDIDATES_MB:
-        wrapped.set_bucket_size(mb, 1.0)
-        one_step(wrapped, optimizer, batches[0])
-        sweep[mb] = timed_steps(wrapped, optimizer, batches, args.steps)
+    # The exhaustive sweep, in rounds over every size (order reversed every round) so that the
+    # machine's drift hits every size alike; each visit: one settling step, then timed steps.
+    per_visit = max(args.steps // args.sweep_rounds, 1)
+    visits: dict[float, list[float]] = {mb: [] for mb in CANDIDATES_MB}
+    for round_ in range(args.sweep_rounds):
+        for mb in CANDIDATES_MB if round_ % 2 == 0 else CANDIDATES_MB[::-1]:
+            wrapped.set_bucket_size(mb, 1.0)
+            one_step(wrapped, optimizer, batches[0])
+            visits[mb].append(timed_steps(wrapped, optimizer, batches, per_visit))
+    sweep = {mb: statistics.median(v) for mb, v in visits.items()}
     # the tuner, from a fresh wrapper
     model2, _ = build_model(args.model)
     tuned = co.wrap(model2, bucket_size_mb=25)
@@ -106,7 +111,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                 ],
                 "tuned_mb": result.bucket_size_mb,
                 "tune_trial_steps": result.trial_steps,
-                "sweep_steps": len(CANDIDATES_MB) * (args.steps + 1),
+                "sweep_steps": len(CANDIDATES_MB) * args.sweep_rounds * (per_visit + 1),
                 "ddp_ms": statistics.median(versus["ddp"]) * 1e3,
                 "tuned_ms": statistics.median(versus["tuned"]) * 1e3,
             }
@@ -118,6 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--model", choices=["transformer", "cnn", "mlp"], default="transformer")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    parser.add_argument("--sweep-rounds", type=int, default=3, help="rounds over every size in the exhaustive sweep")
     parser.add_argument("--rounds", type=int, default=4, help="alternations of DDP and the tuned wrap")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
