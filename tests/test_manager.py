@@ -77,6 +77,21 @@ def test_gradients_as_views_and_copies(engine) -> None:
     assert torch.equal(grads[0], torch.zeros(10, 100))
 
 
+def test_a_compiled_step_is_accounted_like_a_finalized_one(engine) -> None:
+    # engines that reduce the whole plan in one compiled call (MindSpore) only report the step
+    manager, rec = make(engine, rebuild_after_first_step=True)
+    manager.record_compiled_step(10.0, 10.5)
+    stats = manager.last_stats
+    assert (stats.collectives, stats.bytes_communicated) == (3, 6 * 4000)
+    assert stats.exposed_comm_s == pytest.approx(0.5) and [b.completed for b in stats.buckets] == [10.5] * 3
+    assert manager.steps_synced == 1 and rec.steps == 1 and not manager.in_progress
+    summary = manager.stats_summary()
+    assert summary["collectives_per_step"] == 3 and summary["steps"] == 1
+    manager.mark_ready(5)  # a step whose gradients arrive one by one cannot be finished that way
+    with pytest.raises(RuntimeError, match="marked one by one"):
+        manager.record_compiled_step(11.0, 11.1)
+
+
 def test_no_sync_accumulates_without_communicating(engine) -> None:
     manager, rec = make(engine)
     manager.set_sync(False)
