@@ -80,13 +80,14 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
         for s in (stats, out["after_compiled_stats"], out["after_eager_stats"]):
             assert s["buckets"] > 1 and s["collectives_per_step"] == s["buckets"]
         assert stats["backend"] == "mccl"
-        if mode == "pynative":
-            _same(out["train_one_step"], out["dgr"], "TrainOneStepCell")
+        _same(out["train_one_step"], out["dgr"], f"TrainOneStepCell ({mode})")
         errors = out["errors"]
         assert "ModelMismatchError" in errors["mismatch"] and "rank 1" in errors["mismatch"]
         assert "bucket_size_mb" in errors["bucket_zero"]
         assert "already wrapped" in errors["already_wrapped"]
         assert "got 1 gradients for" in errors["wrong_count"]
+        assert "use reduce() from PyNative mode" in errors["graph_reducer_eager_only"]
+        assert "every trainable parameter" in errors["graph_reducer_some_params"]
     assert results[0]["stats"]["plan_fingerprint"] == results[1]["stats"]["plan_fingerprint"]
 
 

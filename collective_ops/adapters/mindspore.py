@@ -161,24 +161,19 @@ class DataParallel:
                 f"got {len(grads)} gradients for {len(params)} parameters; pass params= when the gradients "
                 "are not of the network's trainable parameters (e.g. optimizer.parameters)"
             )
-        indices = []
-        for p in params:
-            name = getattr(p, "name", None)
-            if name not in self._index:
-                raise ValueError(f"parameter {name!r} is not a trainable parameter of the wrapped network")
-            indices.append(self._index[name])
+        indices = self._indices_of(params)
         manager = self.manager
         if not manager.sync_enabled:
             raise RuntimeError("reduce() inside no_sync(): leave the no_sync() block first")
         by_index = dict(zip(indices, grads))
         if self._compile and not manager.in_progress and len(by_index) == len(self._params):
-            compiled = self._compiled_reduction()
+            compiled = self._compiled_reduction(indices)
             if compiled is not None:
                 start = time.perf_counter()
-                reduced = compiled(tuple(by_index[i] for i in range(len(self._params))))
+                reduced = compiled(grads)
                 manager.record_compiled_step(start, time.perf_counter())
                 self._last_mode = "fused-after-backward (compiled)"
-                return tuple(reduced[i] for i in indices)
+                return tuple(reduced)
         mode = "overlap" if manager.in_progress else "fused-after-backward"
         for i in manager.plan.order:  # gradients no hook saw (GRAPH mode, or none arrived): launch in plan order
             if i in by_index and not manager.is_marked(i):
@@ -190,15 +185,26 @@ class DataParallel:
             flat.update(zip(bucket.param_indices, manager.bucket_results(bucket_index)))
         return tuple(flat[i].reshape(tuple(p.shape)) for i, p in zip(indices, params))
 
-    def _compiled_reduction(self) -> Any:
+    def _indices_of(self, params: Sequence[Any]) -> list[int]:
+        indices = []
+        for p in params:
+            name = getattr(p, "name", None)
+            if name not in self._index:
+                raise ValueError(f"parameter {name!r} is not a trainable parameter of the wrapped network")
+            indices.append(self._index[name])
+        return indices
+
+    def _compiled_reduction(self, indices: Sequence[int]) -> Any:
+        """The plan's compiled reduction for gradients given in ``indices`` order (None if unsupported)."""
         plan = self.manager.plan
-        key = plan.fingerprint()
+        key = (plan.fingerprint(), tuple(indices))
         if key not in self._compiled:
+            position = {index: k for k, index in enumerate(indices)}
             self._compiled[key] = self.engine.compiled_reduction(
-                [b.param_indices for b in plan.buckets],
-                [p.numel for p in plan.params],
-                [tuple(p.shape) for p in self._params],
-                [p.dtype for p in plan.params],
+                [[position[i] for i in b.param_indices] for b in plan.buckets],
+                [plan.params[i].numel for i in indices],
+                [tuple(self._params[i].shape) for i in indices],
+                [plan.params[i].dtype for i in indices],
                 self.manager.reduce_op,
                 self._wire_dtype,
             )
@@ -207,6 +213,28 @@ class DataParallel:
     def grad_reducer(self, params: Sequence[Any] | None = None):
         """A drop-in for ``nn.DistributedGradReducer``: a callable on the gradient tuple."""
         return lambda grads: self.reduce(grads, params)
+
+    def graph_reducer(self, params: Sequence[Any] | None = None) -> nn.Cell:
+        """A ``Cell`` that reduces the gradient tuple inside a compiled (GRAPH-mode) training step.
+
+        The drop-in for ``nn.DistributedGradReducer`` where the whole step is one graph (e.g.
+        ``nn.TrainOneStepCell`` in GRAPH mode): the current bucket plan's reduction compiled
+        into the caller's graph. Python does not run per step there, so ``comm_stats()`` and
+        the trace do not see these steps, and a later ``set_bucket_size`` does not change it.
+        """
+        params = self._params if params is None else list(params)
+        indices = self._indices_of(params)
+        if len(set(indices)) != len(self._params):
+            raise ValueError("graph_reducer needs one gradient for every trainable parameter of the wrapped network")
+        cell = self._compiled_reduction(indices) if self._compile else None
+        if cell is None:
+            raise ValueError(
+                f"no compiled reduction for this network on {self.engine.backend!r} (custom comm_hook, mixed "
+                "gradient dtypes, compile_reduction=False, or a dtype ops.AllReduce lacks there); "
+                "use reduce() from PyNative mode instead"
+            )
+        self._last_mode = "in-graph (compiled)"
+        return cell
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Gradient accumulation: hooks stay quiet; pass the summed gradients to reduce() afterwards."""
@@ -243,19 +271,32 @@ class DataParallel:
 
 
 class TrainOneStepCell(nn.TrainOneStepCell):
-    """``nn.TrainOneStepCell`` whose gradient reducer is collective_ops' (PyNative mode)."""
+    """``nn.TrainOneStepCell`` whose gradient reducer is collective_ops'.
+
+    PyNative: ``reduce()`` (hooks, stats and trace as in the functional loop). GRAPH: the
+    compiled reduction inside the step's graph (``graph_reducer``), where
+    ``DistributedGradReducer`` would sit.
+    """
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, data_parallel: DataParallel, sens: float = 1.0):
         super().__init__(network, optimizer, sens)
-        self._data_parallel = data_parallel
+        weights = list(self.weights)
+        if _pynative():
+            self.grad_reducer = _EagerReducer(data_parallel, weights)
+        else:
+            self.grad_reducer = data_parallel.graph_reducer(weights)
+        self.reducer_flag = True
 
-    def construct(self, *inputs: Any) -> Any:
-        loss = self.network(*inputs)
-        sens = ms.ops.fill(loss.dtype, loss.shape, self.sens)
-        grads = self.grad(self.network, self.weights)(*inputs, sens)
-        grads = self._data_parallel.reduce(grads, self.weights)
-        self.optimizer(grads)
-        return loss
+
+class _EagerReducer(nn.Cell):
+    """``DataParallel.reduce`` as a Cell (PyNative runs ``construct`` as Python)."""
+
+    def __init__(self, data_parallel: DataParallel, params: Sequence[Any]) -> None:
+        super().__init__(auto_prefix=False)
+        self._reduce = data_parallel.grad_reducer(params)
+
+    def construct(self, grads: Any) -> Any:
+        return self._reduce(grads)
 
 
 def wrap(network: nn.Cell, bucket_size_mb: float = 25.0, **options: Any) -> DataParallel:

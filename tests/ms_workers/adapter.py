@@ -120,14 +120,14 @@ out["accum_dgr"] = accumulate(reference_net, dgr_reducer(reference_net), context
 wrapped_acc = co.wrap(build(0), bucket_size_mb=0.002, overlap=MODE == "pynative")
 out["accum_ours"] = accumulate(wrapped_acc.network, wrapped_acc.reduce, wrapped_acc.no_sync)
 
-# 4. TrainOneStepCell-style training (PyNative) against the functional loop
-if MODE == "pynative":
-    wrapped_cell = co.wrap(build(0), bucket_size_mb=0.002, overlap=True)
-    with_loss = nn.WithLossCell(wrapped_cell.network, loss_fn)
-    step_cell = TrainOneStepCell(with_loss, nn.Momentum(with_loss.trainable_params(), 0.1, 0.9), wrapped_cell)
-    for step in range(3):
-        step_cell(*batch(step, rank))
-    out["train_one_step"] = {p.name: p.asnumpy().tolist() for p in wrapped_cell.network.trainable_params()}
+# 4. TrainOneStepCell-style training against the functional loop: PyNative through reduce(), GRAPH with the
+#    compiled reduction inside the step's graph (where DistributedGradReducer would sit)
+wrapped_cell = co.wrap(build(0), bucket_size_mb=0.002, overlap=MODE == "pynative")
+with_loss = nn.WithLossCell(wrapped_cell.network, loss_fn)
+step_cell = TrainOneStepCell(with_loss, nn.Momentum(with_loss.trainable_params(), 0.1, 0.9), wrapped_cell)
+for step in range(3):
+    step_cell(*batch(step, rank))
+out["train_one_step"] = {p.name: p.asnumpy().tolist() for p in wrapped_cell.network.trainable_params()}
 
 # 5. bad input: refused on every rank, no hang
 out["errors"] = collect_errors(
@@ -136,6 +136,8 @@ out["errors"] = collect_errors(
         "bucket_zero": lambda: co.wrap(build(0), bucket_size_mb=0),
         "already_wrapped": lambda: co.wrap(wrapped),
         "wrong_count": lambda: wrapped.reduce((ms.Tensor(np.ones(1, np.float32)),)),
+        "graph_reducer_eager_only": lambda: co.wrap(build(0), compile_reduction=False).graph_reducer(),
+        "graph_reducer_some_params": lambda: wrapped.graph_reducer(wrapped.trainable_params()[:1]),
     },
     (ValueError, TypeError, ModelMismatchError),
 )
