@@ -50,6 +50,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--compression", choices=["fp16"], help="collective_ops communicates in fp16 (DistributedGradReducer: fp32)"
     )
+    parser.add_argument(
+        "--train-cell",
+        action="store_true",
+        help="whole steps as nn.TrainOneStepCell (one graph per step in GRAPH mode) with each reducer inside",
+    )
     parser.add_argument("--paths", action="store_true", help="also time raw reference paths, per phase")
     parser.add_argument("--json")
     return parser.parse_args(argv)
@@ -86,6 +91,7 @@ def launch(args) -> int:
         ]
         + (["--graph"] if args.graph else [])
         + (["--paths"] if args.paths else [])
+        + (["--train-cell"] if args.train_cell else [])
         + (["--compression", args.compression] if args.compression else [])
     )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -125,8 +131,14 @@ def run(args) -> None:
         layers = [cell for _ in range(24) for cell in (nn.Dense(256, 256), nn.ReLU())]
         return nn.SequentialCell(*layers, nn.Dense(256, 10))
 
+    if args.train_cell:
+        # As data-parallel MindSpore scripts set it: nn.TrainOneStepCell then builds its own
+        # DistributedGradReducer (mean over the group) and MindSpore's comm-fusion settings apply.
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     setups = {}
     kinds = ["DistributedGradReducer", "collective_ops"]
+    if args.paths and args.train_cell:
+        raise SystemExit("--paths times the functional loop's phases; it does not combine with --train-cell")
     if args.paths:
         kinds += ["no reduction", "fused ops.AllReduce", "per-gradient hook launch"]
     for kind in kinds:
@@ -147,12 +159,27 @@ def run(args) -> None:
             return loss_fn(net(x), y)
 
         setups[kind] = (ms.value_and_grad(forward, None, opt.parameters), reduce, opt, wrapped)
+        if args.train_cell:  # the reducer inside nn.TrainOneStepCell, where DistributedGradReducer sits
+            with_loss = nn.WithLossCell(net, loss_fn)
+            if wrapped is not None:
+                from collective_ops.adapters.mindspore import TrainOneStepCell
+
+                cell = TrainOneStepCell(with_loss, opt, wrapped)
+            else:
+                cell = nn.TrainOneStepCell(with_loss, opt)  # its own DistributedGradReducer (data-parallel mode)
+                assert isinstance(cell.grad_reducer, nn.DistributedGradReducer) and cell.reducer_flag
+            setups[kind] = (cell, None, opt, wrapped)
 
     phase_names = ("backward", "reduce", "update", "step")
 
     def step(kind: str, i: int) -> tuple[float, ...]:
         grad_fn, reduce, opt, _ = setups[kind]
         start = time.perf_counter()
+        if args.train_cell:  # one call: forward, backward, reduction, update
+            grad_fn(*data[i % len(data)]).asnumpy()
+            ms.runtime.synchronize()
+            end = time.perf_counter()
+            return end - start, 0.0, 0.0, end - start
         loss, grads = grad_fn(*data[i % len(data)])
         backward_done = time.perf_counter()
         reduced = reduce(grads)
@@ -182,7 +209,8 @@ def run(args) -> None:
         params = sum(int(p.size) for p in setups["collective_ops"][2].parameters)
         calls = {
             "DistributedGradReducer": f"{n_grads} in one @jit graph",
-            "collective_ops": f"{stats['collectives_per_step']} ({stats['mode']})",
+            "collective_ops": f"{stats['buckets'] if stats['mode'].startswith('in-graph') else stats['collectives_per_step']}"
+            f" ({stats['mode']})",
             "no reduction": "0",
             "fused ops.AllReduce": "1 (after backward)",
             "per-gradient hook launch": f"{n_grads} (during backward)",

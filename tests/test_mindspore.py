@@ -81,6 +81,8 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
             assert s["buckets"] > 1 and s["collectives_per_step"] == s["buckets"]
         assert stats["backend"] == "mccl"
         _same(out["train_one_step"], out["dgr"], f"TrainOneStepCell ({mode})")
+        if mode == "graph":
+            _same(out["train_one_step_dgr"], out["dgr"], "nn.TrainOneStepCell with its own DGR, data-parallel mode")
         errors = out["errors"]
         assert "ModelMismatchError" in errors["mismatch"] and "rank 1" in errors["mismatch"]
         assert "bucket_size_mb" in errors["bucket_zero"]

@@ -122,6 +122,18 @@ out["accum_ours"] = accumulate(wrapped_acc.network, wrapped_acc.reduce, wrapped_
 
 # 4. TrainOneStepCell-style training against the functional loop: PyNative through reduce(), GRAPH with the
 #    compiled reduction inside the step's graph (where DistributedGradReducer would sit)
+if MODE == "graph":
+    # as data-parallel MindSpore scripts run it (benchmarks/mindspore_compare.py --train-cell too): nn.TrainOneStepCell
+    # then builds its own DistributedGradReducer, the reference the compiled reducer replaces in the graph
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    reference_net = build(0)
+    reference_cell = nn.TrainOneStepCell(
+        nn.WithLossCell(reference_net, loss_fn), nn.Momentum(reference_net.trainable_params(), 0.1, 0.9)
+    )
+    assert isinstance(reference_cell.grad_reducer, nn.DistributedGradReducer)
+    for step in range(3):
+        reference_cell(*batch(step, rank))
+    out["train_one_step_dgr"] = {p.name: p.asnumpy().tolist() for p in reference_net.trainable_params()}
 wrapped_cell = co.wrap(build(0), bucket_size_mb=0.002, overlap=MODE == "pynative")
 with_loss = nn.WithLossCell(wrapped_cell.network, loss_fn)
 step_cell = TrainOneStepCell(with_loss, nn.Momentum(with_loss.trainable_params(), 0.1, 0.9), wrapped_cell)
