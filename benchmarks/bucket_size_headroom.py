@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import spawn  # noqa: E402
-from benchmarks.ddp_compare import MODELS, build_model, one_step  # noqa: E402
+from benchmarks.ddp_compare import MODELS, alternate_steps, training_setup  # noqa: E402
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
@@ -35,31 +35,14 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     co.init("gloo", rank=rank, world_size=world, master_port=port)
     results = {}
     for name in args.models:
-        configs = {}
-        for kind in ("ddp", "collective_ops"):
-            for mb in CANDIDATES_MB:
-                model, batch = build_model(name)
-                if kind == "ddp":
-                    wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
-                else:
-                    wrapped = co.wrap(model, bucket_size_mb=mb)
-                gen = torch.Generator().manual_seed(rank)
-                optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
-                configs[(kind, mb)] = (wrapped, optimizer, [batch(gen) for _ in range(4)])
-        for wrapped, optimizer, batches in configs.values():
-            for i in range(3):  # warm-up, and the bucket rebuilds after step 1
-                one_step(wrapped, optimizer, batches[i % 4])
-        times = {key: [] for key in configs}
-        keys = list(configs)
-        for round_ in range(args.rounds):
-            for key in keys if round_ % 2 == 0 else keys[::-1]:
-                wrapped, optimizer, batches = configs[key]
-                for i in range(args.block):
-                    t = torch.tensor([one_step(wrapped, optimizer, batches[i % 4])], dtype=torch.float64)
-                    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the step is the slowest rank's
-                    times[key].append(float(t))
+        setups = {
+            (kind, mb): training_setup(name, kind, mb, rank)
+            for kind in ("ddp", "collective_ops")
+            for mb in CANDIDATES_MB
+        }
+        times = alternate_steps(setups, args.rounds, args.block)
         results[name] = {f"{kind} {mb:g}": statistics.median(v) * 1e3 for (kind, mb), v in times.items()}
-        del configs
+        del setups
     co.barrier()
     co.shutdown()
     if rank == 0:

@@ -89,6 +89,35 @@ def one_step(model, optimizer, batch) -> float:
     return time.perf_counter() - start
 
 
+def training_setup(name: str, kind: str, bucket_size_mb: float, rank: int) -> tuple:
+    """(wrapped model, SGD optimizer, this rank's 4 batches) for ``kind`` "ddp" or "collective_ops"."""
+    model, batch = build_model(name)
+    wrapped = wrap_with(kind, model, bucket_size_mb)
+    gen = torch.Generator().manual_seed(rank)
+    return wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), [batch(gen) for _ in range(4)]
+
+
+def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3) -> dict:
+    """Step times of every setup, alternating in blocks of ``block`` steps, the order reversed every round.
+
+    Machine noise then hits every setup alike. Each step's time is the slowest rank's. Warm-up
+    steps first (they include collective_ops' bucket rebuild after step 1).
+    """
+    for wrapped, optimizer, batches in setups.values():
+        for i in range(warmup):
+            one_step(wrapped, optimizer, batches[i % len(batches)])
+    times = {key: [] for key in setups}
+    keys = list(setups)
+    for round_ in range(rounds):
+        for key in keys if round_ % 2 == 0 else keys[::-1]:
+            wrapped, optimizer, batches = setups[key]
+            for i in range(block):
+                t = torch.tensor([one_step(wrapped, optimizer, batches[i % len(batches)])], dtype=torch.float64)
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+                times[key].append(float(t))
+    return times
+
+
 def time_rank(rank: int, world: int, port: int, args, queue) -> None:
     import collective_ops as co
 
@@ -96,31 +125,13 @@ def time_rank(rank: int, world: int, port: int, args, queue) -> None:
     co.init("gloo", rank=rank, world_size=world, master_port=port)
     results = {}
     for name in args.models:
-        wrapped, optims, batches = {}, {}, {}
-        for kind in ("ddp", "collective_ops"):
-            model, batch = build_model(name)
-            wrapped[kind] = wrap_with(kind, model, args.bucket_size_mb)
-            optims[kind] = torch.optim.SGD(wrapped[kind].parameters(), lr=1e-3)
-            gen = torch.Generator().manual_seed(rank)
-            batches[kind] = [batch(gen) for _ in range(4)]
-        times = {"ddp": [], "collective_ops": []}
-        for kind in times:  # warm-up, including collective_ops' bucket rebuild after step 1
-            for i in range(3):
-                one_step(wrapped[kind], optims[kind], batches[kind][i % 4])
-        block = args.block
-        for round_ in range(max(args.steps // block, 1)):
-            order = ("ddp", "collective_ops") if round_ % 2 == 0 else ("collective_ops", "ddp")
-            for kind in order:
-                for i in range(block):
-                    step = one_step(wrapped[kind], optims[kind], batches[kind][i % 4])
-                    t = torch.tensor([step], dtype=torch.float64)
-                    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-                    times[kind].append(float(t))
+        setups = {kind: training_setup(name, kind, args.bucket_size_mb, rank) for kind in ("ddp", "collective_ops")}
+        times = alternate_steps(setups, max(args.steps // args.block, 1), args.block)
         results[name] = {
             kind: {"median_step_ms": statistics.median(v) * 1e3, "steps": len(v)} for kind, v in times.items()
         }
-        results[name]["collective_ops"]["buckets"] = wrapped["collective_ops"].comm_stats()["buckets"]
-        results[name]["params_m"] = sum(p.numel() for p in wrapped["ddp"].parameters()) / 1e6
+        results[name]["collective_ops"]["buckets"] = setups["collective_ops"][0].comm_stats()["buckets"]
+        results[name]["params_m"] = sum(p.numel() for p in setups["ddp"][0].parameters()) / 1e6
     co.barrier()
     co.shutdown()
     if rank == 0:
