@@ -93,11 +93,7 @@ class Prediction:
     comm_s: float
     collectives: int
     finishes_s: tuple[float, ...]
-
-    @property
-    def hidden_comm_s(self) -> float:
-        """Communication that ran while backward was still running (a serial channel: comm - exposed)."""
-        return max(self.comm_s - self.exposed_comm_s, 0.0)
+    hidden_comm_s: float  # communication that ran while backward was still running
 
 
 def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, contention: float = 0.0) -> Prediction:
@@ -119,7 +115,7 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, conten
         finishes.append(channel_free)
         comm += duration
     exposed = max(0.0, channel_free - profile.backward_end_s)
-    hidden = max(comm - exposed, 0.0)
+    hidden = max(comm - exposed, 0.0)  # one serial channel: whatever is not exposed ran during backward
     return Prediction(
         plan.bucket_size_mb,
         plan.first_bucket_mb,
@@ -128,6 +124,7 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, conten
         comm,
         len(plan.buckets),
         tuple(finishes),
+        hidden,
     )
 
 
@@ -192,7 +189,7 @@ def profile_with_contention(
     plan = manager.plan
     current = (plan.bucket_size_mb, plan.first_bucket_mb)
     shared = _median_profile(model, step_fn, steps)
-    whole_mb = max(sum(b.nbytes for b in plan.buckets) / 2**20 * 2, 1.0)
+    whole_mb = max(sum(b.nbytes for b in plan.buckets) / 2**20 * 2, 1.0)  # twice the model: one bucket per dtype
     model.set_bucket_size(whole_mb, whole_mb)
     try:
         step_fn()  # settle on the new buffers

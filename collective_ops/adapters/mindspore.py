@@ -131,7 +131,8 @@ class DataParallel:
         # default hook applies: no Python between kernels, as DistributedGradReducer's @jit.
         self._compile = compile_reduction and (hook is allreduce_hook or compression is not None)
         self._wire_dtype = COMPRESSIONS[compression.lower()] if compression is not None else None
-        self._compiled: dict[str, Any] = {}  # plan fingerprint -> CompiledReduction, or None if unsupported
+        # (plan fingerprint, gradient order) -> CompiledReduction, or None where unsupported
+        self._compiled: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._hook_handles = []
         if self.overlap:
             for i, p in enumerate(self._params):

@@ -34,14 +34,24 @@ class BucketContext:
 CommHook = Callable[[BucketContext], Handle]
 
 
+def allreduce_prescale(engine: BucketEngine, reduce_op: str) -> float | None:
+    """The factor :func:`allreduce_hook` multiplies a bucket by before summing, or None.
+
+    1/world_size for "avg", as DDP does, except where the engine averages natively
+    (MindSpore: one pass instead of two, sum then divide).
+    """
+    if reduce_op == "avg" and engine.world_size > 1 and not getattr(engine, "native_avg", False):
+        return 1.0 / engine.world_size
+    return None
+
+
 def allreduce_hook(ctx: BucketContext) -> Handle:
     """The default: allreduce in the buffer's own precision."""
-    if ctx.reduce_op == "avg" and ctx.world_size > 1:
-        if getattr(ctx.engine, "native_avg", False):
-            # One pass instead of two where the engine averages itself (MindSpore: sum, then divide).
-            return ctx.engine.allreduce(ctx.buffer, "avg", async_op=True)
-        if not ctx.prescaled:
-            ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size)
+    if ctx.reduce_op == "avg" and ctx.world_size > 1 and getattr(ctx.engine, "native_avg", False):
+        return ctx.engine.allreduce(ctx.buffer, "avg", async_op=True)
+    factor = allreduce_prescale(ctx.engine, ctx.reduce_op)
+    if factor is not None and not ctx.prescaled:
+        ctx.engine.scale_(ctx.buffer, factor)
     return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
 
 

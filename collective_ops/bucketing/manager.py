@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .hooks import BucketContext, CommHook, allreduce_hook
+from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale
 from .interfaces import BucketEngine, Handle, wait_with_timeout
 from .plan import BucketPlan, complete_order, plan_buckets
 
@@ -108,14 +108,7 @@ class BucketManager:
         self.engine = engine
         self.reduce_op = reduce_op
         self.comm_hook: CommHook = comm_hook or allreduce_hook
-        self._copy_in_scale = (
-            1.0 / engine.world_size
-            if self.comm_hook is allreduce_hook
-            and reduce_op == "avg"
-            and engine.world_size > 1
-            and not getattr(engine, "native_avg", False)
-            else None
-        )
+        self._copy_in_scale = allreduce_prescale(engine, reduce_op) if self.comm_hook is allreduce_hook else None
         self.find_unused_parameters = find_unused_parameters
         self.rebuild_after_first_step = rebuild_after_first_step
         self.on_rebuild = on_rebuild
