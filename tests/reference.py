@@ -1,4 +1,4 @@
-"""Inputs and numpy references shared by the torch and MindSpore primitive tests."""
+"""Inputs, numpy references and comparisons shared by the torch and MindSpore tests."""
 
 from __future__ import annotations
 
@@ -53,3 +53,14 @@ def collect_errors(cases: dict, kinds: tuple = (ValueError, TypeError)) -> dict:
         except kinds as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
     return errors
+
+
+def assert_identical(a, b, what: str) -> None:
+    """Bit-for-bit equality of two results: dicts of arrays (same keys) or sequences of arrays."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=f"{what}: {k}")
+    else:
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=f"{what}: #{i}")

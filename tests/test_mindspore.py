@@ -7,7 +7,7 @@ import pytest
 
 from collective_ops.heatmap import analyze, load_events
 from tests.msrun_harness import requires_mindspore, run_msrun
-from tests.reference import OPS, check_allreduce, check_gather_and_scatter
+from tests.reference import OPS, assert_identical, check_allreduce, check_gather_and_scatter
 
 pytestmark = requires_mindspore
 
@@ -40,16 +40,6 @@ def test_primitives_match_numpy() -> None:
         assert "0..1" in errors["bad_src"]
 
 
-def _same(a, b, what: str) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for k in a:
-            np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=f"{what}: {k}")
-    else:
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=f"{what}: #{i}")
-
-
 @pytest.mark.parametrize("mode", ["pynative", "graph"])
 def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
     trace_file = tmp_path / "comm_trace.json"
@@ -60,15 +50,15 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
         assert analysis.ranks == [0, 1] and len(analysis.steps) >= 3
         assert analysis.comm_ms.shape[1] == max(r["stats"]["buckets"] for r in results)
     for out in results:
-        _same(out["ours_grads"], out["dgr_grads"], "first-step gradients vs DistributedGradReducer")
-        _same(out["ours"], out["dgr"], "parameters after 3 steps vs DistributedGradReducer")
-        _same(out["unused_ours"], out["unused_dgr"], "unused parameter on one rank")
-        _same(out["accum_ours"], out["accum_dgr"], "gradient accumulation")
-        _same(out["after_compiled"], out["dgr"], "after backward, compiled, vs DistributedGradReducer")
-        _same(out["after_eager"], out["dgr"], "after backward, eager, vs DistributedGradReducer")
+        assert_identical(out["ours_grads"], out["dgr_grads"], "first-step gradients vs DistributedGradReducer")
+        assert_identical(out["ours"], out["dgr"], "parameters after 3 steps vs DistributedGradReducer")
+        assert_identical(out["unused_ours"], out["unused_dgr"], "unused parameter on one rank")
+        assert_identical(out["accum_ours"], out["accum_dgr"], "gradient accumulation")
+        assert_identical(out["after_compiled"], out["dgr"], "after backward, compiled, vs DistributedGradReducer")
+        assert_identical(out["after_eager"], out["dgr"], "after backward, eager, vs DistributedGradReducer")
         assert out["after_compiled_stats"]["mode"] == "fused-after-backward (compiled)"
         assert out["after_eager_stats"]["mode"] == "fused-after-backward"
-        _same(out["fp16_compiled"], out["fp16_eager"], "fp16 compression: compiled vs eager hook")
+        assert_identical(out["fp16_compiled"], out["fp16_eager"], "fp16 compression: compiled vs eager hook")
         assert (out["fp16_compiled_mode"], out["fp16_eager_mode"]) == (
             "fused-after-backward (compiled)",
             "fused-after-backward",
@@ -80,9 +70,11 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, tmp_path) -> None:
         for s in (stats, out["after_compiled_stats"], out["after_eager_stats"]):
             assert s["buckets"] > 1 and s["collectives_per_step"] == s["buckets"]
         assert stats["backend"] == "mccl"
-        _same(out["train_one_step"], out["dgr"], f"TrainOneStepCell ({mode})")
+        assert_identical(out["train_one_step"], out["dgr"], f"TrainOneStepCell ({mode})")
         if mode == "graph":
-            _same(out["train_one_step_dgr"], out["dgr"], "nn.TrainOneStepCell with its own DGR, data-parallel mode")
+            assert_identical(
+                out["train_one_step_dgr"], out["dgr"], "nn.TrainOneStepCell with its own DGR, data-parallel mode"
+            )
         errors = out["errors"]
         assert "ModelMismatchError" in errors["mismatch"] and "rank 1" in errors["mismatch"]
         assert "bucket_size_mb" in errors["bucket_zero"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import collect_errors
+from tests.reference import assert_identical, collect_errors
 
 STEPS = 3
 # Attention's key bias has a mathematically zero gradient (softmax ignores a shift), so its
@@ -270,19 +270,14 @@ def feature_checks(rank: int, world: int) -> dict:
 def test_adapter_features(world: int) -> None:
     results = run_ranks(world, feature_checks, timeout=300)
 
-    def same(a: dict, b: dict, what: str, exact: bool = True) -> None:
-        for k in a:
-            if exact:
-                np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}: {k}")
-            else:
-                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f"{what}: {k}")
-
     for out in results:
-        same(out["no_sync_view"], out["no_sync_ddp"], "no_sync (view) vs DDP")
-        same(out["no_sync_copy"], out["no_sync_ddp"], "no_sync (copy) vs DDP")
-        same(out["unused_ours"], out["unused_ddp"], "find_unused_parameters vs DDP")
-        same(out["zero_grad_kept_ours"], out["zero_grad_kept_ddp"], "zero_grad(set_to_none=False) vs DDP")
-        same(out["zero_grad_mixed_ours"], out["zero_grad_mixed_ddp"], "kept and fresh gradients in a bucket vs DDP")
+        assert_identical(out["no_sync_view"], out["no_sync_ddp"], "no_sync (view) vs DDP")
+        assert_identical(out["no_sync_copy"], out["no_sync_ddp"], "no_sync (copy) vs DDP")
+        assert_identical(out["unused_ours"], out["unused_ddp"], "find_unused_parameters vs DDP")
+        assert_identical(out["zero_grad_kept_ours"], out["zero_grad_kept_ddp"], "zero_grad(set_to_none=False) vs DDP")
+        assert_identical(
+            out["zero_grad_mixed_ours"], out["zero_grad_mixed_ddp"], "kept and fresh gradients in a bucket vs DDP"
+        )
         assert (
             out["unused_error"]
             and "'branch.weight'" in out["unused_error"]
@@ -292,9 +287,9 @@ def test_adapter_features(world: int) -> None:
         assert 0 < out["compression_bf16"] < 5e-2, out["compression_bf16"]
         before, after, _fp = out["rebuild"]
         assert before != after, "the plan should follow the observed gradient order after step 1"
-        same(out["rebuild_ours"], out["rebuild_ddp"], "after rebuild vs DDP")
-        same(out["manual_per_param"], out["manual_ddp"], "seed per-parameter loop vs DDP")
-        same(out["manual_bucket"], out["manual_ddp"], "seed GradientBucket loop vs DDP")
+        assert_identical(out["rebuild_ours"], out["rebuild_ddp"], "after rebuild vs DDP")
+        assert_identical(out["manual_per_param"], out["manual_ddp"], "seed per-parameter loop vs DDP")
+        assert_identical(out["manual_bucket"], out["manual_ddp"], "seed GradientBucket loop vs DDP")
         assert out["manual_collectives"] == 1
         face = out["face"]
         assert (
