@@ -160,7 +160,11 @@ def _sync(device) -> None:
     import torch
 
     if device.type != "cpu":
-        torch.accelerator.synchronize()
+        accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; the device module before that
+        sync = (
+            accelerator.synchronize if hasattr(accelerator, "synchronize") else getattr(torch, device.type).synchronize
+        )
+        sync()
 
 
 def time_alternating(
@@ -209,10 +213,12 @@ def run_sweep(
     import torch.distributed as dist
 
     import collective_ops as co
+    from collective_ops.runtime import get_engine
 
     _check_sweep_args(warmup, iters, rounds, impls)
     rank, world = co.get_rank(), co.get_world_size()
-    device = torch.device(co.context().device)
+    engine = get_engine("torch")
+    device = engine.device
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype_name!r}; use e.g. float32, float16, bfloat16, int32")
@@ -234,13 +240,12 @@ def run_sweep(
         calls = {name: (lambda impl=all_impls[name], t=t, out=out: impl(t, out)) for name in impls}
         per_block = time_alternating(calls, warmup, iters, rounds, lambda: _sync(device), dist.barrier)
         for name in impls:
-            times = torch.tensor(per_block[name], dtype=torch.float64)
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            wrong = torch.tensor([_check(op, all_impls[name], t, out, rank, world)], dtype=torch.int64)
-            dist.all_reduce(wrong)
-            seconds = float(times.median())
+            # bookkeeping collectives on the engine's device too: NCCL/HCCL groups take no CPU tensors
+            times = engine.reduce_floats(per_block[name], "max")
+            wrong = int(engine.reduce_floats([_check(op, all_impls[name], t, out, rank, world)], "sum")[0])
+            seconds = float(torch.tensor(times, dtype=torch.float64).median())
             algbw, busbw = bandwidths(op, total_bytes, seconds, world)
-            rows.append(Row(op, name, total_bytes, t.numel(), dtype_name, seconds * 1e6, algbw, busbw, int(wrong)))
+            rows.append(Row(op, name, total_bytes, t.numel(), dtype_name, seconds * 1e6, algbw, busbw, wrong))
     return rows
 
 

@@ -9,26 +9,30 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class ModelMismatchError(RuntimeError):
     """The wrapped model is not the same on every rank."""
 
 
-Entry = tuple  # (kind, name, shape, dtype)
+Entry = tuple  # (kind, name, {detail: value}): e.g. ("parameter", "fc.weight", {"shape": [4, 2], ...})
 
 
 def encode_signature(entries: Sequence[Entry]) -> bytes:
-    return json.dumps([list(map(_jsonable, e)) for e in entries], separators=(",", ":")).encode()
-
-
-def _jsonable(value: object) -> object:
-    return list(value) if isinstance(value, tuple) else value
+    return json.dumps([list(e) for e in entries], separators=(",", ":")).encode()
 
 
 def _describe(entry: list) -> str:
-    kind, name, shape, dtype = entry
-    return f"{kind} {name!r} (shape {tuple(shape)}, {dtype})"
+    kind, name, details = entry
+    shown = ", ".join(f"{key} {tuple(value) if isinstance(value, list) else value}" for key, value in details.items())
+    return f"{kind} {name!r} ({shown})"
+
+
+def plan_entry(plan: Any) -> Entry:
+    """A bucket plan's settings and fingerprint (device types only, so multi-GPU ranks agree) as an entry."""
+    details = {"bucket_size_mb": plan.bucket_size_mb, "first_bucket_mb": plan.first_bucket_mb}
+    return ("bucket plan", "buckets", {**details, "fingerprint": plan.fingerprint()[:16]})
 
 
 def check_same_on_all_ranks(local: Sequence[Entry], allgather_bytes: Callable[[bytes], list[bytes]]) -> None:
@@ -53,6 +57,6 @@ def check_same_on_all_ranks(local: Sequence[Entry], allgather_bytes: Callable[[b
         problems.append(f"  - entry {position}: {what}")
     if problems:
         raise ModelMismatchError(
-            "the model is not the same on every rank; build it identically everywhere "
-            "(same layers, order, shapes and dtypes) before wrapping:\n" + "\n".join(problems)
+            "the model is not the same on every rank; build it identically everywhere (same layers, order, "
+            "shapes, dtypes and requires_grad, and the same wrap options) before wrapping:\n" + "\n".join(problems)
         )

@@ -66,6 +66,8 @@ class HardwareProbe:
     torch_npu_installed: bool
     npu_available: bool
     cuda_available: bool
+    # torch_npu is installed but failed to import (CANN missing or mismatched): the reason, never hidden
+    npu_error: str | None = None
 
 
 def probe_hardware() -> HardwareProbe:
@@ -75,15 +77,15 @@ def probe_hardware() -> HardwareProbe:
         return HardwareProbe(torch_npu_installed, False, False)
     import torch
 
-    npu = False
+    npu, npu_error = False, None
     if torch_npu_installed:
         try:
             import torch_npu  # noqa: F401  (registers torch.npu)
 
             npu = bool(getattr(torch, "npu", None) and torch.npu.is_available())
-        except Exception:  # broken CANN install: report no NPU rather than fail
-            npu = False
-    return HardwareProbe(torch_npu_installed, npu, bool(torch.cuda.is_available()))
+        except Exception as exc:  # a broken CANN install: kept, so the error says why there is no NPU
+            npu_error = f"{type(exc).__name__}: {exc}"
+    return HardwareProbe(torch_npu_installed, npu, bool(torch.cuda.is_available()), npu_error)
 
 
 def select_backend(requested: str | None, probe: HardwareProbe, environ: Mapping[str, str] | None = None) -> str:
@@ -96,6 +98,11 @@ def select_backend(requested: str | None, probe: HardwareProbe, environ: Mapping
     environ = os.environ if environ is None else environ
     choice = (environ.get("COLLECTIVE_OPS_BACKEND") or requested or "").strip().lower() or None
     if choice is None:
+        if probe.npu_error:
+            # On an Ascend host a silent fall back to CPU would hide the real fault.
+            raise RuntimeError(
+                f"{backend_problem('hccl', probe)}. To run on CPU anyway, set COLLECTIVE_OPS_BACKEND=gloo"
+            )
         if probe.npu_available:
             return "hccl"
         if probe.cuda_available:
@@ -116,6 +123,11 @@ def backend_problem(backend: str, probe: HardwareProbe) -> str | None:
             return (
                 "backend 'hccl' needs torch_npu (Ascend NPUs with the CANN toolkit): "
                 "pip install 'collective-ops[npu]' on an Ascend machine"
+            )
+        if probe.npu_error:
+            return (
+                f"torch_npu is installed but failed to import ({probe.npu_error}); check the CANN toolkit "
+                "(source its set_env.sh) and that the torch_npu version matches torch"
             )
         if not probe.npu_available:
             return "backend 'hccl' needs an Ascend NPU, and torch_npu sees none (check npu-smi info and CANN)"

@@ -112,7 +112,9 @@ def _init(
             return _contexts["mindspore"]
         from .comm.mindspore_engine import init_mindspore
 
-        return _remember(*init_mindspore(backend, device_id=device_id, algorithm=algorithm))
+        engine, local_rank, target = init_mindspore(backend, device_id=device_id, algorithm=algorithm)
+        context = DistContext("mindspore", engine.backend, engine.rank, engine.world_size, local_rank, target, "msrun")
+        return _remember("mindspore", context, engine)
     return _init_torch(backend, rank, world_size, device_id, timeout, master_addr, master_port, algorithm)
 
 
@@ -132,6 +134,7 @@ def _init_torch(
     from .comm.torch_engine import TorchEngine
 
     env = detect_launch_env()
+    requested = os.environ.get("COLLECTIVE_OPS_BACKEND") or backend  # an explicit choice, not the default
     backend = select_backend(backend, probe_hardware())
     rank = env.rank if rank is None else rank
     world_size = env.world_size if world_size is None else world_size
@@ -151,7 +154,7 @@ def _init_torch(
 
     existing = _contexts.get("torch")
     if existing is not None or dist.is_initialized():
-        return _check_existing_torch(existing, backend, rank, world_size)
+        return _check_existing_torch(existing, backend if requested else None, rank, world_size)
 
     if algorithm:
         os.environ["HCCL_ALGO" if backend == "hccl" else "NCCL_ALGO"] = algorithm
@@ -189,7 +192,8 @@ def _rendezvous_hint(
     return f"{where}: {text.splitlines()[0] if text else type(exc).__name__}"
 
 
-def _check_existing_torch(existing: DistContext | None, backend: str, rank: int, world_size: int) -> DistContext:
+def _check_existing_torch(existing: DistContext | None, backend: str | None, rank: int, world_size: int) -> DistContext:
+    """The live context if it is what was asked for (``backend`` None: any), else a clear error."""
     import torch.distributed as dist
 
     from .comm.torch_engine import TorchEngine
@@ -201,13 +205,18 @@ def _check_existing_torch(existing: DistContext | None, backend: str, rank: int,
             f"already initialized as rank {live_rank}/{live_world}; init was asked for rank {rank}/{world_size}. "
             "Call collective_ops.shutdown() first to change it."
         )
+    if backend is not None and backend not in live_backend.split(","):
+        raise RuntimeError(
+            f"already initialized with backend {live_backend!r}; init was asked for {backend!r}. "
+            "Call collective_ops.shutdown() first to switch backends (or call init() without a backend)."
+        )
     if existing is not None:
         return existing
     # A process group created by the user: adopt it.
     import torch
 
     device = _bind_device(torch, live_backend, None) if live_backend in ("nccl", "hccl") else torch.device("cpu")
-    _engines["torch"] = TorchEngine(live_backend, device)
+    _engines["torch"] = TorchEngine(live_backend, device, owns_group=False)
     return _remember("torch", DistContext("torch", live_backend, live_rank, live_world, live_rank, str(device), "user"))
 
 
@@ -218,7 +227,13 @@ def _bind_device(torch: Any, backend: str, device_id: int | None) -> Any:
         return torch.device("cpu")
     module = getattr(torch, device_type)
     count = module.device_count()
-    index = (device_id or 0) % max(count, 1)
+    index = device_id or 0
+    if not 0 <= index < count:
+        # Never wrap around: DEVICE_ID modulo the count would put two ranks on one device, silently.
+        raise RuntimeError(
+            f"device {index} was asked for (DEVICE_ID / LOCAL_RANK / device_id=), but this machine has {count} "
+            f"{device_type} device(s): 0..{count - 1}. Start at most {count} rank(s) per machine, one per device."
+        )
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and hasattr(accelerator, "set_device_index"):
         accelerator.set_device_index(index)
@@ -316,13 +331,33 @@ def barrier(framework: str | None = None) -> None:
     get_engine(_context(framework).framework).barrier()
 
 
-def shutdown() -> None:
-    """Leave every process group this library joined. Safe to call twice."""
-    _engine_by_type.clear()
-    if tracing.get_tracer() is not None and _engines:
-        tracing.flush(next(iter(_engines.values())))  # collective: merges all ranks' events on rank 0
-    for framework in list(_engines):
-        engine = _engines.pop(framework)
-        _contexts.pop(framework, None)
-        engine.shutdown()
+def shutdown(timeout: float | None = None) -> None:
+    """Leave every process group this library joined (a group the user created stays). Safe to call twice.
+
+    Always returns or raises within ``timeout`` seconds (default: the stall timeout,
+    ``COLLECTIVE_OPS_STALL_TIMEOUT``), also when a peer has died; the library's own state is
+    torn down first, whatever happens after.
+    """
+    from .bucketing.interfaces import call_with_deadline
+    from .bucketing.manager import stall_timeout_from_env
+
+    timeout = stall_timeout_from_env() if timeout is None else timeout
+    engines = list(_engines.values())
+    _engines.clear()
     _contexts.clear()
+    _engine_by_type.clear()
+    errors: list[BaseException] = []
+    if tracing.get_tracer() is not None and engines:
+        try:  # collective: merges all ranks' events on rank 0 (each rank's own file is written at exit otherwise)
+            call_with_deadline(lambda: tracing.flush(engines[0]), timeout, "merging the communication trace")
+        except Exception as exc:
+            errors.append(exc)
+    for engine in engines:
+        try:
+            engine.shutdown(timeout)
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise RuntimeError(
+            f"collective_ops.shutdown() left its process groups, but: {'; '.join(str(e) for e in errors)}"
+        ) from errors[0]

@@ -246,8 +246,6 @@ def tune(
     the current size) are then timed for ``confirm_steps`` real steps each and the fastest
     wins. Rank 0 decides and broadcasts, so every rank ends with the same size.
     """
-    import torch
-
     for mb in candidates_mb:
         if not mb > 0:
             raise ValueError(f"candidate bucket sizes must be positive MiB, got {mb!r}")
@@ -282,9 +280,7 @@ def tune(
             step_fn()
             times.append(time.perf_counter() - t0)
         trial_steps += confirm_steps + 1
-        slowest = torch.tensor([float(np.median(times))], dtype=torch.float64)
-        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-        measured[size] = float(slowest)
+        measured[size] = engine.reduce_floats([float(np.median(times))], "max")[0]  # the slowest rank's
     best_local = min(measured, key=measured.get)
     choice = engine.broadcast_ints([round(best_local * 1000)], src=0)[0] / 1000  # rank 0 decides
     model.set_bucket_size(choice)

@@ -39,7 +39,7 @@ from ..bucketing import (
 )
 from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
-from ..consistency import check_same_on_all_ranks
+from ..consistency import check_same_on_all_ranks, plan_entry
 from ._options import resolve_options
 
 logger = logging.getLogger("collective_ops")
@@ -93,17 +93,6 @@ class DataParallel:
         if len(self._index) != len(self._params):
             raise ValueError("two trainable parameters share a name; give every Parameter a unique name")
 
-        signature = [("parameter", p.name, tuple(p.shape), dtype_name(p.dtype)) for p in network.get_parameters()]
-        check_same_on_all_ranks(signature, self.engine.allgather_bytes)
-        if broadcast_parameters and self.engine.world_size > 1:
-            handle, _ = fused_collective(
-                self.engine,
-                list(network.get_parameters()),
-                BROADCAST_BUCKET_MB,
-                lambda buffer: self.engine.broadcast(buffer, 0, async_op=True),
-            )
-            handle.wait()
-
         if overlap is None:
             # On CPU (MCCL) collectives run in the same queue as backward's kernels: launching them
             # mid-backward only stalls it (measured: docs/mindspore.md), so reduce after backward there.
@@ -118,8 +107,26 @@ class DataParallel:
             ParamSpec(p.name, int(p.size), dtype_name(p.dtype), self.engine.device, int(p.itemsize))
             for p in self._params
         ]
+        plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
+        signature = [
+            (
+                "parameter",
+                p.name,
+                {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "requires_grad": p.requires_grad},
+            )
+            for p in network.get_parameters()
+        ]
+        check_same_on_all_ranks([*signature, plan_entry(plan)], self.engine.allgather_bytes)
+        if broadcast_parameters and self.engine.world_size > 1:
+            handle, _ = fused_collective(
+                self.engine,
+                list(network.get_parameters()),
+                BROADCAST_BUCKET_MB,
+                lambda buffer: self.engine.broadcast(buffer, 0, async_op=True),
+            )
+            handle.wait()
         self.manager = BucketManager(
-            plan_buckets(specs, bucket_size_mb, first_bucket_mb),
+            plan,
             self.engine,
             reduce_op=reduce_op,
             comm_hook=hook,

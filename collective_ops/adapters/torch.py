@@ -30,7 +30,7 @@ from ..bucketing import (
     validate_bucket_mb,
 )
 from ..comm.torch_engine import TorchEngine, dtype_name
-from ..consistency import check_same_on_all_ranks
+from ..consistency import check_same_on_all_ranks, plan_entry
 from ._options import resolve_options
 
 logger = logging.getLogger("collective_ops")
@@ -103,15 +103,15 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to synchronize")
-        for name, p in named:
-            if p.is_sparse or p.layout != torch.strided:
-                raise ValueError(f"parameter {name!r} is sparse; collective_ops reduces dense gradients only")
+        _refuse_unsupported(module, named)
         self._params = [p for _, p in named]
         self._param_names = [n for n, _ in named]
-        self._verify_and_broadcast()
+        # requires_grad of every parameter at wrap time: the plan depends on it (checked each step)
+        self._requires_grad = [p.requires_grad for p in module.parameters()]
 
         specs = [ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size()) for n, p in named]
         plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
+        self._verify_and_broadcast(plan)
         self.manager = BucketManager(
             plan,
             self.engine,
@@ -126,6 +126,8 @@ class DistributedDataParallel(nn.Module):
         self._make_views()
         self._finalize_queued = False
         self._nonfinite_local: list[str] = []
+        # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
+        self._nonfinite_pending: tuple[list[str], str] | None = None
         # Hooks hold the wrapper weakly: deleting it detaches them and frees its buffers.
         this = weakref.ref(self)
         self._hook_handles = [
@@ -137,9 +139,17 @@ class DistributedDataParallel(nn.Module):
             logger.info("%s", plan.describe())
 
     # -- wrap time -----------------------------------------------------------------
-    def _verify_and_broadcast(self) -> None:
-        signature = [("parameter", n, tuple(p.shape), dtype_name(p.dtype)) for n, p in self.module.named_parameters()]
-        signature += [("buffer", n, tuple(b.shape), dtype_name(b.dtype)) for n, b in self.module.named_buffers()]
+    def _verify_and_broadcast(self, plan: BucketPlan) -> None:
+        """Every rank must hold the same model and plan the same buckets, or none starts training."""
+        signature = [
+            ("parameter", n, {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "requires_grad": p.requires_grad})
+            for n, p in self.module.named_parameters()
+        ]
+        signature += [
+            ("buffer", n, {"shape": list(b.shape), "dtype": dtype_name(b.dtype)})
+            for n, b in self.module.named_buffers()
+        ]
+        signature.append(plan_entry(plan))
         check_same_on_all_ranks(signature, self.engine.allgather_bytes)
         if self.engine.world_size > 1:
             with torch.no_grad():
@@ -156,10 +166,16 @@ class DistributedDataParallel(nn.Module):
         handle.wait()
 
     def _make_views(self) -> None:
+        """Each parameter's gradient view into its bucket, with the parameter's own strides (as DDP).
+
+        A channels_last convolution weight gets a channels_last gradient view, so autograd accumulates
+        into it without a layout change (a transposing copy per step on GPU/NPU otherwise).
+        """
         self._views = []
         for i, p in enumerate(self._params):
             buffer, offset, numel = self.manager.param_segment(i)
-            self._views.append(self.engine.segment(buffer, offset, numel, p.shape))
+            strides = torch.empty_like(p, device="meta").stride()  # p's strides where p is dense, else contiguous
+            self._views.append(buffer.as_strided(p.shape, strides, buffer.storage_offset() + offset))
 
     def _on_rebuild(self, plan: BucketPlan) -> None:
         old = self._views
@@ -175,39 +191,79 @@ class DistributedDataParallel(nn.Module):
         """Runs in the autograd engine once ``param``'s gradient is fully accumulated."""
         manager = self.manager
         if not manager.sync_enabled:
+            manager.mark_ready(index)  # only noted: used while accumulating (the usage map counts it)
             return
         grad = param.grad
+        if grad.layout != torch.strided:
+            raise ValueError(
+                f"parameter {self._param_names[index]!r} received a sparse gradient; collective_ops reduces dense "
+                "gradients only: use sparse=False (nn.Embedding/EmbeddingBag) or densify the gradient"
+            )
         if self.check_finite and not bool(torch.isfinite(grad).all()):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite_local.append(self._param_names[index])
         if not self._finalize_queued:
-            self._finalize_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-        if self.gradient_as_bucket_view:
-            view = self._views[index]
-            prescaled = False
-            if grad.data_ptr() != view.data_ptr():
-                # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
-                # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
-                scale = manager.copy_in_scale
-                if scale is None:
-                    view.copy_(grad)
-                else:
-                    torch.mul(grad, scale, out=view)
-                    prescaled = True
-                param.grad = view  # from now on autograd accumulates straight into the bucket
-            manager.mark_ready(index, prescaled=prescaled)
-        else:
-            manager.mark_ready(index, grad)
+            self._finalize_queued = True
+        self._contribute(index, param)
+
+    def _contribute(self, index: int, param: torch.Tensor, used: bool = True) -> None:
+        """Hand ``param.grad`` to its bucket (as a view, or copied in) and mark it ready."""
+        manager = self.manager
+        grad = param.grad
+        if not self.gradient_as_bucket_view:
+            manager.mark_ready(index, grad, used=used)
+            return
+        view = self._views[index]
+        prescaled = False
+        if grad.data_ptr() != view.data_ptr():
+            # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
+            # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
+            scale = manager.copy_in_scale
+            if scale is None:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=view)
+                prescaled = True
+            param.grad = view  # from now on autograd accumulates straight into the bucket
+        manager.mark_ready(index, prescaled=prescaled, used=used)
 
     def _finalize(self) -> None:
         self._finalize_queued = False
+        self._check_requires_grad_unchanged()
+        if self.manager.find_unused_parameters:
+            self._contribute_kept_gradients()
         self.manager.finalize()
         self._give_unused_their_gradient()
         if self.check_finite:
-            self._raise_if_not_finite()
+            self._note_nonfinite()
         if self._auto_tune_at is not None and self.manager.steps_synced == self._auto_tune_at:
             self._auto_tune()
+
+    def _check_requires_grad_unchanged(self) -> None:
+        now = [p.requires_grad for p in self.module.parameters()]
+        if now == self._requires_grad:
+            return
+        names = [
+            n for (n, p), was in zip(self.module.named_parameters(), self._requires_grad) if p.requires_grad != was
+        ]
+        self.manager.abort_iteration()
+        raise RuntimeError(
+            f"requires_grad changed after wrap() for {names[:10]}: the bucket plan (the same on every rank) was built "
+            "from the trainable parameters at wrap time. Freeze or unfreeze parameters before wrapping, then "
+            "wrap again (call remove_hooks() on this wrapper first)."
+        )
+
+    def _contribute_kept_gradients(self) -> None:
+        """A parameter this step did not use still contributes the gradient it holds, as in DDP.
+
+        That is its gradient accumulated under no_sync() (used in earlier micro-steps), or zeros
+        after ``zero_grad(set_to_none=False)``; parameters without a gradient contribute zeros.
+        """
+        manager = self.manager
+        for i, p in enumerate(self._params):
+            if p.grad is not None and not manager.is_marked(i):
+                self._contribute(i, p, used=False)
 
     def _auto_tune(self) -> None:
         """Online mode: simulate every candidate on the step just profiled; rank 0's choice for all."""
@@ -243,20 +299,36 @@ class DistributedDataParallel(nn.Module):
             first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
         self.manager.replan(bucket_size_mb, first_bucket_mb)
 
-    def _raise_if_not_finite(self) -> None:
-        """NaN/Inf anywhere reaches every rank through the sum, so every rank raises the same error."""
+    def _note_nonfinite(self) -> None:
+        """Names the parameters whose reduced gradient is NaN/Inf (the same on every rank, through the sum).
+
+        Judged before the next forward, not here: an optimizer may skip this step on purpose
+        (``torch.amp.GradScaler`` does on an overflow), and only parameters that became
+        non-finite mean training went wrong.
+        """
         local, self._nonfinite_local = self._nonfinite_local, []
         bad = [
             name
             for name, p in zip(self._param_names, self._params)
             if p.grad is not None and not bool(torch.isfinite(p.grad).all())
         ]
-        if bad:
-            origin = f"; on rank {self.engine.rank} before reduction: {local}" if local else ""
-            raise FloatingPointError(
-                f"non-finite gradients (NaN or Inf) after reduction in {len(bad)} parameter(s): {bad[:10]}{origin}. "
-                "Lower the learning rate, use gradient clipping or loss scaling, or check the data of this step."
-            )
+        origin = f"; on rank {self.engine.rank} before reduction: {local}" if local else ""
+        self._nonfinite_pending = (bad, origin) if bad else None
+
+    def _raise_if_parameters_not_finite(self) -> None:
+        pending, self._nonfinite_pending = self._nonfinite_pending, None
+        if pending is None:
+            return
+        bad, origin = pending
+        by_name = dict(zip(self._param_names, self._params))
+        if all(bool(torch.isfinite(by_name[name]).all()) for name in bad):
+            logger.debug("non-finite gradients in %s were not applied (the optimizer skipped the step)", bad[:10])
+            return
+        raise FloatingPointError(
+            f"non-finite gradients (NaN or Inf) after reduction in {len(bad)} parameter(s): {bad[:10]}{origin}; "
+            "the optimizer applied them and the parameters are no longer finite. Lower the learning rate, use "
+            "gradient clipping or loss scaling (torch.amp.GradScaler skips such steps), or check the data of that step."
+        )
 
     def _give_unused_their_gradient(self) -> None:
         """A parameter unused here but used elsewhere gets the reduced gradient, as in DDP."""
@@ -271,16 +343,20 @@ class DistributedDataParallel(nn.Module):
     def sync_gradients(self) -> None:
         """Reduce the current gradients now (custom loops, or after accumulating under no_sync()).
 
-        Every rank must call it; a parameter without a gradient counts as zero.
+        Every rank must call it, outside backward; a parameter without a gradient counts as zero.
+        The result equals DDP's for the same accumulation (the last backward outside no_sync()).
         """
         manager = self.manager
         if not manager.sync_enabled:
             raise RuntimeError("sync_gradients() inside no_sync(): leave the no_sync() block first")
-        if not manager.in_progress:
-            for i, p in enumerate(self._params):
+        if self._finalize_queued:
+            raise RuntimeError("sync_gradients() during backward: call it after loss.backward() returns")
+        for i, p in enumerate(self._params):
+            if not manager.is_marked(i):
+                used = p.grad is not None
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self._grad_ready(i, p)
+                self._contribute(i, p, used=used)
         self._finalize()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -289,6 +365,8 @@ class DistributedDataParallel(nn.Module):
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._nonfinite_pending is not None:
+            self._raise_if_parameters_not_finite()
         if self.manager.in_progress:
             raise RuntimeError(
                 "forward() called while the previous backward's reduction is unfinished; "
@@ -336,6 +414,27 @@ class DistributedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         plan = self.manager.plan
         return f"buckets={len(plan.buckets)}, bucket_size_mb={plan.bucket_size_mb:g}, backend={self.engine.backend}"
+
+
+def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Sparse gradients and parameters on several devices: refused before anything is communicated."""
+    for name, p in named:
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"parameter {name!r} is sparse; collective_ops reduces dense gradients only")
+    for module_name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise ValueError(
+                f"{module_name or 'the model'} is an {type(sub).__name__}(sparse=True): its gradient is sparse, and "
+                "collective_ops reduces dense gradients only. Build it with sparse=False (DDP also averages "
+                "embeddings densely), or freeze it (requires_grad=False)."
+            )
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's trainable parameters live on {len(devices)} devices ({', '.join(devices)}); collective_ops "
+            "reduces one device per process (autograd runs one hook thread per device). Move the model to one "
+            "device, and launch one process per device (torchrun --nproc-per-node)."
+        )
 
 
 def _weak_hook(wrapper_ref: weakref.ref, index: int):

@@ -7,7 +7,7 @@ from .fusion import fused_collective
 from .gradient_bucket import GradientBucket
 from .hooks import BucketContext, CommHook, allreduce_hook, compression_hook, hook_for_compression
 from .interfaces import BucketEngine, CompletedHandle, Handle, ThenHandle
-from .manager import BucketManager, BucketTiming, CommunicationError, StallError, StepStats
+from .manager import BucketManager, BucketTiming, CommHookError, CommunicationError, StallError, StepStats
 from .plan import MIB, BucketPlan, BucketSpec, ParamSpec, complete_order, plan_buckets, validate_bucket_mb
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "BucketPlan",
     "BucketSpec",
     "BucketTiming",
+    "CommHookError",
     "CommunicationError",
     "StallError",
     "CommHook",

@@ -37,18 +37,19 @@ CommHook = Callable[[BucketContext], Handle]
 def allreduce_prescale(engine: BucketEngine, reduce_op: str) -> float | None:
     """The factor :func:`allreduce_hook` multiplies a bucket by before summing, or None.
 
-    1/world_size for "avg", as DDP does, except where the engine averages natively
-    (MindSpore: one pass instead of two, sum then divide).
+    1/world_size for "avg", as DDP does, except where the engine's framework averages after
+    the sum (MindSpore's ``DistributedGradReducer``: sum, then times 1/world).
     """
-    if reduce_op == "avg" and engine.world_size > 1 and not getattr(engine, "native_avg", False):
+    if reduce_op == "avg" and engine.world_size > 1 and not getattr(engine, "average_after_sum", False):
         return 1.0 / engine.world_size
     return None
 
 
 def allreduce_hook(ctx: BucketContext) -> Handle:
-    """The default: allreduce in the buffer's own precision."""
-    if ctx.reduce_op == "avg" and ctx.world_size > 1 and getattr(ctx.engine, "native_avg", False):
-        return ctx.engine.allreduce(ctx.buffer, "avg", async_op=True)
+    """The default: allreduce in the buffer's own precision, averaged as the framework's own reducer does."""
+    if ctx.reduce_op == "avg" and ctx.world_size > 1 and getattr(ctx.engine, "average_after_sum", False):
+        handle = ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
+        return ThenHandle(handle, lambda: ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size))
     factor = allreduce_prescale(ctx.engine, ctx.reduce_op)
     if factor is not None and not ctx.prescaled:
         ctx.engine.scale_(ctx.buffer, factor)

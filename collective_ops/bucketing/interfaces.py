@@ -8,6 +8,7 @@ implements :class:`BucketEngine`; the core only ever calls these methods, which 
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -117,6 +118,33 @@ def wait_with_timeout(handle: Any, timeout: float | None) -> Any:
         if "timed out" in str(exc).lower():
             raise TimeoutError(str(exc)) from exc
         raise
+
+
+def call_with_deadline(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
+    """``fn()``, or ``TimeoutError`` once ``timeout`` seconds pass (None: no limit).
+
+    For blocking framework calls that take no timeout of their own (a MindSpore barrier, a
+    collective during shutdown): ``fn`` runs in a daemon thread, which is left behind if it
+    never returns, so the caller always gets control back.
+    """
+    if timeout is None:
+        return fn()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"collective_ops: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout:g} s (a peer rank has probably exited)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 class ThenHandle:

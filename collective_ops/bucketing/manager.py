@@ -35,6 +35,10 @@ class CommunicationError(RuntimeError):
     """A bucket's collective failed (a peer exited, the network broke)."""
 
 
+class CommHookError(RuntimeError):
+    """Finishing a bucket failed outside the transport: a comm hook or its completion callback raised."""
+
+
 def stall_timeout_from_env() -> float | None:
     value = os.environ.get("COLLECTIVE_OPS_STALL_TIMEOUT", "").strip()
     if not value:
@@ -118,6 +122,9 @@ class BucketManager:
         # Engines without cheap flat views (MindSpore) concatenate a bucket's gradients at launch.
         self._assembles = bool(getattr(engine, "assembles_buckets", False))
         self.sync_enabled = True
+        # Parameters whose gradients were accumulated under no_sync() since the last synchronised
+        # step: they count as used in that step's usage map, as in DDP.
+        self._accumulated: set[int] = set()
         self.steps_synced = 0
         self.globally_unused: frozenset[int] = frozenset()
         self.last_stats = StepStats()
@@ -141,6 +148,7 @@ class BucketManager:
         buckets = self.plan.buckets
         self._pending = [len(b.param_indices) for b in buckets]
         self._marked: set[int] = set()
+        self._not_used: set[int] = set()  # marked with used=False: a kept gradient, not this step's
         self._prescaled: set[int] = set()
         self._copy_targets: dict[int, Any] = {}
         self._staged: dict[int, Any] = {}  # engines that assemble buckets at launch: the gradients
@@ -190,16 +198,21 @@ class BucketManager:
         return index in self._marked
 
     # -- per-gradient ------------------------------------------------------------
-    def mark_ready(self, index: int, grad: Any = None, write_back: bool = True, prescaled: bool = False) -> None:
+    def mark_ready(
+        self, index: int, grad: Any = None, write_back: bool = True, prescaled: bool = False, used: bool = True
+    ) -> None:
         """Parameter ``index``'s gradient is final for this iteration.
 
         Pass ``grad`` when the gradient is not a view into the bucket buffer: it is
         copied in now and, with ``write_back``, the reduced value is written back into
         it by finalize() (adapters that read results from the buffers pass False).
         ``prescaled``: the adapter wrote it into its segment already multiplied by
-        ``copy_in_scale``.
+        ``copy_in_scale``. ``used=False``: the gradient is one the parameter already had
+        (accumulated earlier), contributed although this step did not use the parameter;
+        with ``find_unused_parameters`` it does not count as used in the usage map.
         """
         if not self.sync_enabled:
+            self._accumulated.add(index)
             return
         if not 0 <= index < len(self._param_names):
             raise IndexError(f"parameter index {index} is out of range for this plan")
@@ -227,6 +240,8 @@ class BucketManager:
         if not self._marked:
             self._stats.backward_start = now
         self._marked.add(index)
+        if not used:
+            self._not_used.add(index)
         if prescaled:
             if self._copy_in_scale is None:
                 raise ValueError("prescaled=True, but this manager's hook expects unscaled gradients")
@@ -318,7 +333,8 @@ class BucketManager:
         self._launch_ready_buckets()
         used_map_handle = None
         if self.find_unused_parameters:
-            used = [1 if i in self._marked else 0 for i in range(len(self._param_names))]
+            used_here = (self._marked - self._not_used) | self._accumulated
+            used = [1 if i in used_here else 0 for i in range(len(self._param_names))]
             used_map = self.engine.int_tensor(used, self.plan.buckets[0].device)
             used_map_handle = (used_map, self.engine.allreduce(used_map, "sum", async_op=True))
             stats.collectives += 1
@@ -328,21 +344,55 @@ class BucketManager:
                     wait_with_timeout(handle, self.stall_timeout_s)
                 except Exception as exc:
                     error = self._diagnose(bucket_index, exc)
-                    self._reset_iteration()
+                    # after a stall the later buckets (queued behind it) cannot finish either: not waited for
+                    self._abandon_iteration(bucket_index, settle=not isinstance(exc, TimeoutError))
                     raise error from exc
             stats.buckets[bucket_index].completed = time.perf_counter()
             if self.observer is not None:
                 self.observer.bucket_completed(self, bucket_index)
-        for index, target in self._copy_targets.items():
-            buffer, offset, _ = self.param_segment(index)
-            self.engine.write_back(target, buffer, offset)
         if used_map_handle is not None:
             used_map, handle = used_map_handle
             handle.wait()
             counts = self.engine.to_list(used_map)
             self.globally_unused = frozenset(i for i, c in enumerate(counts) if c == 0)
+        for index, target in self._copy_targets.items():
+            if index not in self.globally_unused:  # as DDP: a gradient no rank used is left as it was
+                buffer, offset, _ = self.param_segment(index)
+                self.engine.write_back(target, buffer, offset)
         stats.finalize_end = time.perf_counter()
         self._end_step(stats)
+
+    def abort_iteration(self) -> None:
+        """Give up the iteration in progress (an adapter found it cannot finish): settle what is in flight, reset."""
+        self._abandon_iteration(None)
+
+    def _abandon_iteration(self, first_failed: int | None, settle: bool = True) -> None:
+        """After bucket ``first_failed`` failed: settle every other collective in flight, then reset.
+
+        Collectives that can still finish are waited for (briefly: a transport that failed once
+        usually fails the rest at once). Where one cannot be confirmed finished, its buffer is
+        replaced by a fresh one, so a collective that completes later never writes into
+        gradients the caller keeps using; the adapter re-points its views (``on_rebuild``).
+        """
+        settle_s = 5.0 if self.stall_timeout_s is None else min(self.stall_timeout_s, 5.0)
+        deadline = time.monotonic() + (settle_s if settle else 0.0)
+        unsettled = []
+        for bucket_index, handle in enumerate(self._handles):
+            if handle is None or bucket_index == first_failed:
+                continue
+            try:
+                wait_with_timeout(handle, max(deadline - time.monotonic(), 0.01))
+            except Exception:  # already reporting the first failure; this one only needs settling
+                unsettled.append(bucket_index)
+        if first_failed is not None:
+            unsettled.append(first_failed)
+        for bucket_index in unsettled:
+            bucket = self.plan.buckets[bucket_index]
+            self.buffers[bucket_index] = self.engine.zeros(bucket.numel, bucket.dtype, bucket.device)
+        self._accumulated.clear()
+        self._reset_iteration()
+        if self.on_rebuild is not None:
+            self.on_rebuild(self.plan)
 
     def record_compiled_step(self, start: float, end: float) -> None:
         """Account for a step whose buckets an engine reduced in one compiled call (all of them, in plan order).
@@ -376,6 +426,7 @@ class BucketManager:
         self.totals["steps"] += 1
         self.totals["exposed_comm_s"] += stats.exposed_comm_s
         self.steps_synced += 1
+        self._accumulated.clear()
         if self.observer is not None:
             self.observer.step_finished(self, stats)
         self._reset_iteration()
@@ -403,6 +454,12 @@ class BucketManager:
             f"({bucket.nbytes / 2**20:.2f} MiB: {shown})"
         )
         if not isinstance(exc, TimeoutError):
+            is_transport = getattr(self.engine, "is_transport_error", None)
+            if is_transport is not None and not is_transport(exc):
+                return CommHookError(
+                    f"{where}: finishing it raised {type(exc).__name__}: {exc}. This is not a communication "
+                    "failure: the bucket's comm hook or its completion callback failed (see the chained error)."
+                )
             return CommunicationError(
                 f"{where}, and its collective failed: {exc}. A peer rank probably exited or crashed "
                 "(its own log says why), or the network between ranks failed."

@@ -71,9 +71,13 @@ class BucketPlan:
         return "\n".join(lines)
 
     def fingerprint(self) -> str:
-        """A hash of everything that must agree across ranks (params, grouping, order)."""
+        """A hash of everything that must agree across ranks (params, grouping, order).
+
+        Devices enter by type only: on a multi-GPU node rank 1's ``cuda:1`` plays the part of
+        rank 0's ``cuda:0``, and the plans must hash alike.
+        """
         payload = {
-            "params": [[p.name, p.numel, p.dtype, p.device, p.itemsize] for p in self.params],
+            "params": [[p.name, p.numel, p.dtype, device_type(p.device), p.itemsize] for p in self.params],
             "buckets": [list(b.param_indices) for b in self.buckets],
         }
         return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
@@ -90,6 +94,11 @@ class BucketPlan:
             first_bucket_mb=self.first_bucket_mb,
             order=complete_order(observed_order, len(self.params)),
         )
+
+
+def device_type(device: str) -> str:
+    """``"cuda:1"`` -> ``"cuda"``: the part of a device name that is the same on every rank."""
+    return device.split(":", 1)[0]
 
 
 def complete_order(observed: Sequence[int], num_params: int) -> list[int]:

@@ -46,7 +46,8 @@ class Engine(ABC):
     def barrier(self) -> None: ...
 
     @abstractmethod
-    def shutdown(self) -> None: ...
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Leave what this engine joined, within ``timeout`` seconds or with ``TimeoutError``."""
 
 
 def finish(handle: Handle, async_op: bool) -> Any:

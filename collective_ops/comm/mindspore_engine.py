@@ -22,7 +22,7 @@ import mindspore.mint.distributed as mdist
 import numpy as np
 from mindspore import mint, nn, ops
 
-from ..bucketing.interfaces import ThenHandle
+from ..bucketing.interfaces import ThenHandle, call_with_deadline
 from ..ops import parse_reduce_op
 from .base import Engine, finish
 
@@ -54,9 +54,9 @@ class MindSporeEngine(Engine):
     framework = "mindspore"
     # Slice assignment costs ~10 ms per MiB on CPU; one mint.cat per bucket costs ~1 ms.
     assembles_buckets = True
-    # mint.distributed.all_reduce(op="avg") works on every backend measured (MCCL too) and saves
-    # the separate scaling pass (~3 ms per MiB on CPU).
-    native_avg = True
+    # Averages as nn.DistributedGradReducer does: sum, then times float32(1/world) in the gradient's
+    # dtype. A native op="avg" (sum then divide) differs in the last bit unless world is a power of two.
+    average_after_sum = True
 
     def __init__(self, backend: str, device: str) -> None:
         self.backend = backend
@@ -198,9 +198,10 @@ class MindSporeEngine(Engine):
         scale = 1.0 / self._world if reduce_op == "avg" and self._world > 1 else None
         return CompiledReduction(buckets, numels, shapes, scale, getattr(ms, wire_dtype) if wire_dtype else None)
 
-    def shutdown(self) -> None:
-        # Peers that exit while others still send fail after ~30 s: meet at a barrier first.
-        mdist.barrier()
+    def shutdown(self, timeout: float | None = None) -> None:
+        # Peers that exit while others still send fail after ~30 s: meet at a barrier first. The barrier
+        # takes no timeout, and a dead peer would hold it forever: bounded here.
+        call_with_deadline(mdist.barrier, timeout, "the closing MindSpore barrier")
 
     # -- BucketEngine ---------------------------------------------------------------
     def describe(self, tensor: ms.Tensor) -> tuple[int, str, str]:
@@ -251,7 +252,8 @@ class MindSporeEngine(Engine):
         return tensor.asnumpy().tolist()
 
     def scale_(self, buffer: ms.Tensor, factor: float) -> None:
-        buffer.copy_(buffer * factor)
+        # the factor as DistributedGradReducer holds it: a float32 tensor cast to the buffer's dtype
+        buffer.copy_(buffer * ms.Tensor(factor, ms.float32).astype(buffer.dtype))
 
     def cast(self, buffer: ms.Tensor, dtype: str) -> ms.Tensor:
         return self._own(buffer.astype(getattr(ms, dtype)))
@@ -334,10 +336,11 @@ class CompiledReduction(nn.Cell):
 
 
 def init_mindspore(backend: str | None, *, device_id: int | None = None, algorithm: str | None = None):
-    """Start MindSpore communication as launched by msrun; returns (framework, context, engine)."""
-    from mindspore.communication import init as ms_init
+    """Start MindSpore communication as launched by msrun; returns (engine, local rank, device target).
 
-    from ..runtime import DistContext
+    The runtime builds its context from these: engines never reach back into the runtime.
+    """
+    from mindspore.communication import init as ms_init
 
     target = str(ms.get_context("device_target")).lower()
     native = _BACKEND_BY_TARGET.get(target, "mccl")
@@ -353,5 +356,4 @@ def init_mindspore(backend: str | None, *, device_id: int | None = None, algorit
         ms_init()
     engine = MindSporeEngine(native, target)
     local_rank = int(os.environ.get("MS_LOCAL_RANK", engine.rank))
-    context = DistContext("mindspore", native, engine.rank, engine.world_size, local_rank, target, "msrun")
-    return "mindspore", context, engine
+    return engine, local_rank, target

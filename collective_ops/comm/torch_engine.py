@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..bucketing.interfaces import ThenHandle
+from ..bucketing.interfaces import ThenHandle, call_with_deadline
 from ..ops import parse_reduce_op
 from .base import Engine, finish
 
@@ -34,9 +34,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 class TorchEngine(Engine):
     framework = "torch"
 
-    def __init__(self, backend: str, device: torch.device) -> None:
+    def __init__(self, backend: str, device: torch.device, owns_group: bool = True) -> None:
         self.backend = backend
         self.device = device
+        # False for a process group the user created and the library adopted: shutdown leaves it alone.
+        self.owns_group = owns_group
         # Debug mode: agree on shape and dtype before every primitive (one small extra collective),
         # so a mismatch is an error naming the ranks instead of a transport abort or a hang.
         self.check_shapes = os.environ.get("COLLECTIVE_OPS_CHECK_SHAPES", "") == "1"
@@ -150,9 +152,26 @@ class TorchEngine(Engine):
     def barrier(self) -> None:
         dist.barrier()
 
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Destroy the process group if this library created it (an adopted one stays the user's)."""
+        if self.owns_group and dist.is_initialized():
+            call_with_deadline(dist.destroy_process_group, timeout, "destroying the process group")
+
+    @staticmethod
+    def is_transport_error(exc: BaseException) -> bool:
+        """True for failures of the collective itself (a peer gone, the network), not of our own code."""
+        if isinstance(exc, (dist.DistError, ConnectionError)):
+            return True
+        text = str(exc).lower()
+        return isinstance(exc, RuntimeError) and any(
+            word in text for word in ("gloo", "nccl", "hccl", "connection", "socket", "peer", "timed out")
+        )
+
+    def reduce_floats(self, values: Sequence[float], op: str = "max") -> list[float]:
+        """``values`` reduced over ranks (small bookkeeping, e.g. the slowest rank's time), on this engine's device."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=_TORCH_OPS[op])
+        return t.tolist()
 
     @staticmethod
     def _check_rank(rank: int, group: Any, what: str) -> None:
@@ -234,17 +253,19 @@ class TorchEngine(Engine):
         except Exception:  # no store (a user-made group without one): no peer view
             return {}
         prefix = "collective_ops/progress/"
-        store.set(f"{prefix}{self.rank}", json.dumps(mine))
-        _time.sleep(grace_s)  # peers stalled on the same bucket time out at about the same moment
+        own_key = f"{prefix}{self.rank}"
         peers: dict[int, dict | None] = {}
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                continue
-            key = f"{prefix}{peer}"
-            try:
-                peers[peer] = json.loads(store.get(key)) if store.check([key]) else None
-            except Exception:
-                peers[peer] = None
+        try:
+            store.set(own_key, json.dumps(mine))
+            _time.sleep(grace_s)  # peers stalled on the same bucket time out at about the same moment
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    key = f"{prefix}{peer}"
+                    peers[peer] = json.loads(store.get(key)) if store.check([key]) else None
+            _time.sleep(grace_s)  # peers that timed out a little later still read this rank's report
+            store.delete_key(own_key)  # a later stall must not read this one's report
+        except Exception:  # a dead store: the stall is still reported, without the peers' view
+            return {}
         return peers
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:

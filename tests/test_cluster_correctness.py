@@ -1,0 +1,352 @@
+"""Defects that would train silently wrong (or break) on real clusters, each against torch DDP on real Gloo ranks.
+
+One spawn of 2 ranks runs every check (starting processes costs seconds); the assertions
+are made in the parent. Each check names the behaviour it pins down.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+from tests.reference import assert_identical
+
+
+def _snapshot(model) -> dict:
+    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+
+
+def _error(call) -> str | None:
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _accumulation(rank: int, model, sync_by_call: bool, rounds: int = 2, micro_steps: int = 3) -> dict:
+    """Micro-batches under no_sync(); the last one synchronises (DDP) or sync_gradients() does (ours)."""
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for round_ in range(rounds):
+        optimizer.zero_grad()
+        for micro in range(micro_steps):
+            x, y = rank_batch(MLP, 10 * round_ + micro, rank)
+            quiet = sync_by_call or micro < micro_steps - 1
+            with model.no_sync() if quiet else torch.enable_grad():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        if sync_by_call:
+            model.sync_gradients()
+        optimizer.step()
+    return _snapshot(model.module)
+
+
+def _unused_run(rank: int, model, schedule: str) -> dict:
+    """``branch`` is unused at some synchronising steps on some ranks; gradients are kept between steps.
+
+    "stale": rank 1 skips the branch at steps 0 and 2, zero_grad(set_to_none=False) keeps zeros in .grad.
+    "accumulated": the branch is used only in the no_sync micro-steps, not at the synchronising one.
+    """
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=False)
+        if schedule == "stale":
+            x, y = rank_batch(MLP, step, rank)
+            use = not (rank == 1 and step != 1)
+            torch.nn.functional.cross_entropy(model(x, use_branch=use), y).backward()
+        else:
+            for micro in range(3):
+                x, y = rank_batch(MLP, 10 * step + micro, rank)
+                last = micro == 2
+                with torch.enable_grad() if last else model.no_sync():
+                    torch.nn.functional.cross_entropy(model(x, use_branch=not last), y).backward()
+        optimizer.step()
+    return _snapshot(model.module)
+
+
+class ChannelsLastCNN:
+    """SmallCNN in channels_last memory format (the fast layout for convolutions on GPU/NPU)."""
+
+    @staticmethod
+    def build():
+        import torch
+
+        from tests.models import build
+
+        return build("cnn").to(memory_format=torch.channels_last)
+
+
+def _cnn_steps(rank: int, model) -> tuple[dict, list]:
+    import torch
+
+    from tests.models import SmallCNN, rank_batch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = rank_batch(SmallCNN, step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x.to(memory_format=torch.channels_last)), y).backward()
+        optimizer.step()
+    layouts = [(tuple(p.grad.stride()), tuple(p.stride())) for p in model.module.parameters() if p.dim() == 4]
+    return _snapshot(model.module), layouts
+
+
+def _scaler_run(rank: int, model) -> dict:
+    """GradScaler on CPU; step 0 overflows (an inf in rank 1's input): the scaler must skip it, then train on."""
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scales = []
+    for step in range(3):
+        x, y = rank_batch(MLP, step, rank)
+        if step == 0 and rank == 1:
+            x[0, 0] = float("inf")
+        optimizer.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    return {"params": _snapshot(model.module), "scales": scales}
+
+
+class _RecordingHandle:
+    """Wraps a collective's handle; remembers whether anyone waited for it."""
+
+    def __init__(self, handle, log: list, index: int, fail: bool) -> None:
+        self.handle, self.log, self.index, self.fail = handle, log, index, fail
+
+    def wait(self, *args, **kwargs):
+        self.handle.wait()
+        self.log.append(self.index)
+        if self.fail:
+            raise KeyError("a bug in the completion callback")
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+
+def _run_section(out: dict, name: str, section) -> None:
+    """One check's failure is recorded (its test fails, naming it), not allowed to mask the others."""
+    import traceback
+
+    try:
+        section()
+    except Exception:
+        out[name] = traceback.format_exc()
+
+
+def correctness_checks(rank: int, world: int) -> dict:
+    import torch
+    from torch import nn
+
+    import collective_ops as co
+    from tests.models import MLP, WithUnusedBranch, build, rank_batch
+
+    ddp = nn.parallel.DistributedDataParallel
+    out: dict = {}
+
+    # 1. sync_gradients() after no_sync() accumulation: one reduction outside backward, DDP's result; twice
+    def section_1() -> None:
+        out["accum_ddp"] = _accumulation(rank, ddp(build("mlp")), sync_by_call=False)
+        out["accum_view"] = _accumulation(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), sync_by_call=True)
+        copy_mode = co.wrap(build("mlp"), bucket_size_mb=0.01, gradient_as_bucket_view=False)
+        out["accum_copy"] = _accumulation(rank, copy_mode, sync_by_call=True)
+
+    _run_section(out, "section_1", section_1)
+
+    # 2. ranks that differ only in requires_grad, or in the bucket size they ask for: refused at wrap everywhere
+    def section_2() -> None:
+        frozen = build("mlp")
+        if rank == 1:
+            frozen.net[0].weight.requires_grad_(False)
+        out["frozen_on_one_rank"] = _error(lambda: co.wrap(frozen))
+        out["bucket_size_differs"] = _error(lambda: co.wrap(build("mlp"), bucket_size_mb=0.01 * (rank + 1)))
+
+    _run_section(out, "section_2", section_2)
+
+    # 3. requires_grad changed after wrap: a clear error at the next backward (every rank changed it alike)
+    def section_3() -> None:
+        for change in ("freeze", "unfreeze"):
+            model = build("mlp")
+            model.net[2].bias.requires_grad_(change == "freeze")
+            wrapped = co.wrap(model, bucket_size_mb=0.001)
+            model.net[2].bias.requires_grad_(change != "freeze")
+            x, y = rank_batch(MLP, 0, rank)
+            out[f"requires_grad_{change}"] = _error(
+                lambda w=wrapped, x=x, y=y: nn.functional.cross_entropy(w(x), y).backward()
+            )
+            wrapped.remove_hooks()
+
+    _run_section(out, "section_3", section_3)
+
+    # 4. find_unused_parameters with kept gradients (copy and view mode) and with no_sync accumulation
+    def section_4() -> None:
+        for schedule in ("stale", "accumulated"):
+            torch.manual_seed(0)
+            out[f"unused_{schedule}_ddp"] = _unused_run(
+                rank, ddp(WithUnusedBranch(), find_unused_parameters=True), schedule
+            )
+            for view in (False, True):
+                torch.manual_seed(0)
+                ours = co.wrap(
+                    WithUnusedBranch(), bucket_size_mb=0.001, find_unused_parameters=True, gradient_as_bucket_view=view
+                )
+                out[f"unused_{schedule}_{'view' if view else 'copy'}"] = _unused_run(rank, ours, schedule)
+
+    _run_section(out, "section_4", section_4)
+
+    # 5. sparse gradients: refused at wrap (module) or at the first backward (functional), with what to do
+    def section_5() -> None:
+        sparse_model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        out["sparse_module"] = _error(lambda: co.wrap(sparse_model))
+
+        class FunctionalSparse(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.table = nn.Parameter(torch.randn(10, 4))
+
+            def forward(self, idx):
+                return nn.functional.embedding(idx, self.table, sparse=True).sum()
+
+        torch.manual_seed(0)
+        functional = co.wrap(FunctionalSparse())
+        out["sparse_functional"] = _error(lambda: functional(torch.tensor([1, 2])).backward())
+        functional.remove_hooks()
+
+    _run_section(out, "section_5", section_5)
+
+    # 6. channels_last: gradient views with the parameters' strides, results equal to DDP's
+    def section_6() -> None:
+        out["cl_ddp"], _ = _cnn_steps(rank, ddp(ChannelsLastCNN.build()))
+        out["cl_ours"], out["cl_layouts"] = _cnn_steps(rank, co.wrap(ChannelsLastCNN.build(), bucket_size_mb=0.001))
+
+    _run_section(out, "section_6", section_6)
+
+    # 7. parameters on more than one device: refused (meta stands in for a second accelerator)
+    def section_7() -> None:
+        two_devices = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+        out["two_devices"] = _error(lambda: co.wrap(two_devices))
+
+    _run_section(out, "section_7", section_7)
+
+    # 8. check_finite with a GradScaler whose overflow step is skipped: no error, DDP's result
+    def section_8() -> None:
+        out["scaler_ddp"] = _scaler_run(rank, ddp(build("mlp")))
+        out["scaler_ours"] = _scaler_run(rank, co.wrap(build("mlp"), check_finite=True))
+
+    _run_section(out, "section_8", section_8)
+
+    # 9. a comm hook whose completion fails: an honest error, and every other bucket in flight waited for
+    def section_9() -> None:
+        waited: list[int] = []
+        launched: list[int] = []
+        engine = co.runtime.get_engine("torch")
+
+        def failing_hook(ctx):
+            launched.append(ctx.bucket.index)
+            handle = engine.allreduce(ctx.buffer, "sum", async_op=True)
+            return _RecordingHandle(handle, waited, ctx.bucket.index, fail=ctx.bucket.index == 0)
+
+        model = co.wrap(build("mlp"), bucket_size_mb=0.001, comm_hook=failing_hook)
+        x, y = rank_batch(MLP, 0, rank)
+        out["hook_error"] = _error(lambda: nn.functional.cross_entropy(model(x), y).backward())
+        out["hook_launched_waited"] = (sorted(launched), sorted(waited))
+        model.remove_hooks()
+
+    _run_section(out, "section_9", section_9)
+
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(2, correctness_checks, timeout=300)
+
+
+def _section(results: list[dict], name: str) -> list[dict]:
+    for rank, out in enumerate(results):
+        assert name not in out, f"{name} crashed on rank {rank}:\n{out[name]}"
+    return results
+
+
+def test_sync_gradients_after_no_sync_equals_ddp(results) -> None:
+    for out in _section(results, "section_1"):
+        assert_identical(out["accum_view"], out["accum_ddp"], "no_sync + sync_gradients (view) vs DDP")
+        assert_identical(out["accum_copy"], out["accum_ddp"], "no_sync + sync_gradients (copy) vs DDP")
+
+
+def test_ranks_that_plan_differently_are_refused_at_wrap(results) -> None:
+    for out in _section(results, "section_2"):
+        error = out["frozen_on_one_rank"]
+        assert error and error.startswith("ModelMismatchError"), error
+        assert "'net.0.weight'" in error and "requires_grad False" in error and "rank 1" in error
+        error = out["bucket_size_differs"]
+        assert error and error.startswith("ModelMismatchError") and "bucket_size_mb 0.02" in error, error
+
+
+def test_requires_grad_changed_after_wrap_is_an_error(results) -> None:
+    for out in _section(results, "section_3"):
+        for change in ("freeze", "unfreeze"):
+            error = out[f"requires_grad_{change}"]
+            assert error and "requires_grad changed after wrap() for ['net.2.bias']" in error, error
+
+
+@pytest.mark.parametrize("schedule", ["stale", "accumulated"])
+@pytest.mark.parametrize("mode", ["copy", "view"])
+def test_unused_parameters_end_with_the_reduced_gradient(results, schedule: str, mode: str) -> None:
+    for out in _section(results, "section_4"):
+        assert_identical(out[f"unused_{schedule}_{mode}"], out[f"unused_{schedule}_ddp"], f"{schedule} {mode} vs DDP")
+
+
+def test_sparse_gradients_are_refused_with_what_to_do(results) -> None:
+    for out in _section(results, "section_5"):
+        assert "Embedding(sparse=True)" in out["sparse_module"] and "sparse=False" in out["sparse_module"]
+        assert "received a sparse gradient" in out["sparse_functional"] and "'table'" in out["sparse_functional"]
+
+
+def test_gradient_views_keep_the_parameter_layout(results) -> None:
+    for out in _section(results, "section_6"):
+        assert out["cl_layouts"] and all(grad == param for grad, param in out["cl_layouts"]), out["cl_layouts"]
+        assert_identical(out["cl_ours"], out["cl_ddp"], "channels_last CNN vs DDP")
+
+
+def test_parameters_on_two_devices_are_refused(results) -> None:
+    for out in _section(results, "section_7"):
+        assert "2 devices (cpu, meta)" in out["two_devices"] and "one process per device" in out["two_devices"]
+
+
+def test_check_finite_lets_a_grad_scaler_skip_overflow_steps(results) -> None:
+    for out in _section(results, "section_8"):
+        assert out["scaler_ours"]["scales"] == out["scaler_ddp"]["scales"] == [512.0, 512.0, 512.0]
+        assert_identical(out["scaler_ours"]["params"], out["scaler_ddp"]["params"], "GradScaler run vs DDP")
+
+
+def test_a_failing_completion_is_not_blamed_on_peers_and_nothing_is_left_in_flight(results) -> None:
+    for out in _section(results, "section_9"):
+        error = out["hook_error"]
+        assert error and error.startswith("CommHookError") and "not a communication failure" in error, error
+        launched, waited = out["hook_launched_waited"]
+        assert len(launched) > 1 and waited == launched, (launched, waited)
+
+
+def test_plan_fingerprint_ignores_the_device_index() -> None:
+    from collective_ops.bucketing import ParamSpec, plan_buckets
+
+    def plan(device: str):
+        specs = [ParamSpec(f"p{i}", 1000 * (i + 1), "float32", device, 4) for i in range(6)]
+        return plan_buckets(specs, bucket_size_mb=0.01)
+
+    assert plan("cuda:0").fingerprint() == plan("cuda:1").fingerprint()
+    assert plan("cuda:0").fingerprint() != plan("cpu").fingerprint()
+    assert np.all([b.device == "cuda:1" for b in plan("cuda:1").buckets])
