@@ -97,7 +97,14 @@ def run_faulty_ranks(world_size: int, fn: Callable, *args: Any, timeout: float =
     deadline = time.monotonic() + timeout
     while len(out) < world_size and time.monotonic() < deadline:
         try:
-            rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            rank, status, value = results.get(timeout=0.5)
+            out[rank] = (status, value)
+        except queue.Empty:
+            if all(not procs[r].is_alive() for r in range(world_size) if r not in out):
+                break  # every rank still owing a report has exited: nothing more will come
+    while len(out) < world_size:  # reports sent just before their sender exited
+        try:
+            rank, status, value = results.get(timeout=0.5)
             out[rank] = (status, value)
         except queue.Empty:
             break

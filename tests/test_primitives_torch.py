@@ -75,7 +75,8 @@ def primitive_checks(rank: int, world: int) -> dict:
         "bad_src": lambda: co.broadcast(torch.ones(2), src=world),
         "sparse": lambda: co.allreduce(torch.ones(2, 2).to_sparse()),
         "not_a_tensor": lambda: co.allreduce([1.0, 2.0]),
-        "readonly_numpy": lambda: co.allreduce(np.ones(3, dtype=np.float32)[::2]),
+        "strided_numpy": lambda: co.allreduce(np.ones(3, dtype=np.float32)[::2]),
+        "readonly_numpy": lambda: co.allreduce(np.frombuffer(b"\0" * 12, dtype=np.float32)),
     }
     out["errors"] = collect_errors(cases)
     return out
@@ -115,4 +116,5 @@ def test_primitives_match_numpy(world: int) -> None:
         assert f"0..{world - 1}" in errors["bad_src"]
         assert "to_dense()" in errors["sparse"]
         assert "cannot communicate a builtins.list" in errors["not_a_tensor"]
-        assert "contiguous" in errors["readonly_numpy"]
+        assert "contiguous" in errors["strided_numpy"]
+        assert "read-only" in errors["readonly_numpy"] and "a.copy()" in errors["readonly_numpy"]

@@ -36,11 +36,13 @@ def _train(rank: int, steps_by_rank: dict, use_branch_by_rank: dict | None = Non
             optimizer.step()
     except Exception as exc:  # the error this rank reports, and how long it took to come
         seconds = time.monotonic() - start
+        store = torch.distributed.distributed_c10d._get_default_store()
+        left = [r for r in range(2) if store.check([f"collective_ops/progress/{r}"])]
         if rank != 0:
             time.sleep(
                 8
             )  # stays alive (as a rank whose caller handles the error would): its peer must still see a stall
-        return {"error": f"{type(exc).__name__}: {exc}", "seconds": seconds}
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": seconds, "progress_keys_left": left}
     time.sleep(8)  # a rank that finished early stays alive (not in a reduction) while its peers wait
     return {"error": None}
 
@@ -75,6 +77,7 @@ def test_a_rank_that_skips_a_backward_is_named() -> None:
     results = run_faulty_ranks(2, skipped_backward, env=STALL_ENV, timeout=60)
     status, out = results[0]
     assert status == "ok" and out["error"], results
+    assert out["progress_keys_left"] == [], "a later stall would read this one's reports"
     assert out["error"].startswith("StallError") and "Ranks not taking part: [1]" in out["error"], out["error"]
     assert "rank 1: did not report" in out["error"]
     assert out["seconds"] < 3 + 2 + 5, "the stall must be reported soon after the configured timeout"
@@ -107,11 +110,14 @@ def nonfinite(rank: int, world: int) -> dict:
     from tests.models import build
 
     model = co.wrap(build("mlp"), check_finite=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 16)
     if rank == 1:
         x[0, 0] = float("nan")
+    model(x).sum().backward()  # judged before the next forward: an optimizer may skip the step
+    optimizer.step()  # plain SGD applies the NaN
     try:
-        model(x).sum().backward()
+        model(x)
         return {"error": None}
     except FloatingPointError as exc:
         return {"error": str(exc)}
@@ -190,3 +196,67 @@ def test_mismatched_shapes_across_ranks_are_named_in_debug_mode() -> None:
     for out in run_ranks(2, mismatched_shapes, env={"COLLECTIVE_OPS_CHECK_SHAPES": "1"}):
         assert "rank 0: (3,) float32, rank 1: (4,) float32" in out["allreduce"]
         assert "rank 0: (2,) float32, rank 1: (2,) float64" in out["allgather"]
+
+
+class _DeadStore:
+    def set(self, *args):
+        raise RuntimeError("the rendezvous store is gone")
+
+    check = get = delete_key = set
+
+
+def test_a_stall_is_reported_even_when_the_store_is_dead(monkeypatch) -> None:
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    from collective_ops.bucketing.manager import StallError
+
+    try:
+        co.init("gloo", rank=0, world_size=1)
+        engine = co.runtime.get_engine("torch")
+        monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: _DeadStore())
+        assert engine.exchange_progress({"step": 0}, grace_s=0.01) == {}
+        from tests.models import build
+
+        model = co.wrap(build("mlp"))
+        error = model.manager._diagnose(0, TimeoutError("timed out"))
+        assert isinstance(error, StallError) and "stall: rank 0 waited for bucket 0" in str(error)
+    finally:
+        co.shutdown()
+
+
+def dies_before_shutdown(rank: int, world: int) -> dict:
+    import collective_ops as co
+
+    if rank == 1:
+        os._exit(0)  # gone without shutdown()
+    time.sleep(1)
+    start = time.monotonic()
+    try:
+        co.shutdown()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - start, "initialized_after": co.is_initialized()}
+
+
+def test_shutdown_with_a_dead_peer_returns_in_bounded_time(tmp_path) -> None:
+    env = {**STALL_ENV, "COLLECTIVE_OPS_TRACE": "1", "COLLECTIVE_OPS_TRACE_DIR": str(tmp_path)}
+    results = run_faulty_ranks(2, dies_before_shutdown, env=env, timeout=40)
+    status, out = results[0]
+    assert status == "ok", results
+    assert out["error"] and "shutdown() left its process groups" in out["error"], out
+    assert out["seconds"] < 3 + 5 and out["initialized_after"] is False
+
+
+def test_shutdown_leaves_a_process_group_the_user_created(monkeypatch) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        context = co.init()  # adopts the user's group
+        assert context.launcher == "user"
+        co.shutdown()
+        assert dist.is_initialized(), "the user's process group must survive collective_ops.shutdown()"
+        assert not co.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

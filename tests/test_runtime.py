@@ -60,9 +60,50 @@ def test_bad_init_arguments(monkeypatch) -> None:
         co.init("gloo", rank=0)
     with pytest.raises(ValueError, match="unknown backend 'tcp'"):
         co.init("tcp")
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        co.init("nccl")
+    if not torch.cuda.is_available():  # on a GPU host init("nccl") is right
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            co.init("nccl")
     assert not co.is_initialized()
+
+
+def test_init_with_another_backend_after_init_is_refused(monkeypatch) -> None:
+    from collective_ops.runtime import _check_existing_torch
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    try:
+        ctx = co.init("gloo")
+        assert co.init() is ctx and co.init("gloo") is ctx
+        # what init("nccl") reaches on a GPU host once the hardware check passed
+        with pytest.raises(RuntimeError, match="already initialized with backend 'gloo'; init was asked for 'nccl'"):
+            _check_existing_torch(ctx, "nccl", 0, 1)
+    finally:
+        co.shutdown()
+
+
+def test_a_device_index_beyond_the_devices_is_refused() -> None:
+    from collective_ops.runtime import _bind_device
+
+    count = torch.cuda.device_count()
+    # DEVICE_ID modulo the count would put two ranks on one device without a word
+    with pytest.raises(RuntimeError, match=rf"device {count + 1} was asked for.*has {count} cuda device"):
+        _bind_device(torch, "nccl", count + 1)
+
+
+def test_a_broken_torch_npu_is_reported_not_hidden(tmp_path, monkeypatch) -> None:
+    from collective_ops.launch import backend_problem, probe_hardware, select_backend
+
+    package = tmp_path / "torch_npu"
+    package.mkdir()
+    (package / "__init__.py").write_text('raise ImportError("libhccl.so: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "torch_npu", raising=False)
+    probe = probe_hardware()
+    assert probe.torch_npu_installed and not probe.npu_available
+    assert "libhccl.so" in probe.npu_error
+    assert "failed to import" in backend_problem("hccl", probe) and "CANN" in backend_problem("hccl", probe)
+    with pytest.raises(RuntimeError, match="libhccl.so.*COLLECTIVE_OPS_BACKEND=gloo"):
+        select_backend(None, probe, environ={})
+    assert select_backend(None, probe, environ={"COLLECTIVE_OPS_BACKEND": "gloo"}) == "gloo"
 
 
 def test_info_command() -> None:
