@@ -1,4 +1,10 @@
-"""msrun worker: wrap(network) against nn.DistributedGradReducer, in the mode given as argv[1]."""
+"""msrun worker: wrap(network) against nn.DistributedGradReducer, in the mode given as argv[1].
+
+argv[2] (optional) is the bucket size in MiB. At 3 workers MCCL's ring sums a fused bucket's
+elements in another order than one gradient at a time (DistributedGradReducer on CPU), which
+moves the last bit; buckets of one gradient each (a tiny size) isolate the averaging arithmetic,
+which must then be the reducer's to the bit. ``fused`` is the default-size run for comparison.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from tests.msrun_harness import write_result
 from tests.reference import collect_errors
 
 MODE = sys.argv[1]
+BUCKET_MB = float(sys.argv[2]) if len(sys.argv) > 2 else 0.002
+FIRST_MB = min(0.001, BUCKET_MB)
 ms.set_context(mode=ms.PYNATIVE_MODE if MODE == "pynative" else ms.GRAPH_MODE)
 ctx = co.init()
 rank, world = ctx.rank, ctx.world_size
@@ -77,25 +85,33 @@ def dgr_reducer(net):
 # 1. against DistributedGradReducer (every rank starts from different weights: wrap broadcasts rank 0's)
 reference_net = build(0)
 out["dgr"], out["dgr_grads"] = train(reference_net, dgr_reducer(reference_net))
-wrapped = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001, overlap=MODE == "pynative")
+wrapped = co.wrap(build(rank), bucket_size_mb=BUCKET_MB, first_bucket_mb=FIRST_MB, overlap=MODE == "pynative")
 out["ours"], out["ours_grads"] = train(wrapped.network, wrapped.reduce)
 out["stats"] = wrapped.comm_stats()
 
 # 1b. both after-backward paths: one compiled graph (the default) and eager bucket by bucket
 for name, compiled in (("compiled", True), ("eager", False)):
-    after = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001, overlap=False, compile_reduction=compiled)
+    after = co.wrap(
+        build(rank), bucket_size_mb=BUCKET_MB, first_bucket_mb=FIRST_MB, overlap=False, compile_reduction=compiled
+    )
     out[f"after_{name}"], _ = train(after.network, after.reduce)
     out[f"after_{name}_stats"] = after.comm_stats()
     # fp16 on the wire: the compiled graph must do the eager compression hook's arithmetic
-    after = co.wrap(build(rank), bucket_size_mb=0.002, overlap=False, compile_reduction=compiled, compression="fp16")
+    after = co.wrap(
+        build(rank), bucket_size_mb=BUCKET_MB, overlap=False, compile_reduction=compiled, compression="fp16"
+    )
     out[f"fp16_{name}"], _ = train(after.network, after.reduce)
     out[f"fp16_{name}_mode"] = after.comm_stats()["mode"]
+
+# 1c. fused buckets after backward (the default sizes), for the comparison at odd world sizes
+fused = co.wrap(build(rank), overlap=False, compile_reduction=False)
+out["fused"], _ = train(fused.network, fused.reduce)
 
 # 2. a parameter unused on rank 1 in steps 0 and 2
 unused_fn = lambda step: not (rank == 1 and step != 1)  # noqa: E731
 reference_net = build(0)
 out["unused_dgr"], _ = train(reference_net, dgr_reducer(reference_net), use_branch_fn=unused_fn)
-wrapped_unused = co.wrap(build(0), bucket_size_mb=0.002, overlap=MODE == "pynative")
+wrapped_unused = co.wrap(build(0), bucket_size_mb=BUCKET_MB, overlap=MODE == "pynative")
 out["unused_ours"], _ = train(wrapped_unused.network, wrapped_unused.reduce, use_branch_fn=unused_fn)
 
 
@@ -117,7 +133,7 @@ import contextlib  # noqa: E402
 
 reference_net = build(0)
 out["accum_dgr"] = accumulate(reference_net, dgr_reducer(reference_net), contextlib.nullcontext)
-wrapped_acc = co.wrap(build(0), bucket_size_mb=0.002, overlap=MODE == "pynative")
+wrapped_acc = co.wrap(build(0), bucket_size_mb=BUCKET_MB, overlap=MODE == "pynative")
 out["accum_ours"] = accumulate(wrapped_acc.network, wrapped_acc.reduce, wrapped_acc.no_sync)
 
 # 4. TrainOneStepCell-style training against the functional loop: PyNative through reduce(), GRAPH with the
@@ -134,7 +150,7 @@ if MODE == "graph":
     for step in range(3):
         reference_cell(*batch(step, rank))
     out["train_one_step_dgr"] = {p.name: p.asnumpy().tolist() for p in reference_net.trainable_params()}
-wrapped_cell = co.wrap(build(0), bucket_size_mb=0.002, overlap=MODE == "pynative")
+wrapped_cell = co.wrap(build(0), bucket_size_mb=BUCKET_MB, overlap=MODE == "pynative")
 with_loss = nn.WithLossCell(wrapped_cell.network, loss_fn)
 step_cell = TrainOneStepCell(with_loss, nn.Momentum(with_loss.trainable_params(), 0.1, 0.9), wrapped_cell)
 for step in range(3):
