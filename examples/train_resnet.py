@@ -10,7 +10,8 @@ or with the seed's bash loop (one process per device)::
 
 The backend follows the hardware: HCCL on Ascend NPUs, NCCL on CUDA GPUs, Gloo on
 CPUs (``COLLECTIVE_OPS_BACKEND`` overrides). Data is synthetic unless you bring a loader.
-ResNet-50 comes from torchvision where installed, else from the plain-torch definition below.
+ResNet-50 comes from torchvision where installed, else from the plain-torch definition below
+(the script says which it uses).
 """
 
 from __future__ import annotations
@@ -83,11 +84,18 @@ class ResNet(nn.Module):
 
 
 def resnet50(num_classes: int = 1000) -> nn.Module:
+    """torchvision's ResNet-50 where it imports, else the definition above (same names and shapes), said aloud."""
     try:
         import torchvision
 
         return torchvision.models.resnet50(num_classes=num_classes)
-    except Exception:  # not installed, or built for another torch
+    except Exception as exc:  # not installed, or built for another torch
+        if co.get_rank() == 0:
+            print(
+                f"torchvision unavailable ({type(exc).__name__}: {exc}); using this example's own ResNet-50 "
+                "(torchvision's layout, its own initialisation). pip install torchvision for the original.",
+                flush=True,
+            )
         return ResNet((3, 4, 6, 3), num_classes)
 
 

@@ -134,3 +134,22 @@ def test_core_imports_no_framework() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_engines_never_reach_back_into_the_runtime() -> None:
+    """The runtime builds the engines; an engine importing the runtime would make a cycle."""
+    import ast
+    from pathlib import Path
+
+    comm = Path(__file__).resolve().parents[1] / "collective_ops" / "comm"
+    offenders = []
+    for source in sorted(comm.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if any(name == "runtime" or name.endswith(".runtime") for name in names):
+                offenders.append(source.name)
+    assert not offenders, f"engines importing collective_ops.runtime: {offenders}"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +118,20 @@ def test_info_command() -> None:
     assert "backend       : gloo" in result.stdout
     bad = subprocess.run([sys.executable, "-m", "collective_ops.cli", "nonsense"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_the_example_says_when_it_uses_its_own_resnet(tmp_path) -> None:
+    fake = tmp_path / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise ImportError("torchvision built for another torch")\n')
+    code = (
+        "import collective_ops as co, runpy; co.init('gloo', rank=0, world_size=1, master_port=int(__import__('sys').argv[1])); "
+        "ns = runpy.run_path('examples/train_resnet.py'); ns['resnet50'](10); co.shutdown()"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(free_port())], capture_output=True, text=True, cwd=root, env=env, check=True
+    )
+    assert "torchvision unavailable (ImportError: torchvision built for another torch)" in result.stdout
+    assert "this example's own ResNet-50" in result.stdout
