@@ -1,10 +1,10 @@
 """Step time and peak memory: torch DistributedDataParallel against collective_ops.wrap.
 
-Same model, same data, same world size. Step time: both wrappers live in the same
+Same model, same data, same world size, on CPU (Gloo) or one accelerator per rank (``--backend nccl``). Step time: both wrappers live in the same
 processes and alternate in blocks of steps (so machine noise hits both alike); the
 median step of each is reported with their ratio. Peak memory: each wrapper trains in
 fresh processes and the growth of peak RSS over the unwrapped model is reported (on CPU
-there is no allocator counter; on GPU/NPU torch.accelerator's would be used).
+there is no allocator counter; on GPU/NPU the allocator's peak is used).
 
     python benchmarks/ddp_compare.py --world 2 --models transformer cnn --steps 30
     python benchmarks/ddp_compare.py --bucket-size-mb 5 --json out.json
@@ -86,15 +86,23 @@ def one_step(model, optimizer, batch) -> float:
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+    _sync(x.device)  # on GPU/NPU the step ends when its kernels do
     return time.perf_counter() - start
 
 
-def training_setup(name: str, kind: str, bucket_size_mb: float, rank: int) -> tuple:
+def _sync(device: torch.device) -> None:
+    from collective_ops.bench import _sync as sync_device
+
+    sync_device(device)
+
+
+def training_setup(name: str, kind: str, bucket_size_mb: float, rank: int, device: str = "cpu") -> tuple:
     """(wrapped model, SGD optimizer, this rank's 4 batches) for ``kind`` "ddp" or "collective_ops"."""
     model, batch = build_model(name)
-    wrapped = wrap_with(kind, model, bucket_size_mb)
+    wrapped = wrap_with(kind, model.to(device), bucket_size_mb)
     gen = torch.Generator().manual_seed(rank)
-    return wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), [batch(gen) for _ in range(4)]
+    batches = [tuple(t.to(device) for t in batch(gen)) for _ in range(4)]
+    return wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), batches
 
 
 def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3) -> dict:
@@ -103,6 +111,9 @@ def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3) -> d
     Machine noise then hits every setup alike. Each step's time is the slowest rank's. Warm-up
     steps first (they include collective_ops' bucket rebuild after step 1).
     """
+    from collective_ops.runtime import get_engine
+
+    engine = get_engine("torch")
     for wrapped, optimizer, batches in setups.values():
         for i in range(warmup):
             one_step(wrapped, optimizer, batches[i % len(batches)])
@@ -112,9 +123,8 @@ def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3) -> d
         for key in keys if round_ % 2 == 0 else keys[::-1]:
             wrapped, optimizer, batches = setups[key]
             for i in range(block):
-                t = torch.tensor([one_step(wrapped, optimizer, batches[i % len(batches)])], dtype=torch.float64)
-                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-                times[key].append(float(t))
+                seconds = one_step(wrapped, optimizer, batches[i % len(batches)])
+                times[key].append(engine.reduce_floats([seconds], "max")[0])  # on the engine's device
     return times
 
 
@@ -122,10 +132,12 @@ def time_rank(rank: int, world: int, port: int, args, queue) -> None:
     import collective_ops as co
 
     torch.set_num_threads(args.threads)
-    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    device = co.init(args.backend, rank=rank, world_size=world, master_port=port).device
     results = {}
     for name in args.models:
-        setups = {kind: training_setup(name, kind, args.bucket_size_mb, rank) for kind in ("ddp", "collective_ops")}
+        setups = {
+            kind: training_setup(name, kind, args.bucket_size_mb, rank, device) for kind in ("ddp", "collective_ops")
+        }
         times = alternate_steps(setups, max(args.steps // args.block, 1), args.block)
         results[name] = {
             kind: {"median_step_ms": statistics.median(v) * 1e3, "steps": len(v)} for kind, v in times.items()
@@ -142,22 +154,30 @@ def memory_rank(rank: int, world: int, port: int, args, kind: str, name: str, qu
     import collective_ops as co
 
     torch.set_num_threads(args.threads)
-    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    device = torch.device(co.init(args.backend, rank=rank, world_size=world, master_port=port).device)
     model, batch = build_model(name)
+    model.to(device)
     gen = torch.Generator().manual_seed(rank)
-    data = [batch(gen) for _ in range(2)]
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    data = [tuple(t.to(device) for t in batch(gen)) for _ in range(2)]
+    accelerator = None if device.type == "cpu" else getattr(torch, device.type)
+
+    def peak_kib() -> int:  # the allocator's peak on GPU/NPU, the process's peak RSS on CPU
+        if accelerator is not None:
+            return accelerator.max_memory_allocated(device) // 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    baseline = peak_kib()
     plain_opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for i in range(2):  # the unwrapped model's own peak: activations, gradients
         x, y = data[i]
         nn.functional.cross_entropy(model(x), y).backward()
         plain_opt.zero_grad(set_to_none=True)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_kib()
     wrapped = wrap_with(kind, model, args.bucket_size_mb)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
     for i in range(4):
         one_step(wrapped, optimizer, data[i % 2])
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after = peak_kib()
     co.barrier()
     co.shutdown()
     if rank == 0:
@@ -178,6 +198,9 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=5, help="steps per alternation block")
     parser.add_argument("--bucket-size-mb", type=float, default=25.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--backend", default="gloo", help="gloo (CPU, the default), nccl (one GPU per rank) or hccl (one NPU per rank)"
+    )
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -189,7 +212,7 @@ def main(argv=None) -> int:
             for kind in ("ddp", "collective_ops"):
                 results[name][kind].update(spawn(memory_rank, args.world, args, kind, name))
     print(
-        f"# ddp_compare: world {args.world}, gloo, bucket_size_mb={args.bucket_size_mb:g}, {args.steps} timed steps each"
+        f"# ddp_compare: world {args.world}, {args.backend}, bucket_size_mb={args.bucket_size_mb:g}, {args.steps} timed steps each"
     )
     print(
         f"# {'model':<12} {'params':>8} {'DDP ms':>9} {'ours ms':>9} {'time ratio':>10} {'DDP +MB':>9} {'ours +MB':>9} {'mem ratio':>9}"

@@ -1,0 +1,288 @@
+"""The CUDA/NCCL path in one run: equality with DDP and primitives on GPU tensors, bench, tune, ddp_compare.
+
+Run by ``benchmarks/device_check.sh`` on a machine with one CUDA GPU (within 8 minutes);
+prints one summary table (markdown) and writes it to ``$OUT/device_check.md`` when ``OUT``
+is set. ``--device cpu`` runs the same checks on Gloo/CPU, to try the script where there
+is no GPU. Never part of CI.
+
+Checks:
+- ``gloo2``: 2 ranks, Gloo with CUDA tensors: wrap == DDP after 3 steps (MLP, channels_last
+  CNN, transformer; gradient views keep channels_last), primitives on CUDA tensors vs numpy;
+- ``nccl1``: world size 1 on NCCL: the same equality, primitives, ``bench.run_sweep``,
+  ``co.tune`` and ``wrap(bucket_size_mb="auto")`` (every bookkeeping collective on the GPU);
+- ``collective-ops bench --backend nccl`` (CLI, #wrong must be 0);
+- ``benchmarks/ddp_compare.py --backend nccl --world 1`` (step time and peak memory vs DDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+
+def _steps(model, batches, optimizer_name: str = "sgd") -> dict:
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    module = getattr(model, "module", model)
+    return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+
+
+def equality_checks(rank: int, device: str) -> dict:
+    """wrap vs DDP on ``device`` for three models; the number of tensors that differ (0 is bit-equal)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MODELS, build, rank_batch
+
+    results = {}
+    for name, cls in MODELS.items():
+        layout = torch.channels_last if name == "cnn" else torch.contiguous_format
+
+        def make(name=name, layout=layout):
+            model = build(name).to(device)
+            return model.to(memory_format=layout) if name == "cnn" else model
+
+        def batches(name=name, cls=cls, layout=layout):
+            out = []
+            for step in range(3):
+                x, y = rank_batch(cls, step, rank)
+                x = x.to(device)
+                out.append((x.to(memory_format=layout) if name == "cnn" else x, y.to(device)))
+            return out
+
+        ddp = _steps(torch.nn.parallel.DistributedDataParallel(make()), batches())
+        wrapped = co.wrap(make(), bucket_size_mb=0.01, first_bucket_mb=0.002)
+        ours = _steps(wrapped, batches())
+        differ = [k for k in ddp if not np.array_equal(ddp[k], ours[k])]
+        layouts_kept = all(
+            p.grad.stride() == p.stride() for p in wrapped.module.parameters() if p.grad is not None and p.dim() == 4
+        )
+        results[name] = {"differ": differ, "layouts_kept": layouts_kept}
+    return results
+
+
+def primitive_checks(rank: int, world: int, device: str) -> dict:
+    """Each primitive on ``device`` tensors against numpy; the names of those that are wrong or fail."""
+    import torch
+
+    import collective_ops as co
+
+    base = np.arange(6, dtype=np.float32).reshape(2, 3)
+    wrong = []
+
+    def check(name: str, fn, expected) -> None:
+        try:
+            got = fn()
+            if not np.array_equal(got.cpu().numpy(), expected):
+                wrong.append(name)
+        except Exception as exc:
+            wrong.append(f"{name}: {type(exc).__name__}: {exc}")
+
+    def local(r: int) -> np.ndarray:
+        return base + r
+
+    everyone = [local(r) for r in range(world)]
+    check("allreduce sum", lambda: co.allreduce(torch.tensor(local(rank), device=device)), sum(everyone))
+    check(
+        "allreduce avg", lambda: co.allreduce(torch.tensor(local(rank), device=device), op="avg"), sum(everyone) / world
+    )
+    check("allreduce max", lambda: co.allreduce(torch.tensor(local(rank), device=device), op="max"), local(world - 1))
+    check(
+        "allreduce async",
+        lambda: co.allreduce(torch.tensor(local(rank), device=device), async_op=True).wait(),
+        sum(everyone),
+    )
+    check("allgather", lambda: co.allgather(torch.tensor(local(rank), device=device)), np.concatenate(everyone))
+    check("broadcast", lambda: co.broadcast(torch.tensor(local(rank), device=device), src=0), local(0))
+    full = np.arange(world * 4, dtype=np.float32)
+    check(
+        "reduce_scatter",
+        lambda: co.reduce_scatter(torch.tensor(full * (rank + 1), device=device)),
+        (full * sum(range(1, world + 1)))[rank * 4 : rank * 4 + 4],
+    )
+    bucket = co.GradientBucket(bucket_size_mb=25)
+    tensors = [torch.tensor(local(rank), device=device) for _ in range(3)]
+    for t in tensors:
+        bucket.add(t)
+    check("GradientBucket", lambda: (bucket.allreduce(), tensors[2])[1], sum(everyone))
+    return {"wrong": wrong}
+
+
+def accelerator_paths(device: str) -> dict:
+    """bench, tune and bucket_size_mb='auto' under the live group: every bookkeeping collective on its device."""
+    import torch
+
+    import collective_ops as co
+    from collective_ops.bench import run_sweep
+    from tests.models import MLP, build, rank_batch
+
+    out = {}
+    rows = run_sweep("allreduce", [1 << 10, 1 << 20], iters=4, warmup=1, rounds=2, progress=False)
+    out["bench_wrong"] = sum(r.wrong for r in rows)
+    x, y = (t.to(device) for t in rank_batch(MLP, 0, 0))
+    model = co.wrap(build("mlp").to(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    out["tune_mb"] = co.tune(model, step, confirm_steps=1, profile_steps=1).bucket_size_mb
+    auto = co.wrap(build("mlp").to(device), bucket_size_mb="auto")
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(auto(x), y).backward()
+    out["auto_mb"] = auto.manager.plan.bucket_size_mb
+    return out
+
+
+def _guarded(out: dict, key: str, fn) -> None:
+    try:
+        out[key] = fn()
+    except Exception:
+        out[key] = {"crash": traceback.format_exc(limit=6)}
+
+
+def rank_main(rank: int, world: int, port: int, backend: str, device: str, queue) -> None:
+    import torch
+
+    import collective_ops as co
+
+    torch.set_num_threads(1)
+    co.init(backend, rank=rank, world_size=world, master_port=port)
+    out: dict = {}
+    _guarded(out, "equality", lambda: equality_checks(rank, device))
+    _guarded(out, "primitives", lambda: primitive_checks(rank, world, device))
+    if backend != "gloo" or device == "cpu":
+        _guarded(out, "paths", lambda: accelerator_paths(device))
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(out)
+
+
+def _group_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
+    rows = []
+    equality = out["equality"]
+    if "crash" in equality:
+        rows.append((f"{label}: wrap == DDP", "FAIL", equality["crash"].strip().splitlines()[-1]))
+    else:
+        for name, r in equality.items():
+            ok = not r["differ"] and r["layouts_kept"]
+            detail = "bit-identical after 3 steps" if not r["differ"] else f"differ: {r['differ'][:4]}"
+            detail += "; grad views keep channels_last" if name == "cnn" and r["layouts_kept"] else ""
+            rows.append((f"{label}: wrap == DDP ({name})", "ok" if ok else "FAIL", detail))
+    prims = out["primitives"]
+    wrong = prims.get("wrong", [prims.get("crash", "")])
+    rows.append((f"{label}: primitives vs numpy", "ok" if not wrong else "FAIL", "; ".join(wrong)[:200] or "8 checks"))
+    if "paths" in out:
+        paths = out["paths"]
+        if "crash" in paths:
+            rows.append((f"{label}: bench, tune, auto", "FAIL", paths["crash"].strip().splitlines()[-1]))
+        else:
+            ok = paths["bench_wrong"] == 0
+            detail = f"bench #wrong {paths['bench_wrong']}; tune -> {paths['tune_mb']:g} MiB; auto -> {paths['auto_mb']:g} MiB"
+            rows.append((f"{label}: bench, tune, auto", "ok" if ok else "FAIL", detail))
+    return rows
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout:g} s"
+
+
+def cli_bench_row(backend: str, device: str) -> tuple[str, str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bench.json"
+        cmd = [sys.executable, "-m", "collective_ops.cli", "bench", "--backend", backend, "-b", "8", "-e", "64M"]
+        code, log = _run([*cmd, "-f", "8", "-n", "20", "--json", str(path)], 180)
+        if code != 0 or not path.exists():
+            return (f"collective-ops bench --backend {backend}", "FAIL", log.strip().splitlines()[-1] if log else "")
+        rows = json.loads(path.read_text())
+        rows = rows["rows"] if isinstance(rows, dict) else rows
+        wrong = sum(r["wrong"] for r in rows)
+        big = [r for r in rows if r["impl"] == "collective_ops"][-1]
+        detail = f"#wrong {wrong}; {big['bytes'] / 2**20:.0f} MiB: {big['time_us']:.0f} us, algbw {big['algbw_gbs']:.1f} GB/s"
+        return (f"collective-ops bench --backend {backend} ({device})", "ok" if wrong == 0 else "FAIL", detail)
+
+
+def ddp_compare_rows(backend: str) -> list[tuple[str, str, str]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ddp.json"
+        cmd = [sys.executable, "benchmarks/ddp_compare.py", "--backend", backend, "--world", "1"]
+        code, log = _run([*cmd, "--models", "transformer", "cnn", "--steps", "30", "--json", str(path)], 300)
+        if code != 0 or not path.exists():
+            return [(f"ddp_compare --backend {backend}", "FAIL", log.strip().splitlines()[-1] if log else "")]
+        results = json.loads(path.read_text())["results"]
+        rows = []
+        for name, r in results.items():
+            ddp, ours = r["ddp"], r["collective_ops"]
+            detail = (
+                f"step {ours['median_step_ms']:.1f} vs DDP {ddp['median_step_ms']:.1f} ms "
+                f"({ours['median_step_ms'] / ddp['median_step_ms']:.3f}x); peak memory growth "
+                f"{ours.get('growth_over_unwrapped_mb', float('nan')):.0f} vs {ddp.get('growth_over_unwrapped_mb', float('nan')):.0f} MB"
+            )
+            rows.append((f"ddp_compare {name} (world 1, {backend})", "measured", detail))
+        return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: try the script without a GPU")
+    args = parser.parse_args(argv)
+    from benchmarks.common import spawn
+
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    single_backend = "nccl" if args.device == "cuda" else "gloo"
+    started = time.monotonic()
+    rows: list[tuple[str, str, str]] = []
+    import torch
+
+    header = f"torch {torch.__version__}"
+    if args.device == "cuda":
+        header += f", CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+        header += f", {torch.cuda.get_device_name(0)}"
+    for label, backend, world in (("gloo, 2 ranks", "gloo", 2), (f"{single_backend}, world 1", single_backend, 1)):
+        try:
+            rows += _group_rows(label, spawn(rank_main, world, backend, device, timeout=240))
+        except Exception as exc:
+            rows.append((label, "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
+    rows.append(cli_bench_row(single_backend, args.device))
+    rows += ddp_compare_rows(single_backend)
+    lines = [
+        f"# device_check: {header}; {time.monotonic() - started:.0f} s",
+        "",
+        "| check | result | detail |",
+        "| --- | --- | --- |",
+        *[f"| {check} | {result} | {detail} |" for check, result, detail in rows],
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "device_check.md").write_text(table + "\n")
+    return 1 if any(result == "FAIL" for _, result, _ in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
