@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import spawn  # noqa: E402
+from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, training_setup  # noqa: E402
 
 
@@ -57,13 +57,20 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json")
+    add_link_option(parser)
     args = parser.parse_args(argv)
+    relaunched = run_on_link_if_asked(args, argv)
+    if relaunched is not None:
+        return relaunched
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     results = spawn(rank_main, args.world, args)
+    if not reporting_node():
+        return 0
     from collective_ops.tuning import CANDIDATES_MB
 
     print(
-        f"# bucket_size_headroom: world {args.world}, gloo, {args.rounds} rounds x {args.block} steps per configuration"
+        f"# bucket_size_headroom: world {args.world}, gloo, {where()}, {args.rounds} rounds x {args.block} steps "
+        "per configuration"
     )
     print("# median step as a ratio to DDP's default (bucket_cap_mb=25)")
     print(f"  {'model':<12} {'DDP 25 ms':>9}  " + " ".join(f"{mb:>6g}" for mb in CANDIDATES_MB) + "  (MiB)")
@@ -74,7 +81,9 @@ def main(argv=None) -> int:
             label = f"{name} {'DDP' if kind == 'ddp' else 'wrap'}"
             print(f"  {label:<16} {ref:>5.1f}  " + " ".join(f"{r:>6.3f}" for r in ratios) + f"  best {min(ratios):.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "median_step_ms": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "where": where(), "median_step_ms": results}, indent=1)
+        )
     return 0
 
 

@@ -1,35 +1,93 @@
-"""Helpers shared by the benchmark scripts."""
+"""Helpers shared by the benchmark scripts: local ranks, and the emulated cluster link (--link)."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 import time
+from collections.abc import Sequence
+
+from collective_ops.link import ENV_NNODES, ENV_NODE_RANK, link_label, rate_bits, relaunch_on_link, strip_link_option
+
+_spawn_calls = 0  # successive spawns of one run use successive ports (every node counts alike)
+
+
+def add_link_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--link",
+        default="none",
+        help="run the ranks as 2 emulated nodes joined by a rate-limited link (a tc rate: 10gbit, 1gbit, "
+        "100mbit; needs root); none = one machine over loopback (default)",
+    )
+
+
+def run_on_link_if_asked(args: argparse.Namespace, argv: Sequence[str] | None) -> int | None:
+    """With ``--link RATE`` (and not already on a node): run this script on the link; its exit status.
+
+    None where the script should go on here (no link, or this process is one of the link's nodes).
+    """
+    if args.link == "none" or ENV_NODE_RANK in os.environ:
+        return None
+    try:
+        rate_bits(args.link)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return relaunch_on_link(args.link, [os.path.abspath(sys.argv[0]), *strip_link_option(argv)])
+
+
+def reporting_node() -> bool:
+    """True on the node that holds rank 0 (all of them off the link): the one that prints results."""
+    return int(os.environ.get(ENV_NODE_RANK, "0")) == 0
+
+
+def where() -> str:
+    """The label every figure carries: "emulated link, 1gbit" or "loopback"."""
+    return link_label()
 
 
 def spawn(target, world: int, *args, timeout: float = 3600):
-    """Run ``target(rank, world, port, *args, queue)`` on ``world`` local processes; rank 0's result.
+    """Run ``target(rank, world, port, *args, queue)`` on this node's ranks; rank 0's result (None on other nodes).
 
-    A rank that dies (an exception, a crash) ends the wait at once with its exit code,
-    instead of leaving the caller waiting on a result that will never come.
+    Off the link every rank is local. On an emulated link (``--link``) each node runs
+    ``world / nodes`` of them, with global ranks, rendezvous at node 0's address. A rank that
+    dies (an exception, a crash) ends the wait at once with its exit code, instead of leaving
+    the caller waiting on a result that will never come.
     """
     import multiprocessing as mp
     import queue as queue_module
 
     from tests.harness import free_port
 
+    global _spawn_calls
+    nnodes, node = int(os.environ.get(ENV_NNODES, "1")), int(os.environ.get(ENV_NODE_RANK, "0"))
+    if world % nnodes:
+        raise ValueError(f"--world {world} does not split over {nnodes} emulated nodes; use a multiple of {nnodes}")
+    local = world // nnodes
+    port = int(os.environ["MASTER_PORT"]) + _spawn_calls if nnodes > 1 else free_port()
+    _spawn_calls += 1
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
+    ranks = [node * local + r for r in range(local)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in ranks]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
+    result = None
     try:
         while True:
             try:
-                result = results.get(timeout=1.0)
-                break
+                if node == 0:
+                    result = results.get(timeout=1.0)
+                    break
+                time.sleep(1.0)  # another node: its ranks report nothing; wait for them to finish
+                if all(p.exitcode == 0 for p in procs):
+                    break
+                raise queue_module.Empty
             except queue_module.Empty as empty:
-                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                failed = [(r, p.exitcode) for r, p in zip(ranks, procs) if p.exitcode not in (None, 0)]
                 if failed:
                     raise RuntimeError(
                         f"rank(s) exited with an error (rank, exit code): {failed}; see their output above"

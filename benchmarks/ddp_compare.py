@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import spawn  # noqa: E402
+from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
 
 MODELS = ("transformer", "cnn", "mlp")
 
@@ -203,16 +203,25 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--json")
+    add_link_option(parser)
     args = parser.parse_args(argv)
+    relaunched = run_on_link_if_asked(args, argv)
+    if relaunched is not None:
+        return relaunched
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
     results = spawn(time_rank, args.world, args)
     if not args.no_memory:
         for name in args.models:
             for kind in ("ddp", "collective_ops"):
-                results[name][kind].update(spawn(memory_rank, args.world, args, kind, name))
+                memory = spawn(memory_rank, args.world, args, kind, name)
+                if reporting_node():
+                    results[name][kind].update(memory)
+    if not reporting_node():
+        return 0
     print(
-        f"# ddp_compare: world {args.world}, {args.backend}, bucket_size_mb={args.bucket_size_mb:g}, {args.steps} timed steps each"
+        f"# ddp_compare: world {args.world}, {args.backend}, {where()}, bucket_size_mb={args.bucket_size_mb:g}, "
+        f"{args.steps} timed steps each"
     )
     print(
         f"# {'model':<12} {'params':>8} {'DDP ms':>9} {'ours ms':>9} {'time ratio':>10} {'DDP +MB':>9} {'ours +MB':>9} {'mem ratio':>9}"
@@ -227,7 +236,7 @@ def main(argv=None) -> int:
             line += f" {dm:>9.1f} {om:>9.1f} {om / dm if dm > 0 else float('nan'):>9.3f}"
         print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))
     return 0
 
 

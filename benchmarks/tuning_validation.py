@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import spawn  # noqa: E402
+from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
 from benchmarks.ddp_compare import build_model, one_step  # noqa: E402
 
 
@@ -29,9 +29,9 @@ def timed_steps(model, optimizer, batches, steps: int) -> float:
     times = []
     for i in range(steps):
         times.append(one_step(model, optimizer, batches[i % len(batches)]))
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t)
+    from collective_ops.runtime import get_engine
+
+    return get_engine("torch").reduce_floats([statistics.median(times)], "max")[0]  # the slowest rank's
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
@@ -127,10 +127,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="alternations of DDP and the tuned wrap")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
+    add_link_option(parser)
     args = parser.parse_args(argv)
+    relaunched = run_on_link_if_asked(args, argv)
+    if relaunched is not None:
+        return relaunched
     r = spawn(rank_main, args.world, args)
+    if not reporting_node():
+        return 0
+    r["where"] = where()
     print(
-        f"# tuning_validation: {args.model}, {args.world} Gloo ranks; alpha {r['alpha_us']:.0f} us, "
+        f"# tuning_validation: {args.model}, {args.world} Gloo ranks, {where()}; alpha {r['alpha_us']:.0f} us, "
         f"beta {r['beta_ns_per_byte']:.3f} ns/B; compute alone {r['profile_compute_ms']:.0f} ms, "
         f"contention {r['contention']:.2f}, "
         f"backward ends at {r['backward_end_ms']:.0f} ms"

@@ -18,10 +18,14 @@ import argparse
 import csv
 import json
 import math
+import os
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+
+from .link import link_label
 
 OPS = ("allreduce", "allgather", "broadcast", "reduce_scatter")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -325,7 +329,8 @@ def run_sweep_mindspore(
 
 def format_table(rows: Sequence[Row], world: int) -> str:
     lines = [
-        f"# collective-ops bench: {rows[0].op if rows else ''}, {world} rank(s); time = median block, slowest rank",
+        f"# collective-ops bench: {rows[0].op if rows else ''}, {world} rank(s), {link_label()}; "
+        "time = median block, slowest rank",
         f"# {'bytes':>12} {'count':>11} {'type':>8} {'impl':>15} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}",
     ]
     for r in rows:
@@ -395,6 +400,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", action="append", choices=["raw", "collective_ops"], help="default: both")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--spawn", type=int, default=0, help="start N local ranks instead of running under torchrun")
+    parser.add_argument(
+        "--link",
+        default="none",
+        help="run on 2 emulated nodes joined by a rate-limited link (a tc rate: 10gbit, 1gbit; needs root), "
+        "launched as a 2-node torchrun job with --spawn/2 ranks per node (default --spawn 2); none = loopback",
+    )
     parser.add_argument("--csv")
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of busbw against size")
@@ -437,8 +448,37 @@ def _run_and_report(args: argparse.Namespace) -> None:
     co.shutdown()
 
 
+def _run_on_link(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """This bench command as a 2-node torchrun job on the emulated link (one namespace per node)."""
+    from .link import LinkUnavailable, rate_bits, run_on_link, strip_link_option
+
+    rate_bits(args.link)
+    world = args.spawn or 2
+    if world % 2:
+        raise ValueError(f"--spawn {world} does not split over the link's 2 nodes; use an even number")
+    rest, skip = [], False
+    for part in strip_link_option(argv):  # the nodes get torchrun's ranks, not --spawn
+        if skip:
+            skip = False
+        elif part == "--spawn":
+            skip = True
+        elif not part.startswith("--spawn="):
+            rest.append(part)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(world // 2)]
+    torchrun += ["--node-rank", "{node_rank}", "--master-addr", "{master_addr}", "--master-port", "{master_port}"]
+    try:
+        return run_on_link(
+            args.link, lambda link, node: link.fill([*torchrun, "-m", "collective_ops.cli", *rest], node)
+        )
+    except LinkUnavailable as exc:
+        print(f"emulated link unavailable: {exc}", file=sys.stderr)
+        return 2
+
+
 def run(args: argparse.Namespace) -> int:
     size_sweep(args.minbytes, args.maxbytes, args.stepfactor)  # validate before starting anything
+    if args.link != "none" and "COLLECTIVE_OPS_NODE_RANK" not in os.environ:
+        return _run_on_link(args, getattr(args, "argv", sys.argv[1:]))
     if args.spawn:
         import socket
 

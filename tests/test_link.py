@@ -1,0 +1,136 @@
+"""The emulated cluster link: its commands never touch the host's network, it is always torn down,
+and a real 2-node run over it reduces correctly (where this machine lets us build namespaces)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collective_ops.link import Link, check_available, rate_bits, run_on_link, strip_link_option
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_rates_are_tc_rates() -> None:
+    assert rate_bits("1gbit") == 1e9 and rate_bits("100mbit") == 1e8 and rate_bits("2.5gbit") == 2.5e9
+    for bad in ("1gb", "fast", "0mbit", "-1gbit", "", None):
+        with pytest.raises(ValueError, match="not a tc rate"):
+            rate_bits(bad)
+
+
+def test_every_command_stays_inside_the_links_own_namespaces() -> None:
+    link = Link.new("1gbit")
+    ours = {link.netns(0), link.netns(1)}
+    setup, teardown = link.setup_commands(), link.teardown_commands()
+    for argv in setup + teardown:
+        if argv[:2] == ["ip", "netns"]:
+            assert argv[2] in ("add", "delete") and argv[3] in ours, argv
+        else:  # ip -n NS ... / tc -n NS ...: never the host's namespace
+            assert argv[0] in ("ip", "tc") and argv[1] == "-n" and argv[2] in ours, argv
+    assert all(len(link.ifname(node)) <= 15 for node in (0, 1))
+    addresses = [argv[5] for argv in setup if argv[3:5] == ["addr", "add"]]
+    assert addresses == ["198.18.0.1/30", "198.18.0.2/30"]  # the benchmarking range, only inside the namespaces
+    qdiscs = [argv for argv in setup if argv[0] == "tc"]
+    assert len(qdiscs) == 2 and all(q[q.index("rate") + 1] == "1gbit" for q in qdiscs)
+    # a bucket of at least 128 KiB: veth hands tbf GSO frames of up to 64 KiB, which a smaller one drops forever
+    assert all(int(q[q.index("burst") + 1]) >= 128 * 1024 for q in qdiscs)
+    assert teardown == [["ip", "netns", "delete", name] for name in sorted(ours, key=lambda n: n[-1])]
+
+
+def test_node_environment_and_command_templates() -> None:
+    link = Link.new("10gbit")
+    env = link.node_env(1, base={})
+    assert env["MASTER_ADDR"] == "198.18.0.1" and env["GLOO_SOCKET_IFNAME"] == link.ifname(1)
+    assert env["COLLECTIVE_OPS_NODE_RANK"] == "1" and env["COLLECTIVE_OPS_LINK"] == "10gbit"
+    assert link.fill(["--node-rank", "{node_rank}", "--master-addr", "{master_addr}"], 1) == [
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "198.18.0.1",
+    ]
+    assert strip_link_option(["--world", "2", "--link", "1gbit", "--x", "--link=2gbit"]) == ["--world", "2", "--x"]
+
+
+@pytest.mark.parametrize("failing_step", [0, 3, 9, None])
+def test_the_link_is_always_torn_down(failing_step) -> None:
+    """A failure while building it, or in the nodes' command, still deletes both namespaces."""
+    issued: list[list[str]] = []
+
+    def runner(argv: list[str]) -> None:
+        issued.append(argv)
+        if failing_step is not None and len(issued) == failing_step + 1:
+            raise RuntimeError("refused")
+
+    command = [sys.executable, "-c", "raise SystemExit(3)"]
+    if failing_step is None:  # setup succeeds (by the fake runner); the nodes cannot enter fake namespaces
+        code = run_on_link("1gbit", lambda link, node: command, runner=runner, log_dir=None)
+        assert code != 0
+    else:
+        with pytest.raises(RuntimeError, match="refused"):
+            run_on_link("1gbit", lambda link, node: command, runner=runner)
+    deletes = [argv for argv in issued if argv[:3] == ["ip", "netns", "delete"]]
+    assert len(deletes) == 2, issued
+
+
+def _namespaces_allowed() -> str | None:
+    try:
+        check_available()
+    except Exception as exc:
+        return str(exc)
+    probe = subprocess.run(["ip", "netns", "add", f"coprobe{os.getpid()}"], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "delete", f"coprobe{os.getpid()}"], capture_output=True)
+    return None if probe.returncode == 0 else f"network namespaces refused: {probe.stderr.strip()}"
+
+
+PROBE = """
+import os, torch, collective_ops as co
+node = int(os.environ["COLLECTIVE_OPS_NODE_RANK"])
+co.init("gloo", rank=node, world_size=2, timeout=30)
+t = torch.arange(1 << 18, dtype=torch.float32) * (node + 1)
+co.allreduce(t)
+assert torch.equal(t, torch.arange(1 << 18, dtype=torch.float32) * 3), "wrong sum over the link"
+print("link ok", os.environ["COLLECTIVE_OPS_LINK"], os.environ["GLOO_SOCKET_IFNAME"], flush=True)
+co.shutdown()
+"""
+
+
+def test_a_real_two_node_run_over_a_10gbit_link() -> None:
+    reason = _namespaces_allowed()
+    if reason:
+        pytest.skip(reason)
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "collective_ops.link", "--rate", "10gbit", "--", sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "link ok 10gbit colk" in result.stdout
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert after == before, "the link's namespaces must be gone"
+
+
+def test_a_machine_that_refuses_says_so_in_one_line() -> None:
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run the command as an unprivileged user")
+    result = subprocess.run(
+        [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "collective_ops.link"]
+        + ["--rate", "1gbit", "--", "true"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd="/",
+    )
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs root" in lines[0], result.stderr
