@@ -28,28 +28,35 @@ from torch import nn  # noqa: E402
 
 from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
 
-MODELS = ("transformer", "cnn", "mlp")
+MODELS = ("transformer", "cnn", "mlp", "transformer-5m")
 
 
 def build_model(name: str) -> tuple[nn.Module, callable]:
-    """A model and a batch factory (per rank, per step)."""
+    """A model and a batch factory (per rank, per step).
+
+    ``transformer-5m`` (5.7M parameters, 23 MB of fp32 gradients) is the emulated-link workload:
+    at 1gbit its allreduce (~185 ms) is as long as its compute (~190 ms on one core, batch 10 x 64
+    tokens), the communication-bound regime.
+    """
     torch.manual_seed(0)
-    if name == "transformer":
-        vocab, dim, seq = 8000, 512, 64
-        layer = nn.TransformerEncoderLayer(dim, 8, 2048, dropout=0.0, batch_first=True)
+    if name in ("transformer", "transformer-5m"):
+        vocab, dim, seq, layers, ffn = (8000, 512, 64, 6, 2048) if name == "transformer" else (5000, 256, 64, 4, 1024)
+        layer = nn.TransformerEncoderLayer(dim, 8, ffn, dropout=0.0, batch_first=True)
 
         class LM(nn.Module):
             def __init__(self) -> None:
                 super().__init__()
                 self.embed = nn.Embedding(vocab, dim)
-                self.encoder = nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
+                self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
                 self.head = nn.Linear(dim, vocab)
 
             def forward(self, tokens):
                 return self.head(self.encoder(self.embed(tokens))).flatten(0, 1)
 
+        rows = 4 if name == "transformer" else 10  # transformer-5m: ~190 ms of compute per step on one core
+
         def batch(gen):
-            tokens = torch.randint(0, vocab, (4, seq), generator=gen)
+            tokens = torch.randint(0, vocab, (rows, seq), generator=gen)
             return tokens, torch.roll(tokens, -1, 1).flatten()
 
         return LM(), batch

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
-from benchmarks.ddp_compare import build_model, one_step  # noqa: E402
+from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step, training_setup  # noqa: E402
+
+DDP_SWEEP_MB = (1, 2, 5, 10, 25, 50)  # the hand sweep of DDP's bucket_cap_mb the tuner must match
 
 
 def timed_steps(model, optimizer, batches, steps: int) -> float:
@@ -55,6 +57,10 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
 
     cost = measure_alpha_beta()
     profile, contention = profile_with_contention(wrapped, next_step, cost, steps=3)
+    if args.save_profile:  # for `collective-ops tune --profile ... --project`
+        from collective_ops.tuning import save_profile
+
+        save_profile(wrapped, next_step, args.save_profile, cost, profile, contention, where())
     plan = wrapped.manager.plan
     predictions = {
         p.bucket_size_mb: p for p in predict(plan.params, profile, cost, CANDIDATES_MB, 1.0, plan.order, contention)
@@ -80,22 +86,24 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         one_step(tuned, opt2, batches[counter2["i"] % 4])
 
     result = co.tune(tuned, step, confirm_top=2, confirm_steps=3)
-    # tuned wrap against DDP defaults, alternating blocks
+    # wrap(bucket_size_mb="auto"), settled at its second step
     model3, _ = build_model(args.model)
-    ddp = torch.nn.parallel.DistributedDataParallel(model3)
-    opt3 = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    one_step(ddp, opt3, batches[0])
-    versus = {"ddp": [], "tuned": []}
-    for round_ in range(args.rounds):
-        order = [("ddp", ddp, opt3), ("tuned", tuned, opt2)]
-        for name, m, o in order if round_ % 2 == 0 else order[::-1]:
-            versus[name].append(timed_steps(m, o, batches, args.steps))
+    auto = co.wrap(model3, bucket_size_mb="auto")
+    opt3 = torch.optim.SGD(auto.parameters(), lr=1e-3)
+    for i in range(3):
+        one_step(auto, opt3, batches[i % 4])
+    # the race, alternating blocks: DDP at every bucket_cap_mb of the hand sweep, the tuned and the auto wrap
+    setups = {f"ddp {mb:g}": training_setup(args.model, "ddp", mb, rank) for mb in DDP_SWEEP_MB}
+    setups["tune"] = (tuned, opt2, batches)
+    setups["auto"] = (auto, opt3, batches)
+    race = {key: statistics.median(v) * 1e3 for key, v in alternate_steps(setups, args.rounds, args.block).items()}
     co.barrier()
     co.shutdown()
     if rank == 0:
         queue.put(
             {
                 "alpha_us": cost.alpha * 1e6,
+                "alpha_queued_us": cost.alpha_queued * 1e6,
                 "beta_ns_per_byte": cost.beta * 1e9,
                 "profile_compute_ms": profile.step_compute_s * 1e3,
                 "contention": contention,
@@ -110,10 +118,12 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                     for mb in CANDIDATES_MB
                 ],
                 "tuned_mb": result.bucket_size_mb,
+                "tuned_first_mb": result.first_bucket_mb,
+                "auto_mb": auto.manager.plan.bucket_size_mb,
+                "auto_first_mb": auto.manager.plan.first_bucket_mb,
                 "tune_trial_steps": result.trial_steps,
                 "sweep_steps": len(CANDIDATES_MB) * args.sweep_rounds * (per_visit + 1),
-                "ddp_ms": statistics.median(versus["ddp"]) * 1e3,
-                "tuned_ms": statistics.median(versus["tuned"]) * 1e3,
+                "race_ms": race,
             }
         )
 
@@ -121,12 +131,14 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--model", choices=["transformer", "cnn", "mlp"], default="transformer")
+    parser.add_argument("--model", choices=list(MODELS), default="transformer")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
     parser.add_argument("--sweep-rounds", type=int, default=3, help="rounds over every size in the exhaustive sweep")
-    parser.add_argument("--rounds", type=int, default=4, help="alternations of DDP and the tuned wrap")
+    parser.add_argument("--rounds", type=int, default=4, help="alternation rounds of the race (DDP sweep, tune, auto)")
+    parser.add_argument("--block", type=int, default=3, help="steps per configuration per round of the race")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
+    parser.add_argument("--save-profile", help="write the profile and fitted cost here (collective-ops tune --project)")
     add_link_option(parser)
     args = parser.parse_args(argv)
     relaunched = run_on_link_if_asked(args, argv)
@@ -137,7 +149,7 @@ def main(argv=None) -> int:
         return 0
     r["where"] = where()
     print(
-        f"# tuning_validation: {args.model}, {args.world} Gloo ranks, {where()}; alpha {r['alpha_us']:.0f} us, "
+        f"# tuning_validation: {args.model}, {args.world} Gloo ranks, {where()}; alpha {r['alpha_us']:.0f} us (queued {r['alpha_queued_us']:.0f} us), "
         f"beta {r['beta_ns_per_byte']:.3f} ns/B; compute alone {r['profile_compute_ms']:.0f} ms, "
         f"contention {r['contention']:.2f}, "
         f"backward ends at {r['backward_end_ms']:.0f} ms"
@@ -149,14 +161,29 @@ def main(argv=None) -> int:
             f"  {row['mb']:>10g} {row['collectives']:>11} {row['predicted_ms']:>13.1f} {row['measured_ms']:>12.1f} {error:>+6.1f}%"
         )
     best = min(r["rows"], key=lambda row: row["measured_ms"])
-    tuned_row = next(row for row in r["rows"] if row["mb"] == r["tuned_mb"])
+    tuned_row = next((row for row in r["rows"] if row["mb"] == r["tuned_mb"]), None)
     print(
-        f"  tuner chose {r['tuned_mb']:g} MiB in {r['tune_trial_steps']} trial steps (the sweep took {r['sweep_steps']}); "
-        f"its measured step is {tuned_row['measured_ms'] / best['measured_ms']:.3f}x the sweep's best ({best['mb']:g} MiB)"
+        f"  tuner chose {r['tuned_mb']:g} MiB (first bucket {r['tuned_first_mb']:g}) in {r['tune_trial_steps']} trial "
+        f"steps (the sweep took {r['sweep_steps']})"
+        + (
+            f"; at that size the sweep measured {tuned_row['measured_ms'] / best['measured_ms']:.3f}x its best "
+            f"({best['mb']:g} MiB)"
+            if tuned_row
+            else ""
+        )
     )
-    print(
-        f"  tuned wrap {r['tuned_ms']:.1f} ms vs DDP default {r['ddp_ms']:.1f} ms: ratio {r['tuned_ms'] / r['ddp_ms']:.3f}"
-    )
+    race = r["race_ms"]
+    ddp_default = race["ddp 25"]
+    ddp_best_key = min((k for k in race if k.startswith("ddp")), key=race.get)
+    print(f"# race ({args.rounds} rounds x {args.block} steps, alternating; median step, {where()}):")
+    for key, ms in sorted(race.items(), key=lambda kv: kv[1]):
+        label = {
+            "tune": f"co.tune ({r['tuned_mb']:g}/{r['tuned_first_mb']:g} MiB)",
+            "auto": f"auto ({r['auto_mb']:g}/{r['auto_first_mb']:g} MiB)",
+        }.get(key, key.replace("ddp", "DDP bucket_cap_mb"))
+        print(
+            f"  {label:<28} {ms:>7.1f} ms  {ms / ddp_default:.3f}x DDP default  {ms / race[ddp_best_key]:.3f}x best DDP ({ddp_best_key})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))
     return 0

@@ -51,6 +51,35 @@ def test_communication_bound_queues() -> None:
     assert p.exposed_comm_s == pytest.approx(2.8)
 
 
+def test_a_queued_collective_pays_only_the_queued_latency() -> None:
+    # all three ready at once: the first pays alpha, the two launched behind it alpha_queued
+    plan = plan_buckets(specs(3), bucket_size_mb=1, first_bucket_mb=1)
+    profile = BackwardProfile({0: 1.0, 1: 1.0, 2: 1.0}, 1.0, 1.5)
+    p = simulate(plan, profile, CostModel(0.01, 0.02 / MIB, alpha_queued=0.0))
+    assert p.finishes_s == pytest.approx((1.03, 1.05, 1.07))
+    # a bucket that finds the channel idle pays the whole alpha again
+    spread = BackwardProfile({2: 0.1, 1: 0.5, 0: 0.9}, 1.0, 2.0)
+    assert simulate(plan, spread, CostModel(0.05, 0.0, alpha_queued=0.0)).finishes_s == pytest.approx(
+        (0.15, 0.55, 0.95)
+    )
+    with pytest.raises(ValueError, match="alpha_queued"):
+        CostModel(0.01, 0.0, alpha_queued=-1.0)
+
+
+def test_a_link_is_derived_back_from_its_two_rank_fit() -> None:
+    from collective_ops.tuning import link_from_fit
+
+    fitted = CostModel(1.6e-3, 8e-9)  # 1.6 ms, 125 MB/s: an emulated 1gbit link at 2 ranks
+    latency, bandwidth = link_from_fit(fitted, 2)
+    assert latency == pytest.approx(0.8e-3) and bandwidth == pytest.approx(125e6)
+    ring = CostModel.ring(2, latency, bandwidth)
+    assert (ring.alpha, ring.beta) == pytest.approx((fitted.alpha, fitted.beta))
+    at_8 = CostModel.ring(8, latency, bandwidth)
+    assert at_8.alpha == pytest.approx(14 * 0.8e-3) and at_8.beta == pytest.approx(2 * 7 / 8 / 125e6)
+    with pytest.raises(ValueError, match="2 or more ranks"):
+        link_from_fit(fitted, 1)
+
+
 def test_contention_charges_overlapped_communication() -> None:
     # the compute-bound schedule above: 0.15 s of communication, all of it during backward
     plan = plan_buckets(specs(3), 1, 1)
@@ -86,7 +115,7 @@ def test_cost_model_fit_and_ring_projection() -> None:
     assert "simulation" in ring.label
     with pytest.raises(ValueError, match="two different sizes"):
         CostModel.fit([8, 8], [1.0, 2.0])
-    with pytest.raises(ValueError, match="alpha >= 0"):
+    with pytest.raises(ValueError, match="alpha, beta and alpha_queued >= 0"):
         CostModel(-1.0, 0.0)
     with pytest.raises(ValueError, match="at least one gradient"):
         BackwardProfile({}, 1.0, 1.0)
@@ -109,8 +138,8 @@ def tuner_checks(rank: int, world: int, profile_path: str) -> dict:
 
     result = co.tune(model, step, candidates_mb=(0.01, 0.05, 25), confirm_top=2, confirm_steps=2, profile_steps=1)
     out = {
-        "chosen": result.bucket_size_mb,
-        "plan": model.manager.plan.bucket_size_mb,
+        "chosen": (result.bucket_size_mb, result.first_bucket_mb),
+        "plan": (model.manager.plan.bucket_size_mb, model.manager.plan.first_bucket_mb),
         "predicted": len(result.predictions),
         "measured": sorted(result.measured_s),
         "trial_steps": result.trial_steps,
@@ -148,13 +177,15 @@ def tuner_checks(rank: int, world: int, profile_path: str) -> dict:
 def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
     profile_path = tmp_path / "profile.json"
     outs = run_ranks(2, tuner_checks, str(profile_path))
-    assert outs[0]["chosen"] == outs[1]["chosen"] in (0.01, 0.05, 25)
+    assert outs[0]["chosen"] == outs[1]["chosen"] and outs[0]["chosen"][0] in (0.01, 0.05, 25)
     for out in outs:
-        # rank 0's best two predictions, plus the size the model had (25) when it is not among them
-        assert out["plan"] == out["chosen"] and out["predicted"] == 3 and 25 in out["measured"]
+        # every distinct (size, first bucket) pair: first 0.25, 1 (capped at the size) or the size itself
+        assert out["predicted"] == 1 + 1 + 3
+        # rank 0's best two predictions, plus the plan the model had (25, first 1) when it is not among them
+        assert out["plan"] == out["chosen"] and (25, 1) in out["measured"]
         assert len(out["measured"]) in (2, 3)
-        # warm-up 1, profiling 2 x 1 + 2, confirmation (2 + 1) per candidate: far fewer than sweeping all 7
-        assert out["trial_steps"] == 1 + 4 + 3 * len(out["measured"]) < len(CANDIDATES_MB) * (2 + 1)
+        # warm-up 1, profiling 2 x 1 + 3, confirmation (2 + 1) per candidate: far fewer than sweeping all 7
+        assert out["trial_steps"] == 1 + 5 + 3 * len(out["measured"]) < len(CANDIDATES_MB) * (2 + 1)
         assert 0.0 <= out["contention"] <= 1.0
         sizes = out["auto_sizes"]
         assert sizes[0] == 25.0 and sizes[1] == sizes[2] == sizes[3] in CANDIDATES_MB, sizes  # settled at step 2
@@ -170,6 +201,32 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
         check=True,
     )
     assert result.stdout.startswith("SIMULATION") and "N=8 " in result.stdout and "N=4096" in result.stdout
+    # --project needs the fitted cost saved with the profile; with it, the assumptions are printed
+    result = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(profile_path), "--project"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "fitted cost" in result.stdout
+    import json
+
+    data = json.loads(profile_path.read_text())
+    data.update(
+        cost={"alpha": 1.6e-3, "beta": 8e-9, "alpha_queued": 0.0, "world_size": 2}, where="emulated link, 1gbit"
+    )
+    projected = tmp_path / "projected.json"
+    projected.write_text(json.dumps(data))
+    result = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(projected), "--project"]
+        + ["--world", "8", "64", "512"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    out = result.stdout
+    assert out.startswith("SIMULATION: projection of the link measured emulated link, 1gbit") and "Assumptions:" in out
+    assert "800 us latency per hop, 125.0 MB/s" in out and "weak scaling" in out
+    assert all(f"N={n} " in out for n in (8, 64, 512))
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     result = subprocess.run(

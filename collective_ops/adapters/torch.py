@@ -267,7 +267,7 @@ class DistributedDataParallel(nn.Module):
 
     def _auto_tune(self) -> None:
         """Online mode: simulate every candidate on the step just profiled; rank 0's choice for all."""
-        from ..tuning import CANDIDATES_MB, BackwardProfile, measure_alpha_beta, predict
+        from ..tuning import CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, BackwardProfile, measure_alpha_beta, predict
 
         self._auto_tune_at = None
         stats = self.manager.last_stats
@@ -277,19 +277,24 @@ class DistributedDataParallel(nn.Module):
         )
         cost = measure_alpha_beta()  # every rank is here, at the end of the same step
         plan = self.manager.plan
-        predictions = predict(plan.params, profile, cost, CANDIDATES_MB, plan.first_bucket_mb, plan.order)
-        choice = self.engine.broadcast_ints([round(predictions[0].bucket_size_mb * 1000)], src=0)[0] / 1000
-        self.set_bucket_size(choice)
+        predictions = predict(plan.params, profile, cost, CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, plan.order)
+        best = predictions[0]
+        chosen = self.engine.broadcast_ints([round(best.bucket_size_mb * 1000), round(best.first_bucket_mb * 1000)])
+        choice, first = chosen[0] / 1000, chosen[1] / 1000  # rank 0's, on every rank
+        self.set_bucket_size(choice, first)
         self.auto_tune_report = predictions
         logger.info(
-            "collective_ops: bucket_size_mb='auto' settled on %g MiB (predicted exposed communication %.1f ms, "
-            "%d collectives; alpha=%.1f us, beta=%.3f ns/B); candidates: %s",
+            "collective_ops: bucket_size_mb='auto' settled on %g MiB, first bucket %g MiB (predicted exposed "
+            "communication %.1f ms, %d collectives; alpha=%.1f us, beta=%.3f ns/B); candidates: %s",
             choice,
+            first,
             predictions[0].exposed_comm_s * 1e3,
             predictions[0].collectives,
             cost.alpha * 1e6,
             cost.beta * 1e9,
-            ", ".join(f"{p.bucket_size_mb:g}: {p.exposed_comm_s * 1e3:.1f} ms" for p in predictions),
+            ", ".join(
+                f"{p.bucket_size_mb:g}/{p.first_bucket_mb:g}: {p.exposed_comm_s * 1e3:.1f} ms" for p in predictions
+            ),
         )
 
     def set_bucket_size(self, bucket_size_mb: float, first_bucket_mb: float | None = None) -> None:
