@@ -57,6 +57,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--paths", action="store_true", help="also time raw reference paths, per phase")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--link",
+        default="none",
+        help="run as 2 msrun nodes joined by an emulated link (a tc rate, e.g. 1gbit; needs root); none = loopback",
+    )
     return parser.parse_args(argv)
 
 
@@ -67,13 +72,18 @@ def launch(args) -> int:
     env.setdefault("GLOG_v", "3")
     from tests.harness import free_port
 
+    if args.link != "none":  # one msrun node per namespace, rendezvous at node 0's veth address
+        if args.world % 2:
+            raise SystemExit(f"--world {args.world} does not split over the link's 2 nodes")
+        msrun = ["msrun", f"--worker_num={args.world}", f"--local_worker_num={args.world // 2}"]
+        msrun += ["--node_rank={node_rank}", "--master_addr={master_addr}", "--master_port={master_port}"]
+        msrun += [f"--log_dir={out / 'logs'}" + "/node{node_rank}"]
+    else:
+        msrun = ["msrun", f"--worker_num={args.world}", f"--local_worker_num={args.world}"]
+        msrun += [f"--master_port={free_port()}", f"--log_dir={out / 'logs'}"]
     cmd = (
         [
-            "msrun",
-            f"--worker_num={args.world}",
-            f"--local_worker_num={args.world}",
-            f"--master_port={free_port()}",
-            f"--log_dir={out / 'logs'}",
+            *msrun,
             "--join=True",
             __file__,
             "--steps",
@@ -94,10 +104,20 @@ def launch(args) -> int:
         + (["--train-cell"] if args.train_cell else [])
         + (["--compression", args.compression] if args.compression else [])
     )
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if args.link != "none":
+        from collective_ops.link import LinkUnavailable, run_on_link
+
+        try:
+            code = run_on_link(args.link, lambda link, node: link.fill(cmd, node), log_dir=str(out), env=env)
+        except LinkUnavailable as exc:
+            print(f"emulated link unavailable: {exc}", file=sys.stderr)
+            return 2
+        proc = subprocess.CompletedProcess(cmd, code, "", "")
+    else:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not (out / "result.json").exists():
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-        for log in sorted((out / "logs").glob("worker_*.log")):
+        for log in sorted((out / "logs").rglob("worker_*.log")):
             print(log.read_text(errors="replace")[-3000:], file=sys.stderr)
         return 1
     result = json.loads((out / "result.json").read_text())
@@ -113,6 +133,7 @@ def run(args) -> None:
     from mindspore import nn
 
     import collective_ops as co
+    from collective_ops.link import link_label
     from examples.train_mindspore import ConvNet
 
     ms.set_context(mode=ms.GRAPH_MODE if args.graph else ms.PYNATIVE_MODE)
@@ -216,7 +237,8 @@ def run(args) -> None:
             "per-gradient hook launch": f"{n_grads} (during backward)",
         }
         lines = [
-            f"# mindspore_compare: {ctx.world_size} ranks, backend {ctx.backend}, {'GRAPH' if args.graph else 'PyNative'} "
+            f"# mindspore_compare: {ctx.world_size} ranks, backend {ctx.backend}, {link_label()}, "
+            f"{'GRAPH' if args.graph else 'PyNative'} "
             f"mode, {args.model} {params / 1e6:.2f} M params, bucket_size_mb={args.bucket_size_mb:g}"
             + (f", collective_ops compression={args.compression}" if args.compression else ""),
             f"# {'reducer':<26} {'median step ms':>15} {'collectives/step':>36}"

@@ -158,11 +158,13 @@ def run_on_link(
     node_command: Callable[[Link, int], list[str]],
     runner: Callable[[list[str]], None] = _run_checked,
     log_dir: str | None = None,
+    env: dict | None = None,
 ) -> int:
     """Build the link, run ``node_command(link, node)`` in each node's namespace, always tear it down.
 
     Node 0's output goes to this terminal; node 1's to ``log_dir``/node1.log (printed if it fails).
-    Returns the first non-zero exit status, else 0.
+    ``env``: the nodes' base environment (default: this process's). Returns the first non-zero
+    exit status, else 0.
     """
     if runner is _run_checked:  # the real commands: say first why they cannot run here
         check_available()
@@ -177,7 +179,9 @@ def run_on_link(
             argv = ["ip", "netns", "exec", link.netns(node), *node_command(link, node)]
             out = None if node == 0 else open(log_path, "w")  # noqa: SIM115 (closed with the process)
             procs.append(
-                subprocess.Popen(argv, env=link.node_env(node), stdout=out, stderr=subprocess.STDOUT if out else None)
+                subprocess.Popen(
+                    argv, env=link.node_env(node, env), stdout=out, stderr=subprocess.STDOUT if out else None
+                )
             )
         codes = [proc.wait() for proc in procs]
         failed = next((code for code in codes if code != 0), 0)
