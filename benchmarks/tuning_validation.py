@@ -56,7 +56,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         one_step(wrapped, optimizer, batches[counter["i"] % 4])
 
     cost = measure_alpha_beta()
-    profile, contention = profile_with_contention(wrapped, next_step, cost, steps=3)
+    profile, contention = profile_with_contention(wrapped, next_step, cost, steps=args.profile_steps)
     if args.save_profile:  # for `collective-ops tune --profile ... --project`
         from collective_ops.tuning import save_profile
 
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=3, help="steps per configuration per round of the race")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
+    parser.add_argument("--profile-steps", type=int, default=5, help="steps per profiled plan (compute alone, overlapped)")
     parser.add_argument("--save-profile", help="write the profile and fitted cost here (collective-ops tune --project)")
     add_link_option(parser)
     args = parser.parse_args(argv)
