@@ -138,7 +138,9 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=3, help="steps per configuration per round of the race")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
-    parser.add_argument("--profile-steps", type=int, default=5, help="steps per profiled plan (compute alone, overlapped)")
+    parser.add_argument(
+        "--profile-steps", type=int, default=5, help="steps per profiled plan (compute alone, overlapped)"
+    )
     parser.add_argument("--save-profile", help="write the profile and fitted cost here (collective-ops tune --project)")
     add_link_option(parser)
     args = parser.parse_args(argv)

@@ -43,6 +43,15 @@ def tune(model: Any, step_fn: Any, **options: Any) -> Any:
     return _tune(model, step_fn, **options)
 
 
+def __getattr__(name: str) -> Any:
+    # Loaded on first use: importing collective_ops imports no deep-learning framework.
+    if name == "DistributedOptimizer":
+        from .adapters.torch_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer
+    raise AttributeError(f"module 'collective_ops' has no attribute {name!r}")
+
+
 def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
     """Make ``model`` data-parallel: a ``torch.nn.Module`` or a ``mindspore.nn.Cell``."""
     from .adapters import wrap as _wrap
@@ -52,6 +61,7 @@ def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
 
 __all__ = [
     "DistContext",
+    "DistributedOptimizer",
     "GradientBucket",
     "allgather",
     "allreduce",

@@ -125,6 +125,7 @@ class DistributedDataParallel(nn.Module):
         self._views: list[torch.Tensor] = []
         self._make_views()
         self._finalize_queued = False
+        self._optimizer_ref: weakref.ref | None = None
         self._nonfinite_local: list[str] = []
         # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
         self._nonfinite_pending: tuple[list[str], str] | None = None
@@ -233,12 +234,48 @@ class DistributedDataParallel(nn.Module):
         self._check_requires_grad_unchanged()
         if self.manager.find_unused_parameters:
             self._contribute_kept_gradients()
-        self.manager.finalize()
+        # With a DistributedOptimizer the step ends bucket by bucket (finish_bucket), as updates need them.
+        self.manager.finalize(defer=self.optimizer is not None and self.optimizer.overlap)
+        if not self.manager.deferred_pending:
+            self._after_step()
+            self._settle()
+
+    def _after_step(self) -> None:
+        """Once every bucket of a synchronised step is finished (local work only)."""
         self._give_unused_their_gradient()
         if self.check_finite:
             self._note_nonfinite()
-        if self._auto_tune_at is not None and self.manager.steps_synced == self._auto_tune_at:
+
+    def _settle(self) -> None:
+        """What a finished step left that needs collectives, at a point every rank shares: rebuild, auto-tune."""
+        self.manager.settle_deferred()
+        if self._auto_tune_at is not None and self.manager.steps_synced >= self._auto_tune_at:
             self._auto_tune()
+
+    def finish_bucket(self, bucket_index: int) -> list[int]:
+        """Finish one bucket of a deferred step; the indices of its parameters (their gradients now final)."""
+        members = list(self.manager.plan.buckets[bucket_index].param_indices)
+        self.manager.wait_bucket(bucket_index)
+        self._give_unused_their_gradient(members)
+        if not self.manager.deferred_pending:
+            self._after_step()
+        return members
+
+    @property
+    def optimizer(self) -> Any:
+        """The DistributedOptimizer attached to this model, if any."""
+        return self._optimizer_ref() if self._optimizer_ref is not None else None
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Called by DistributedOptimizer: its updates follow this model's buckets (one optimizer per model)."""
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            raise ValueError("this model already has a DistributedOptimizer; use that one (one per model)")
+        if self.check_finite:
+            raise ValueError(
+                "check_finite=True is not supported with DistributedOptimizer yet (updates land bucket by bucket); "
+                "wrap without it, or use a plain optimizer"
+            )
+        self._optimizer_ref = weakref.ref(optimizer)
 
     def _check_requires_grad_unchanged(self) -> None:
         now = [p.requires_grad for p in self.module.parameters()]
@@ -335,12 +372,13 @@ class DistributedDataParallel(nn.Module):
             "gradient clipping or loss scaling (torch.amp.GradScaler skips such steps), or check the data of that step."
         )
 
-    def _give_unused_their_gradient(self) -> None:
+    def _give_unused_their_gradient(self, indices: list[int] | None = None) -> None:
         """A parameter unused here but used elsewhere gets the reduced gradient, as in DDP."""
         if not self.manager.find_unused_parameters:
             return
         unused_everywhere = self.manager.globally_unused
-        for i, p in enumerate(self._params):
+        for i in range(len(self._params)) if indices is None else indices:
+            p = self._params[i]
             if p.grad is None and i not in unused_everywhere:
                 view = self._views[i]
                 p.grad = view if self.gradient_as_bucket_view else view.clone()
@@ -382,7 +420,12 @@ class DistributedDataParallel(nn.Module):
             if buffers:
                 with torch.no_grad():
                     self._broadcast(buffers)  # rank 0's running statistics, as DDP does
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self.manager.deferred_pending:
+            # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
+            self.optimizer.synchronize()
+        self._settle()  # the end of forward: the same point on every rank, whatever ended the last step where
+        return output
 
     # -- the unwrapped model's face ---------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -395,6 +438,8 @@ class DistributedDataParallel(nn.Module):
             return getattr(module, name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if self.manager.deferred_pending:
+            self.optimizer.synchronize()  # updates still owed by a DistributedOptimizer land first
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

@@ -125,6 +125,7 @@ class BucketManager:
         # Parameters whose gradients were accumulated under no_sync() since the last synchronised
         # step: they count as used in that step's usage map, as in DDP.
         self._accumulated: set[int] = set()
+        self._owed_rebuild: list[int] | None = None
         self.steps_synced = 0
         self.globally_unused: frozenset[int] = frozenset()
         self.last_stats = StepStats()
@@ -153,13 +154,16 @@ class BucketManager:
         self._copy_targets: dict[int, Any] = {}
         self._staged: dict[int, Any] = {}  # engines that assemble buckets at launch: the gradients
         self._handles: list[Handle | None] = [None] * len(buckets)
+        self._done = [False] * len(buckets)
+        self._deferred = False
+        self._used_map: tuple[Any, Handle] | None = None
         self._next_launch = 0
         self._stats = StepStats(step=self.steps_synced, buckets=[BucketTiming() for _ in buckets])
 
     @property
     def in_progress(self) -> bool:
-        """True between the first gradient of an iteration and its finalize()."""
-        return bool(self._marked)
+        """True between the first gradient of an iteration and its finalize() (before a deferred one)."""
+        return bool(self._marked) and not self._deferred
 
     def stats_summary(self) -> dict[str, Any]:
         """Buckets, collectives and bytes per step, and communication not hidden behind backward."""
@@ -216,6 +220,11 @@ class BucketManager:
             return
         if not 0 <= index < len(self._param_names):
             raise IndexError(f"parameter index {index} is out of range for this plan")
+        if self._deferred:
+            raise RuntimeError(
+                "a gradient arrived while the previous step's buckets are still being finished (a deferred "
+                "step): finish them first (DistributedOptimizer.synchronize())"
+            )
         name = self._param_names[index]
         if index in self._marked:
             raise RuntimeError(
@@ -305,14 +314,25 @@ class BucketManager:
         return True
 
     # -- end of backward ---------------------------------------------------------
-    def finalize(self, force: bool = False) -> None:
+    def finalize(self, force: bool = False, defer: bool = False) -> None:
         """Launch what is left, wait for every bucket, write results back, reset.
 
         Does nothing when no gradient was marked this iteration, unless ``force``
-        (a rank that must take part although it computed no gradient).
+        (a rank that must take part although it computed no gradient). With ``defer`` it
+        returns once every bucket is launched: the caller then finishes buckets one by one
+        (:meth:`wait_bucket`, in any order, e.g. as the next forward needs their parameters),
+        and the step ends when the last one is finished (:attr:`deferred_pending` turns False).
         """
         if not self.sync_enabled or not (self._marked or force):
             return
+        self._launch_remaining()
+        if defer:
+            self._deferred = True
+            return
+        for bucket_index in range(len(self.plan.buckets)):
+            self.wait_bucket(bucket_index)
+
+    def _launch_remaining(self) -> None:
         stats = self._stats
         stats.finalize_start = time.perf_counter()
         unused = [i for i in range(len(self._param_names)) if i not in self._marked]
@@ -331,36 +351,69 @@ class BucketManager:
             bucket_index, _ = self.plan.location[index]
             self._pending[bucket_index] -= 1
         self._launch_ready_buckets()
-        used_map_handle = None
         if self.find_unused_parameters:
             used_here = (self._marked - self._not_used) | self._accumulated
             used = [1 if i in used_here else 0 for i in range(len(self._param_names))]
             used_map = self.engine.int_tensor(used, self.plan.buckets[0].device)
-            used_map_handle = (used_map, self.engine.allreduce(used_map, "sum", async_op=True))
+            self._used_map = (used_map, self.engine.allreduce(used_map, "sum", async_op=True))
             stats.collectives += 1
-        for bucket_index, handle in enumerate(self._handles):
-            if handle is not None:
-                try:
-                    wait_with_timeout(handle, self.stall_timeout_s)
-                except Exception as exc:
-                    error = self._diagnose(bucket_index, exc)
-                    # after a stall the later buckets (queued behind it) cannot finish either: not waited for
-                    self._abandon_iteration(bucket_index, settle=not isinstance(exc, TimeoutError))
-                    raise error from exc
-            stats.buckets[bucket_index].completed = time.perf_counter()
-            if self.observer is not None:
-                self.observer.bucket_completed(self, bucket_index)
-        if used_map_handle is not None:
-            used_map, handle = used_map_handle
-            handle.wait()
-            counts = self.engine.to_list(used_map)
-            self.globally_unused = frozenset(i for i, c in enumerate(counts) if c == 0)
-        for index, target in self._copy_targets.items():
-            if index not in self.globally_unused:  # as DDP: a gradient no rank used is left as it was
+
+    @property
+    def deferred_pending(self) -> bool:
+        """True while a deferred step (``finalize(defer=True)``) has buckets not yet finished."""
+        return self._deferred
+
+    def bucket_finished(self, bucket_index: int) -> bool:
+        """True once :meth:`wait_bucket` has finished this bucket in the current step."""
+        return self._done[bucket_index]
+
+    def bucket_ready(self, bucket_index: int) -> bool:
+        """True if the bucket's collective has completed (finishing it would not block)."""
+        handle = self._handles[bucket_index]
+        return self._done[bucket_index] or handle is None or handle.is_completed()
+
+    def wait_bucket(self, bucket_index: int) -> None:
+        """Finish one bucket of this step: wait for its collective, write its results back.
+
+        The last bucket finished ends the step (usage map, counters, rebuild).
+        """
+        if self._done[bucket_index]:
+            return
+        handle = self._handles[bucket_index]
+        if handle is not None:
+            try:
+                wait_with_timeout(handle, self.stall_timeout_s)
+            except Exception as exc:
+                error = self._diagnose(bucket_index, exc)
+                # after a stall the later buckets (queued behind it) cannot finish either: not waited for
+                self._abandon_iteration(bucket_index, settle=not isinstance(exc, TimeoutError))
+                raise error from exc
+        stats = self._stats
+        stats.buckets[bucket_index].completed = time.perf_counter()
+        if self.observer is not None:
+            self.observer.bucket_completed(self, bucket_index)
+        members = self.plan.buckets[bucket_index].param_indices
+        targets = [i for i in members if i in self._copy_targets]
+        if self._used_map is not None and any(i not in self._marked or i in self._not_used for i in members):
+            self._resolve_used_map()  # which of this bucket's locally unused parameters some rank used
+        for index in targets:
+            if index not in self.globally_unused:
                 buffer, offset, _ = self.param_segment(index)
-                self.engine.write_back(target, buffer, offset)
-        stats.finalize_end = time.perf_counter()
-        self._end_step(stats)
+                self.engine.write_back(self._copy_targets[index], buffer, offset)
+        self._done[bucket_index] = True
+        if all(self._done):
+            self._resolve_used_map()
+            stats.finalize_end = time.perf_counter()
+            self._end_step(stats)
+
+    def _resolve_used_map(self) -> None:
+        if self._used_map is None:
+            return
+        used_map, handle = self._used_map
+        handle.wait()
+        counts = self.engine.to_list(used_map)
+        self.globally_unused = frozenset(i for i, c in enumerate(counts) if c == 0)
+        self._used_map = None
 
     def abort_iteration(self) -> None:
         """Give up the iteration in progress (an adapter found it cannot finish): settle what is in flight, reset."""
@@ -429,8 +482,23 @@ class BucketManager:
         self._accumulated.clear()
         if self.observer is not None:
             self.observer.step_finished(self, stats)
+        deferred = self._deferred
         self._reset_iteration()
         if self.rebuild_after_first_step and self.steps_synced == 1:
+            if deferred:
+                # A deferred step ends wherever its last bucket is finished, which differs between ranks;
+                # the rebuild's broadcast waits for settle_deferred(), called at a point every rank shares.
+                self._owed_rebuild = observed
+            else:
+                self._rebuild(observed)
+
+    def settle_deferred(self) -> None:
+        """Run what a finished deferred step left owed (the first-step rebuild: a collective).
+
+        Call it where every rank is at the same point of its program, with no step in flight.
+        """
+        if self._owed_rebuild is not None and not self._deferred:
+            observed, self._owed_rebuild = self._owed_rebuild, None
             self._rebuild(observed)
 
     def _progress(self, waiting_for: int) -> dict:

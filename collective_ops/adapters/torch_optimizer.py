@@ -1,0 +1,235 @@
+"""``DistributedOptimizer``: per-bucket optimizer steps that hide communication behind the next forward.
+
+With a plain optimizer, ``backward()`` returns only once every bucket is reduced, so the
+last buckets' communication (the first layers' gradients, ready last) is always exposed.
+Here backward returns as soon as every bucket is *launched*; ``step()`` updates the
+parameters of each bucket whose reduction has landed, and the forward pre-hook of each
+module finishes (waits for, then updates) the buckets holding the parameters it is about
+to use, so the next forward overlaps the rest of the communication. The update itself is
+the wrapped optimizer class's, applied to one bucket's parameters at a time with the
+hyperparameters in force at ``step()``: the same arithmetic as DDP + that optimizer.
+
+Everything that reads parameters or optimizer state sees them fully updated: the end of
+every forward (parameters it did not use), ``state_dict``, ``synchronize()``,
+``clip_grad_norm_`` and the wrapped model's ``state_dict``. A module whose forward reads
+another module's parameters (``MultiheadAttention`` reads ``out_proj.weight`` without calling
+``out_proj``) is handled when it did so in the first forward, from which each module's reads
+are learnt; one that starts doing so later must call ``synchronize()`` first, or autograd
+reports the in-place update (a loud error, never a silent stale read).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..bucketing.updates import PendingUpdates
+from .torch import DistributedDataParallel
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` over a wrapped model's parameters, updated bucket by bucket.
+
+    ``DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)``; ``params``
+    (default: the model's parameters) may be parameter groups, as for the class itself.
+    ``overlap=False`` finishes every bucket in backward, as a plain optimizer sees it.
+    """
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        optimizer_class: type[torch.optim.Optimizer],
+        *args: Any,
+        params: Any = None,
+        overlap: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                f"DistributedOptimizer takes a model wrapped by collective_ops.wrap(), got {type(model).__name__}; "
+                "wrap it first: model = collective_ops.wrap(model)"
+            )
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got {optimizer_class!r}"
+            )
+        self.model = model
+        self.overlap = overlap
+        self._optimizer = optimizer_class(model.module.parameters() if params is None else params, *args, **kwargs)
+        owned = {id(p) for p in model.module.parameters()}
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} given to DistributedOptimizer is not a parameter of the "
+                        "wrapped model: its updates follow the model's buckets, so give only the model's parameters"
+                    )
+        super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
+        self.state = self._optimizer.state  # one state, shared with the class's own optimizer
+        self._index = {id(p): i for i, p in enumerate(model._params)}
+        self._pending: PendingUpdates | None = None
+        self.update_seconds = 0.0  # time spent in per-bucket updates (the last step)
+        model.attach_optimizer(self)
+        # Which parameters each module's forward reads is learnt from the first forward: its own, plus those
+        # of submodules whose forward never runs (MultiheadAttention reads out_proj.weight itself).
+        self._ran: set[nn.Module] | None = set()
+        self._needs: dict[nn.Module, list[int]] = {}
+        self._hooks = [module.register_forward_pre_hook(self._before_forward_of) for module in model.module.modules()]
+        self._hooks.append(model.module.register_forward_hook(self._after_first_forward))
+
+    # -- torch.optim.Optimizer ------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Update every bucket whose reduction has landed; the rest as the next forward needs them."""
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
+        if self._pending is not None:
+            self.synchronize()  # a previous step() whose updates were never needed: owed first
+        self.update_seconds = 0.0
+        manager = self.model.manager
+        if not manager.deferred_pending:  # every bucket already finished (or nothing was reduced)
+            self._timed_step(None, None)
+            return
+        self._pending = PendingUpdates.start(len(manager.plan.buckets), self.param_groups)
+        for bucket in list(self._pending.buckets):
+            if manager.bucket_ready(bucket):
+                self._finish(bucket)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As the class's zero_grad; gradients of buckets whose update is still owed are cleared after it."""
+        pending = self._pending
+        if pending is None and self.model.manager.deferred_pending:
+            self.synchronize()  # reductions in flight into the gradients: never cleared under them
+        owed = set()
+        if pending is not None:
+            pending.clear_after = set_to_none
+            owed = self._params_of(pending.buckets)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in owed:
+                    _clear(p, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The class's own state_dict (loadable into a plain optimizer of the same class), every update applied."""
+        self.synchronize()
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.synchronize()
+        self._optimizer.load_state_dict(state_dict)
+        self.param_groups = self._optimizer.param_groups
+        self.state = self._optimizer.state
+
+    # -- what the rest of the loop may call --------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish every bucket in flight and apply every owed update (blocking)."""
+        manager = self.model.manager
+        for bucket in range(len(manager.plan.buckets)):
+            if manager.deferred_pending or self._pending is not None:
+                self._finish(bucket)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` on the averaged gradients (call between backward and step).
+
+        The norm needs every gradient, so this step's buckets are all finished here: the
+        step loses its overlap with the next forward.
+        """
+        if self._pending is not None:
+            raise RuntimeError("clip_grad_norm_ after step(): clip between backward() and step(), as with torch")
+        manager = self.model.manager
+        for bucket in range(len(manager.plan.buckets)):
+            if manager.deferred_pending:
+                self.model.finish_bucket(bucket)
+        params = [p for group in self.param_groups for p in group["params"]]
+        return nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _before_forward_of(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
+        if self._ran is not None:
+            self._ran.add(module)
+        manager = self.model.manager
+        if not (manager.deferred_pending or self._pending is not None):
+            return
+        indices = self._needs.get(module)
+        if indices is None:  # not seen in the first forward: at least its own parameters
+            indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
+        location = manager.plan.location
+        for bucket in sorted({location[i][0] for i in indices}):  # plan order: every rank finishes them alike
+            self._finish(bucket)
+
+    def _after_first_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._ran is None:
+            return
+        ran, self._ran = self._ran, None
+        for owner in ran:
+            indices = []
+            stack = [owner]
+            while stack:  # the owner's parameters and those of its submodules that never ran themselves
+                current = stack.pop()
+                indices += [self._index[id(p)] for p in current.parameters(recurse=False) if id(p) in self._index]
+                stack += [child for child in current.children() if child not in ran]
+            self._needs[owner] = indices
+
+    @torch.no_grad()
+    def _finish(self, bucket: int) -> None:
+        """Finish one bucket's reduction (if not yet) and apply its update (if owed)."""
+        manager = self.model.manager
+        members = list(manager.plan.buckets[bucket].param_indices)
+        if manager.deferred_pending and not manager.bucket_finished(bucket):
+            members = self.model.finish_bucket(bucket)
+        pending = self._pending
+        if pending is None or not pending.take(bucket):
+            return
+        params = {id(self.model._params[i]) for i in members}
+        self._timed_step(params, pending.hyperparameters)
+        if pending.clear_after is not None:
+            for i in members:
+                _clear(self.model._params[i], pending.clear_after)
+        if pending.finished:
+            self._pending = None
+
+    def _timed_step(self, only: set[int] | None, hyperparameters: list[dict] | None) -> None:
+        """The class's step over ``only`` (parameter ids; None: all) with ``hyperparameters`` (None: current)."""
+        start = time.perf_counter()
+        saved = []
+        try:
+            for k, group in enumerate(self._optimizer.param_groups):
+                saved.append((group["params"], {key: group[key] for key in group if key != "params"}))
+                if only is not None:
+                    group["params"] = [p for p in group["params"] if id(p) in only]
+                if hyperparameters is not None:
+                    group.update(hyperparameters[k])
+            self._optimizer.step()
+        finally:
+            for group, (params, settings) in zip(self._optimizer.param_groups, saved):
+                group["params"] = params
+                group.update(settings)
+        self.update_seconds += time.perf_counter() - start
+
+    def _params_of(self, buckets: list[int]) -> set[int]:
+        plan = self.model.manager.plan
+        return {id(self.model._params[i]) for b in buckets for i in plan.buckets[b].param_indices}
+
+    def remove_hooks(self) -> None:
+        """Detach the forward pre-hooks (after a final synchronize)."""
+        self.synchronize()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _clear(p: torch.Tensor, set_to_none: bool) -> None:
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        p.grad.detach_()
+        p.grad.zero_()
+
+
+__all__ = ["DistributedOptimizer"]

@@ -1,0 +1,51 @@
+"""Per-bucket optimizer updates: which buckets of a step still owe their update, and with what settings.
+
+Framework-free. After backward every bucket's reduction is in flight; ``step()`` of a
+per-bucket optimizer starts a :class:`PendingUpdates` for that step: the hyperparameters in
+force at ``step()`` (an LR scheduler may change them before the last bucket is applied), the
+buckets whose update is still owed, and whether their gradients are to be cleared after it
+(a ``zero_grad`` that came first). Buckets are then applied as their reductions land, or
+when the next forward needs their parameters: :meth:`take` hands each out exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PendingUpdates:
+    """One step's owed bucket updates."""
+
+    buckets: list[int]  # owed, in plan order
+    hyperparameters: list[dict[str, Any]]  # per parameter group, as at step()
+    clear_after: bool | None = None  # None: keep gradients; True: set to None; False: zero them
+    applied: list[int] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, bucket_count: int, groups: Sequence[dict[str, Any]]) -> PendingUpdates:
+        """Every bucket owed; each group's settings (everything but its parameters) frozen now."""
+        frozen = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        return cls(list(range(bucket_count)), frozen)
+
+    def owes(self, bucket: int) -> bool:
+        return bucket in self.buckets
+
+    def take(self, bucket: int) -> bool:
+        """True (once) if ``bucket``'s update is owed: the caller applies it now."""
+        if bucket not in self.buckets:
+            return False
+        self.buckets.remove(bucket)
+        self.applied.append(bucket)
+        return True
+
+    def owed_among(self, buckets: Iterable[int]) -> list[int]:
+        """The owed ones of ``buckets``, in plan order (so every rank applies them alike)."""
+        wanted = set(buckets)
+        return [b for b in self.buckets if b in wanted]
+
+    @property
+    def finished(self) -> bool:
+        return not self.buckets

@@ -1,0 +1,225 @@
+"""DistributedOptimizer against torch DDP + the same optimizer class, on real Gloo ranks (one spawn per world size)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+from tests.reference import assert_identical
+
+STEPS = 20
+
+
+def _snapshot(model) -> dict:
+    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+
+
+class Reordered:
+    """Modules registered in the opposite order of their use in forward (buckets follow registration first)."""
+
+    @staticmethod
+    def build():
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.last = nn.Linear(32, 4)
+                self.middle = nn.Linear(32, 32)
+                self.first = nn.Linear(16, 32)
+
+            def forward(self, x):
+                return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+        torch.manual_seed(0)
+        return Net()
+
+
+def _make_optimizer(kind: str, params):
+    import torch
+
+    if kind == "sgd":
+        return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+    return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01}
+
+
+def _train(
+    rank: int, model, optimizer, model_cls, *, scheduler=None, accumulate: int = 1, steps: int = STEPS, unused=None
+):
+    """The loop of the issue: forward, zero_grad, backward, step (micro-steps under no_sync when accumulating)."""
+    import torch
+
+    from tests.models import rank_batch
+
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = rank_batch(model_cls, accumulate * step + micro, rank)
+            quiet = micro < accumulate - 1
+            with model.no_sync() if quiet else torch.enable_grad():
+                kwargs = {} if unused is None else {"use_branch": unused(rank, step)}
+                loss = torch.nn.functional.cross_entropy(model(x, **kwargs), y)
+                if micro == 0:
+                    optimizer.zero_grad()
+                loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return _snapshot(model)  # the wrapper's state_dict: the last step's owed updates land first
+    return _snapshot(model.module)
+
+
+def _pair(rank: int, build, opt_kind: str, *, find_unused: bool = False, **train_kwargs) -> tuple[dict, dict]:
+    """(DDP + optimizer, wrap + DistributedOptimizer) after the same training."""
+    import torch
+
+    import collective_ops as co
+
+    scheduler_of = train_kwargs.pop("scheduler_of", None)
+    ddp = torch.nn.parallel.DistributedDataParallel(build(), find_unused_parameters=find_unused)
+    cls, kwargs = _make_optimizer(opt_kind, None)
+    plain = cls(ddp.parameters(), **kwargs)
+    ours_model = co.wrap(build(), bucket_size_mb=0.004, first_bucket_mb=0.001, find_unused_parameters=find_unused)
+    ours = co.DistributedOptimizer(ours_model, cls, **kwargs)
+    results = []
+    for model, optimizer in ((ddp, plain), (ours_model, ours)):
+        scheduler = scheduler_of(optimizer) if scheduler_of else None
+        results.append(_train(rank, model, optimizer, **train_kwargs, scheduler=scheduler))
+    return results[0], results[1]
+
+
+def optimizer_checks(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, SmallCNN, TinyTransformer, WithUnusedBranch, build, rank_batch
+
+    out: dict = {}
+    for name, cls in (("transformer", TinyTransformer), ("cnn", SmallCNN)):
+        for opt in ("sgd", "adamw"):
+            out[f"{name}_{opt}"] = _pair(rank, lambda n=name: build(n), opt, model_cls=cls)
+    out["scheduler"] = _pair(
+        rank,
+        lambda: build("mlp"),
+        "adamw",
+        model_cls=MLP,
+        scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8),
+    )
+    out["accumulation"] = _pair(rank, lambda: build("mlp"), "sgd", model_cls=MLP, accumulate=3, steps=6)
+
+    def unused_net():
+        torch.manual_seed(0)
+        return WithUnusedBranch()
+
+    out["unused"] = _pair(
+        rank, unused_net, "adamw", model_cls=MLP, find_unused=True, unused=lambda r, s: not (r == 1 and s % 3 != 1)
+    )
+    out["out_of_order"] = _pair(rank, Reordered.build, "sgd", model_cls=MLP)
+
+    # state_dict round trip through a plain optimizer of the same class, and training continued from it
+    model = co.wrap(build("mlp"), bucket_size_mb=0.004)
+    opt = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    _train(rank, model, opt, MLP, steps=3)
+    saved = opt.state_dict()
+    plain = torch.optim.AdamW(build("mlp").parameters(), lr=1e-2)
+    plain.load_state_dict(saved)
+    back = co.DistributedOptimizer(co.wrap(build("mlp"), bucket_size_mb=0.004), torch.optim.AdamW, lr=1e-2)
+    back.load_state_dict(plain.state_dict())
+    out["state_roundtrip"] = (
+        {f"{i}/{k}": v.numpy() for i, s in saved["state"].items() for k, v in s.items()},
+        {f"{i}/{k}": v.numpy() for i, s in back.state_dict()["state"].items() for k, v in s.items()},
+        saved["param_groups"] == back.state_dict()["param_groups"],
+    )
+
+    # clip_grad_norm_ on the averaged gradients, as torch's after DDP
+    def clipped(model, optimizer):
+        x, y = rank_batch(MLP, 0, rank)
+        loss = torch.nn.functional.cross_entropy(model(x), y) * 50
+        optimizer.zero_grad()
+        loss.backward()
+        if isinstance(optimizer, co.DistributedOptimizer):
+            norm = optimizer.clip_grad_norm_(0.5)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        return float(norm), _snapshot(model.module)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build("mlp"))
+    ours_model = co.wrap(build("mlp"), bucket_size_mb=0.004)
+    out["clip"] = (
+        clipped(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)),
+        clipped(ours_model, co.DistributedOptimizer(ours_model, torch.optim.SGD, lr=0.1)),
+    )
+
+    # bad input: each refused with what to do
+    errors = {}
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    for key, call in {
+        "not_wrapped": lambda: co.DistributedOptimizer(build("mlp"), torch.optim.SGD, lr=0.1),
+        "not_a_class": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), "adam", lr=0.1),
+        "foreign_params": lambda: co.DistributedOptimizer(
+            co.wrap(build("mlp")), torch.optim.SGD, params=[stranger], lr=0.1
+        ),
+        "closure": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1).step(lambda: 0),
+    }.items():
+        try:
+            call()
+            errors[key] = None
+        except (TypeError, ValueError) as exc:
+            errors[key] = str(exc)
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(2, optimizer_checks, timeout=300)
+
+
+CASES = ["transformer_sgd", "transformer_adamw", "cnn_sgd", "cnn_adamw", "scheduler", "accumulation", "unused"]
+
+
+@pytest.mark.parametrize("case", [*CASES, "out_of_order"])
+def test_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:
+    for rank, out in enumerate(two_ranks):
+        ddp, ours = out[case]
+        assert_identical(ours, ddp, f"{case}, rank {rank}, {STEPS} steps")
+
+
+def test_state_dict_round_trips_through_a_plain_optimizer(two_ranks) -> None:
+    for out in two_ranks:
+        saved, back, groups_equal = out["state_roundtrip"]
+        assert saved.keys() == back.keys() and len(saved) > 0
+        assert_identical(back, saved, "state after DistributedOptimizer -> AdamW -> DistributedOptimizer")
+        assert groups_equal
+
+
+def test_clip_grad_norm_matches_torch_on_averaged_gradients(two_ranks) -> None:
+    for out in two_ranks:
+        (ddp_norm, ddp_params), (our_norm, our_params) = out["clip"]
+        assert ddp_norm > 0.5 and our_norm == ddp_norm
+        assert_identical(our_params, ddp_params, "after clipping and one step")
+
+
+def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
+    errors = two_ranks[0]["errors"]
+    assert "collective_ops.wrap" in errors["not_wrapped"]
+    assert "torch.optim.Optimizer subclass" in errors["not_a_class"]
+    assert "not a parameter of the wrapped model" in errors["foreign_params"]
+    assert "takes no closure" in errors["closure"]
+
+
+def three_rank_checks(rank: int, world: int) -> dict:
+    from tests.models import TinyTransformer, build
+
+    return {"sgd": _pair(rank, lambda: build("transformer"), "sgd", model_cls=TinyTransformer, steps=10)}
+
+
+def test_three_ranks_within_rounding() -> None:
+    """At 3 ranks Gloo's ring sums in another order for another bucket layout: equal to fp32 rounding."""
+    for out in run_ranks(3, three_rank_checks, timeout=300):
+        ddp, ours = out["sgd"]
+        for key in ddp:
+            np.testing.assert_allclose(ours[key], ddp[key], rtol=1e-5, atol=1e-6, err_msg=key)
