@@ -115,15 +115,19 @@ def training_setup(name: str, kind: str, bucket_size_mb: float, rank: int, devic
 def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3) -> dict:
     """Step times of every setup, alternating in blocks of ``block`` steps, the order reversed every round.
 
-    Machine noise then hits every setup alike. Each step's time is the slowest rank's. Warm-up
-    steps first (they include collective_ops' bucket rebuild after step 1).
+    Machine noise then hits every setup alike. Each step's time is the slowest rank's (reduced once
+    at the end: a collective per step would wait for communication a setup leaves in flight, as a
+    DistributedOptimizer does until the next forward). A setup whose optimizer has
+    ``synchronize()`` finishes its in-flight work at the end of each block, inside the block's
+    last step, so none of it spills into the next setup's time. Warm-up steps first (they
+    include collective_ops' bucket rebuild after step 1 and an "auto" bucket size settling).
     """
     from collective_ops.runtime import get_engine
 
-    engine = get_engine("torch")
     for wrapped, optimizer, batches in setups.values():
         for i in range(warmup):
             one_step(wrapped, optimizer, batches[i % len(batches)])
+        _finish_block(optimizer)
     times = {key: [] for key in setups}
     keys = list(setups)
     for round_ in range(rounds):
@@ -131,8 +135,19 @@ def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3) -> d
             wrapped, optimizer, batches = setups[key]
             for i in range(block):
                 seconds = one_step(wrapped, optimizer, batches[i % len(batches)])
-                times[key].append(engine.reduce_floats([seconds], "max")[0])  # on the engine's device
-    return times
+                if i == block - 1:
+                    start = time.perf_counter()
+                    _finish_block(optimizer)
+                    seconds += time.perf_counter() - start
+                times[key].append(seconds)
+    engine = get_engine("torch")
+    return {key: engine.reduce_floats(values, "max") for key, values in times.items()}
+
+
+def _finish_block(optimizer) -> None:
+    synchronize = getattr(optimizer, "synchronize", None)
+    if synchronize is not None:
+        synchronize()
 
 
 def time_rank(rank: int, world: int, port: int, args, queue) -> None:

@@ -61,6 +61,33 @@ def test_buckets_launch_in_plan_order_as_soon_as_possible(engine) -> None:
     assert rec.steps == 1 and not manager.in_progress
 
 
+def test_a_launch_order_holds_buckets_back_and_a_deferred_step_finishes_in_any_order(engine) -> None:
+    manager, rec = make(engine)
+    manager.set_launch_order([1, 2, 0])  # bucket 0 (ready first) held until bucket 2 is out
+    for i in (5, 4, 3, 2):
+        manager.mark_ready(i)
+    assert rec.launched == [1]  # 0 is full but comes last; 2 is not full yet
+    manager.mark_ready(1)
+    manager.mark_ready(0)
+    assert rec.launched == [1, 2, 0]
+    manager.finalize(defer=True)
+    assert manager.deferred_pending and not manager.in_progress
+    with pytest.raises(RuntimeError, match="still being finished"):
+        manager.mark_ready(0)
+    with pytest.raises(RuntimeError, match="in flight"):
+        manager.set_launch_order(None)
+    for bucket in (2, 0):  # any order, e.g. the next forward's
+        manager.wait_bucket(bucket)
+        assert manager.bucket_finished(bucket) and manager.deferred_pending and rec.steps == 0
+    manager.wait_bucket(1)  # the last one ends the step
+    assert not manager.deferred_pending and rec.steps == 1
+    assert manager.launch_order == (1, 2, 0)  # kept for the next steps of this plan
+    with pytest.raises(ValueError, match="not a permutation"):
+        manager.set_launch_order([0, 0, 1])
+    manager.replan(4000 / 2**20)  # a new plan starts in plan order again
+    assert manager.launch_order == tuple(range(len(manager.plan.buckets)))
+
+
 def test_gradients_as_views_and_copies(engine) -> None:
     manager, _ = make(engine, reduce_op="sum")
     grads = [torch.full((10, 100), float(i)) for i in range(6)]

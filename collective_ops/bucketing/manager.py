@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,7 @@ class BucketManager:
     # -- plan & buffers ----------------------------------------------------------
     def _set_plan(self, plan: BucketPlan) -> None:
         self.plan = plan
+        self._launch_order: tuple[int, ...] | None = None
         self._param_names = [p.name for p in plan.params]
 
     def param_segment(self, index: int) -> tuple[Any, int, int]:
@@ -273,10 +274,31 @@ class BucketManager:
             )
 
     def _launch_ready_buckets(self) -> None:
-        buckets = self.plan.buckets
-        while self._next_launch < len(buckets) and self._pending[self._next_launch] == 0:
-            self._launch(self._next_launch)
+        order = self.launch_order
+        while self._next_launch < len(order) and self._pending[order[self._next_launch]] == 0:
+            self._launch(order[self._next_launch])
             self._next_launch += 1
+
+    @property
+    def launch_order(self) -> tuple[int, ...]:
+        """The order buckets are launched in (each once it is full): plan order unless a schedule was set."""
+        return self._launch_order if self._launch_order is not None else tuple(range(len(self.plan.buckets)))
+
+    def set_launch_order(self, order: Sequence[int] | None) -> None:
+        """Launch buckets in ``order`` (a permutation of the plan's buckets; None: plan order).
+
+        Every rank must set the same order (decide on one rank and broadcast): collectives are
+        matched by the order they are issued in. A later bucket waits for an earlier one in
+        ``order`` even when it is full first: holding a bucket back is how a schedule gives
+        the link to another. Reset to plan order whenever the plan changes.
+        """
+        if self.in_progress or self._deferred:
+            raise RuntimeError("cannot change the launch order while a step's buckets are in flight")
+        if order is not None:
+            order = tuple(int(b) for b in order)
+            if sorted(order) != list(range(len(self.plan.buckets))):
+                raise ValueError(f"launch order {order} is not a permutation of the {len(self.plan.buckets)} buckets")
+        self._launch_order = order
 
     def _launch(self, bucket_index: int) -> None:
         bucket = self.plan.buckets[bucket_index]

@@ -1,0 +1,162 @@
+"""DistributedOptimizer (updates overlapped with the next forward) against DDP at every bucket size.
+
+    python benchmarks/optimizer_compare.py --link 1gbit --models transformer-5m cnn
+    python benchmarks/optimizer_compare.py --link 1gbit --models transformer-5m --compression fp16
+
+In the same processes, alternating in blocks of steps (the order reversed every round):
+torch DDP with each ``bucket_cap_mb`` of the hand sweep {1, 2, 5, 10, 25, 50} and a plain
+optimizer; ``wrap(bucket_size_mb="auto")`` with a plain optimizer; and
+``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults. Same optimizer
+class everywhere (SGD, or AdamW with ``--optimizer adamw``). With ``--compression fp16``
+the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Each
+DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
+in-flight communication is charged to it. Also reported: compute alone (one rank's step
+without communication) and the link time of one step's gradients, whose maximum bounds
+the step from below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step  # noqa: E402
+
+DDP_SWEEP_MB = (1, 2, 5, 10, 25, 50)
+
+
+def _optimizer(args, params):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}
+    return torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01}
+
+
+def _setups(args, name: str, batches: list) -> dict:
+    import collective_ops as co
+
+    cls, kwargs = _optimizer(args, None)
+    setups = {}
+    for mb in DDP_SWEEP_MB:
+        model, _ = build_model(name)
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
+        if args.compression == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        setups[f"DDP {mb:g} MiB"] = (ddp, cls(ddp.parameters(), **kwargs), batches)
+    for label, distributed in (("wrap auto", False), ("wrap auto + DistributedOptimizer", True)):
+        model, _ = build_model(name)
+        wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
+        optimizer = (
+            co.DistributedOptimizer(wrapped, cls, **kwargs) if distributed else cls(wrapped.parameters(), **kwargs)
+        )
+        setups[label] = (wrapped, optimizer, batches)
+    return setups
+
+
+def _compute_alone(name: str, batches: list, steps: int = 4) -> float:
+    """One rank's step without any communication (median), the compute the schedule must contain."""
+    model, _ = build_model(name)
+    cls = torch.optim.SGD
+    optimizer = cls(model.parameters(), lr=1e-3)
+    times = [one_step(model, optimizer, batches[i % len(batches)]) for i in range(steps + 1)]
+    return statistics.median(times[1:])
+
+
+def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    import collective_ops as co
+    from collective_ops.runtime import get_engine
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    results = {}
+    for name in args.models:
+        _, batch = build_model(name)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [batch(gen) for _ in range(4)]
+        compute = get_engine("torch").reduce_floats([_compute_alone(name, batches)], "max")[0]
+        setups = _setups(args, name, batches)
+        times = alternate_steps(setups, args.rounds, args.block)
+        ours = setups["wrap auto + DistributedOptimizer"][0]
+        grad_bytes = sum(p.numel() * p.element_size() for p in ours.module.parameters())
+        link = _link_seconds(grad_bytes // (2 if args.compression else 1))
+        results[name] = {
+            "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
+            "compute_alone_ms": compute * 1e3,
+            "link_ms": link * 1e3 if link else None,
+            "auto_plan": [ours.manager.plan.bucket_size_mb, ours.manager.plan.first_bucket_mb],
+            "update_ms": setups["wrap auto + DistributedOptimizer"][1].update_seconds * 1e3,
+            "params_m": sum(p.numel() for p in ours.module.parameters()) / 1e6,
+        }
+        del setups
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(results)
+
+
+def _link_seconds(nbytes: int) -> float | None:
+    """A 2-rank ring allreduce of ``nbytes`` over the emulated link (each direction carries ``nbytes``)."""
+    import os
+
+    from collective_ops.link import ENV_LINK, rate_bits
+
+    rate = os.environ.get(ENV_LINK)
+    return nbytes * 8 / rate_bits(rate) if rate else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["transformer-5m"])
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    parser.add_argument("--compression", choices=["fp16"], default=None)
+    parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
+    parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
+    parser.add_argument("--json")
+    add_link_option(parser)
+    args = parser.parse_args(argv)
+    relaunched = run_on_link_if_asked(args, argv)
+    if relaunched is not None:
+        return relaunched
+    started = time.monotonic()
+    results = spawn(rank_main, args.world, args)
+    if not reporting_node():
+        return 0
+    print(
+        f"# optimizer_compare: {args.world} Gloo ranks, {where()}, {args.optimizer}"
+        + (f", compression {args.compression}" if args.compression else "")
+        + f"; median step, {args.rounds} rounds x {args.block} steps alternating ({time.monotonic() - started:.0f} s)"
+    )
+    for name, r in results.items():
+        ms = r["median_step_ms"]
+        default = ms["DDP 25 MiB"]
+        best_key = min((k for k in ms if k.startswith("DDP")), key=ms.get)
+        bound = max(r["compute_alone_ms"], r["link_ms"] or 0.0)
+        print(
+            f"  {name} ({r['params_m']:.1f}M params): compute alone {r['compute_alone_ms']:.0f} ms, "
+            + (f"link time of one step's gradients {r['link_ms']:.0f} ms, " if r["link_ms"] else "")
+            + f"auto plan {r['auto_plan'][0]:g}/{r['auto_plan'][1]:g} MiB"
+        )
+        for key, value in sorted(ms.items(), key=lambda kv: kv[1]):
+            print(
+                f"    {key:<34} {value:>7.1f} ms  {value / default:.3f}x DDP default  "
+                f"{value / ms[best_key]:.3f}x best DDP ({best_key})  {value / bound:.2f}x max(compute, link)"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

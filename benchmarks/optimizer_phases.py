@@ -1,0 +1,110 @@
+"""Where a step's time goes: forward, backward and optimizer step, DDP against wrap with and without DistributedOptimizer.
+
+    python benchmarks/optimizer_phases.py --link 1gbit --model transformer-5m
+
+Each setup trains ``--steps`` steps in turn (the loop: forward, zero_grad, backward, step) and
+reports the median of each phase on rank 0, plus, for the DistributedOptimizer, the time its
+forward pre-hooks spent finishing buckets (waiting for reductions, then updating).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.ddp_compare import MODELS, build_model  # noqa: E402
+
+
+def _phases(model, optimizer, batches: list, steps: int) -> dict:
+    record: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        optimizer.zero_grad()
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        optimizer.step()
+        t4 = time.perf_counter()
+        record["forward"].append(t1 - t0)
+        record["backward"].append(t3 - t2)
+        record["step"].append(t4 - t3)
+    return {phase: statistics.median(values) * 1e3 for phase, values in record.items()}
+
+
+def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    import collective_ops as co
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    _, batch = build_model(args.model)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [batch(gen) for _ in range(4)]
+    out = {}
+    model, _ = build_model(args.model)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_size_mb)
+    out["DDP"] = _phases(ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9), batches, args.steps)
+    model, _ = build_model(args.model)
+    wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
+    out["wrap"] = _phases(wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3, momentum=0.9), batches, args.steps)
+    model, _ = build_model(args.model)
+    wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
+    optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=1e-3, momentum=0.9)
+    finishing = []
+    finish = optimizer._finish
+
+    def timed_finish(bucket: int) -> None:
+        start = time.perf_counter()
+        finish(bucket)
+        finishing.append(time.perf_counter() - start)
+
+    optimizer._finish = timed_finish
+    out["wrap + DistributedOptimizer"] = _phases(wrapped, optimizer, batches, args.steps)
+    out["wrap + DistributedOptimizer"]["finishing buckets"] = sum(finishing) / args.steps * 1e3
+    optimizer.synchronize()
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--model", choices=MODELS, default="transformer-5m")
+    parser.add_argument("--bucket-size-mb", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=8)
+    add_link_option(parser)
+    args = parser.parse_args(argv)
+    relaunched = run_on_link_if_asked(args, argv)
+    if relaunched is not None:
+        return relaunched
+    out = spawn(rank_main, args.world, args)
+    if not reporting_node():
+        return 0
+    print(
+        f"# optimizer_phases: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb:g} MiB, SGD"
+    )
+    print(f"  {'setup':<28} {'forward':>8} {'backward':>9} {'step':>6} {'finishing buckets':>18}  (median ms, rank 0)")
+    for setup, phases in out.items():
+        extra = phases.get("finishing buckets")
+        print(
+            f"  {setup:<28} {phases['forward']:>8.1f} {phases['backward']:>9.1f} {phases['step']:>6.1f} "
+            + (f"{extra:>18.1f}" if extra is not None else "")
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
