@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.common import run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, training_setup  # noqa: E402
 
 
@@ -57,15 +57,11 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json")
-    add_link_option(parser)
-    args = parser.parse_args(argv)
-    relaunched = run_on_link_if_asked(args, argv)
-    if relaunched is not None:
-        return relaunched
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    results = spawn(rank_main, args.world, args)
-    if not reporting_node():
-        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks set --threads for torch themselves
+    outcome = run_benchmark(parser, argv, rank_main)
+    if isinstance(outcome, int):
+        return outcome
+    args, results = outcome
     from collective_ops.tuning import CANDIDATES_MB
 
     print(

@@ -97,7 +97,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         rows = []
         for bucket_mb in [None, *args.sizes]:
             sizes = collectives(specs, bucket_mb)
-            seconds = time_collectives(sizes, args.reps) if not args.no_timing else float("nan")
+            seconds = None if args.no_timing else time_collectives(sizes, args.reps)
             rows.append({"bucket_size_mb": bucket_mb, "collectives": len(sizes), "comm_s": seconds})
         results[name] = {
             "tensors": len(specs),
@@ -155,13 +155,18 @@ def main(argv=None) -> int:
     for name, r in results.items():
         print(
             f"# {name}: {r['tensors']} gradient tensors, {r['mbytes']:.1f} MB ({r['mib']:.1f} MiB) fp32; "
-            f"{args.world} Gloo ranks, median of {args.reps} passes"
+            f"{args.world} Gloo ranks" + ("" if args.no_timing else f", median of {args.reps} passes")
         )
         base = r["rows"][0]["comm_s"]
-        print(f"  {'bucket_size_mb':>14} {'collectives':>12} {'comm s/step':>12} {'vs per-tensor':>14}")
+        timed = not args.no_timing  # --no-timing counts collectives only: no time columns to print
+        print(
+            f"  {'bucket_size_mb':>14} {'collectives':>12}"
+            + (f" {'comm s/step':>12} {'vs per-tensor':>14}" if timed else "")
+        )
         for row in r["rows"]:
             label = "per tensor" if row["bucket_size_mb"] is None else f"{row['bucket_size_mb']:g}"
-            print(f"  {label:>14} {row['collectives']:>12} {row['comm_s']:>12.3f} {row['comm_s'] / base:>14.3f}")
+            times = f" {row['comm_s']:>12.3f} {row['comm_s'] / base:>14.3f}" if timed else ""
+            print(f"  {label:>14} {row['collectives']:>12}{times}")
     if args.scaling:
         one = spawn(scaling_rank, 1, args)
         many = spawn(scaling_rank, args.world, args)

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from collective_ops.link import ENV_NNODES, ENV_NODE_RANK, link_label, rate_bits, relaunch_on_link, strip_link_option
 
@@ -36,6 +37,20 @@ def run_on_link_if_asked(args: argparse.Namespace, argv: Sequence[str] | None) -
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     return relaunch_on_link(args.link, [os.path.abspath(sys.argv[0]), *strip_link_option(argv)])
+
+
+def run_benchmark(parser: argparse.ArgumentParser, argv: Sequence[str] | None, target, *args) -> Any:
+    """Parse (with --link), then run ``target`` on the ranks: ``(args, rank 0's result)`` for the caller
+    to report, or an exit status (an int) where this process has nothing to report: the run was
+    relaunched on the link, or this is a node of the link other than node 0.
+    """
+    add_link_option(parser)
+    parsed = parser.parse_args(argv)
+    relaunched = run_on_link_if_asked(parsed, argv)
+    if relaunched is not None:
+        return relaunched
+    result = spawn(target, parsed.world, parsed, *args)
+    return (parsed, result) if reporting_node() else 0
 
 
 def reporting_node() -> bool:

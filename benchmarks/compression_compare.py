@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.common import run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa: E402
 
 
@@ -119,14 +119,10 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--plot", help="PNG of the two loss curves")
     parser.add_argument("--json")
-    add_link_option(parser)
-    args = parser.parse_args(argv)
-    relaunched = run_on_link_if_asked(args, argv)
-    if relaunched is not None:
-        return relaunched
-    r = spawn(rank_main, args.world, args)
-    if not reporting_node():
-        return 0
+    outcome = run_benchmark(parser, argv, rank_main)
+    if isinstance(outcome, int):
+        return outcome
+    args, r = outcome
     ms = r["median_step_ms"]
     print(
         f"# compression_compare: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb:g} MiB; "

@@ -105,13 +105,9 @@ def launch(args) -> int:
         + (["--compression", args.compression] if args.compression else [])
     )
     if args.link != "none":
-        from collective_ops.link import LinkUnavailable, run_on_link
+        from collective_ops.link import run_on_link_or_explain
 
-        try:
-            code = run_on_link(args.link, lambda link, node: link.fill(cmd, node), log_dir=str(out), env=env)
-        except LinkUnavailable as exc:
-            print(f"emulated link unavailable: {exc}", file=sys.stderr)
-            return 2
+        code = run_on_link_or_explain(args.link, lambda link, node: link.fill(cmd, node), log_dir=str(out), env=env)
         proc = subprocess.CompletedProcess(cmd, code, "", "")
     else:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.common import run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step  # noqa: E402
 
 DDP_SWEEP_MB = (1, 2, 5, 10, 25, 50)
 
 
-def _optimizer(args, params):
+def _optimizer(args):
     if args.optimizer == "sgd":
         return torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}
     return torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01}
@@ -44,7 +44,7 @@ def _optimizer(args, params):
 def _setups(args, name: str, batches: list) -> dict:
     import collective_ops as co
 
-    cls, kwargs = _optimizer(args, None)
+    cls, kwargs = _optimizer(args)
     setups = {}
     for mb in DDP_SWEEP_MB:
         model, _ = build_model(name)
@@ -124,15 +124,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
     parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
     parser.add_argument("--json")
-    add_link_option(parser)
-    args = parser.parse_args(argv)
-    relaunched = run_on_link_if_asked(args, argv)
-    if relaunched is not None:
-        return relaunched
     started = time.monotonic()
-    results = spawn(rank_main, args.world, args)
-    if not reporting_node():
-        return 0
+    outcome = run_benchmark(parser, argv, rank_main)
+    if isinstance(outcome, int):
+        return outcome
+    args, results = outcome
     print(
         f"# optimizer_compare: {args.world} Gloo ranks, {where()}, {args.optimizer}"
         + (f", compression {args.compression}" if args.compression else "")

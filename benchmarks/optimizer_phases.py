@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.common import run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, build_model  # noqa: E402
 
 
@@ -85,14 +85,10 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=MODELS, default="transformer-5m")
     parser.add_argument("--bucket-size-mb", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=8)
-    add_link_option(parser)
-    args = parser.parse_args(argv)
-    relaunched = run_on_link_if_asked(args, argv)
-    if relaunched is not None:
-        return relaunched
-    out = spawn(rank_main, args.world, args)
-    if not reporting_node():
-        return 0
+    outcome = run_benchmark(parser, argv, rank_main)
+    if isinstance(outcome, int):
+        return outcome
+    args, out = outcome
     print(
         f"# optimizer_phases: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb:g} MiB, SGD"
     )

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.common import run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step, training_setup  # noqa: E402
 
 DDP_SWEEP_MB = (1, 2, 5, 10, 25, 50)  # the hand sweep of DDP's bucket_cap_mb the tuner must match
@@ -142,14 +142,10 @@ def main(argv=None) -> int:
         "--profile-steps", type=int, default=5, help="steps per profiled plan (compute alone, overlapped)"
     )
     parser.add_argument("--save-profile", help="write the profile and fitted cost here (collective-ops tune --project)")
-    add_link_option(parser)
-    args = parser.parse_args(argv)
-    relaunched = run_on_link_if_asked(args, argv)
-    if relaunched is not None:
-        return relaunched
-    r = spawn(rank_main, args.world, args)
-    if not reporting_node():
-        return 0
+    outcome = run_benchmark(parser, argv, rank_main)
+    if isinstance(outcome, int):
+        return outcome
+    args, r = outcome
     r["where"] = where()
     print(
         f"# tuning_validation: {args.model}, {args.world} Gloo ranks, {where()}; alpha {r['alpha_us']:.0f} us (queued {r['alpha_queued_us']:.0f} us), "

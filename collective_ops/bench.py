@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -82,6 +83,8 @@ class Row:
     algbw_gbs: float
     busbw_gbs: float
     wrong: int
+    redop: str = "sum"  # the reduce op (nccl-tests' redop column); broadcast and allgather reduce nothing
+    world: int = 1
 
 
 def _impls(op: str, reduce_op: str) -> dict[str, Callable]:
@@ -128,7 +131,16 @@ def _tensors(op: str, nbytes: int, dtype, world: int, device):
     return t, None
 
 
-def _count_wrong(op: str, got, world: int, count: int) -> int:
+REDUCED = {  # what each reduce op makes of the inputs 1, 2, ..., world
+    "sum": lambda w: w * (w + 1) / 2,
+    "avg": lambda w: (w + 1) / 2,
+    "max": lambda w: float(w),
+    "min": lambda w: 1.0,
+    "prod": lambda w: float(math.factorial(w)),
+}
+
+
+def _count_wrong(op: str, got, world: int, count: int, reduce_op: str = "sum") -> int:
     """Wrong elements in ``got`` (numpy) after ``op`` on inputs filled with rank + 1 (``count`` per rank)."""
     import numpy as np
 
@@ -137,8 +149,8 @@ def _count_wrong(op: str, got, world: int, count: int) -> int:
         expected = np.ones(got.shape)
     elif op == "allgather":
         expected = np.repeat(np.arange(1, world + 1, dtype=np.float64), count)
-    else:  # allreduce, reduce_scatter: the sum of 1..world everywhere
-        expected = np.full(got.shape, world * (world + 1) / 2)
+    else:  # allreduce, reduce_scatter: reduce_op over 1..world everywhere
+        expected = np.full(got.shape, REDUCED[reduce_op](world))
     if got.shape != expected.shape:
         return max(got.size, expected.size)
     return int((np.abs(got - expected) > 1e-3 * np.maximum(np.abs(expected), 1)).sum())
@@ -152,12 +164,12 @@ def _check_sweep_args(warmup: int, iters: int, rounds: int, impls: Sequence[str]
         raise ValueError(f"unknown implementation(s) {sorted(unknown)}; use raw and/or collective_ops")
 
 
-def _check(op: str, impl: Callable, t, out, rank: int, world: int) -> int:
+def _check(op: str, impl: Callable, t, out, rank: int, world: int, reduce_op: str = "sum") -> int:
     """Run once on known data; count wrong elements."""
     t.fill_(rank + 1)
     result = impl(t, out)
     got = t if op in ("allreduce", "broadcast") else (out if result is None else result)
-    return _count_wrong(op, got.double().cpu().numpy(), world, t.numel())
+    return _count_wrong(op, got.double().cpu().numpy(), world, t.numel(), reduce_op)
 
 
 def _sync(device) -> None:
@@ -246,10 +258,12 @@ def run_sweep(
         for name in impls:
             # bookkeeping collectives on the engine's device too: NCCL/HCCL groups take no CPU tensors
             times = engine.reduce_floats(per_block[name], "max")
-            wrong = int(engine.reduce_floats([_check(op, all_impls[name], t, out, rank, world)], "sum")[0])
+            wrong = int(engine.reduce_floats([_check(op, all_impls[name], t, out, rank, world, reduce_op)], "sum")[0])
             seconds = float(torch.tensor(times, dtype=torch.float64).median())
             algbw, busbw = bandwidths(op, total_bytes, seconds, world)
-            rows.append(Row(op, name, total_bytes, t.numel(), dtype_name, seconds * 1e6, algbw, busbw, wrong))
+            rows.append(
+                Row(op, name, total_bytes, t.numel(), dtype_name, seconds * 1e6, algbw, busbw, wrong, reduce_op, world)
+            )
     return rows
 
 
@@ -320,10 +334,12 @@ def run_sweep_mindspore(
             times = ms.Tensor(np.asarray(per_block[name], dtype=np.float32))
             co.allreduce(times, op="max")
             probe = ms.Tensor(np.full(count, rank + 1.0), dtype)  # mint.full has no CPU kernel
-            wrong = _count_wrong(op, as_numpy(all_impls[name](probe)), world, count)
+            wrong = _count_wrong(op, as_numpy(all_impls[name](probe)), world, count, reduce_op)
             seconds = float(np.median(times.asnumpy()))
             algbw, busbw = bandwidths(op, total_bytes, seconds, world)
-            rows.append(Row(op, name, total_bytes, count, dtype_name, seconds * 1e6, algbw, busbw, wrong))
+            rows.append(
+                Row(op, name, total_bytes, count, dtype_name, seconds * 1e6, algbw, busbw, wrong, reduce_op, world)
+            )
     return rows
 
 
@@ -331,12 +347,14 @@ def format_table(rows: Sequence[Row], world: int) -> str:
     lines = [
         f"# collective-ops bench: {rows[0].op if rows else ''}, {world} rank(s), {link_label()}; "
         "time = median block, slowest rank",
-        f"# {'bytes':>12} {'count':>11} {'type':>8} {'impl':>15} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}",
+        f"# {'bytes':>12} {'count':>11} {'type':>8} {'redop':>6} {'impl':>15} {'time(us)':>11} {'algbw(GB/s)':>12} "
+        f"{'busbw(GB/s)':>12} {'#wrong':>7}",
     ]
     for r in rows:
+        redop = r.redop if r.op in ("allreduce", "reduce_scatter") else "none"
         lines.append(
-            f"  {r.bytes:>12} {r.count:>11} {r.dtype:>8} {r.impl:>15} {r.time_us:>11.1f} {r.algbw_gbs:>12.4f} "
-            f"{r.busbw_gbs:>12.4f} {r.wrong:>7}"
+            f"  {r.bytes:>12} {r.count:>11} {r.dtype:>8} {redop:>6} {r.impl:>15} {r.time_us:>11.1f} "
+            f"{r.algbw_gbs:>12.4f} {r.busbw_gbs:>12.4f} {r.wrong:>7}"
         )
     return "\n".join(lines)
 
@@ -388,27 +406,90 @@ def write_outputs(rows: Sequence[Row], csv_path: str | None, json_path: str | No
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", choices=OPS, default="allreduce")
-    parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
-    parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
-    parser.add_argument("-f", "--stepfactor", type=int, default=2)
-    parser.add_argument("-d", "--dtype", default="float32")
-    parser.add_argument("-o", "--reduce-op", default="sum", choices=["sum", "max", "min", "prod"])
-    parser.add_argument("-w", "--warmup", type=int, default=5)
-    parser.add_argument("-n", "--iters", type=int, default=20, help="timed calls per implementation and size")
-    parser.add_argument("--rounds", type=int, default=5, help="blocks the calls are split into (median reported)")
+    sizes = "bytes, or with K/M/G (powers of 1024: 64K = 65536)"
+    parser.add_argument("--op", choices=OPS, default="allreduce", help="the collective (default: %(default)s)")
+    parser.add_argument(
+        "-b", "--minbytes", type=parse_size, default=parse_size("8"), help=f"first size, {sizes} (default: 8)"
+    )
+    parser.add_argument(
+        "-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help=f"last size, {sizes} (default: 64M)"
+    )
+    parser.add_argument(
+        "-f", "--stepfactor", type=int, default=2, help="each size times this, >= 2 (default: %(default)s)"
+    )
+    parser.add_argument(
+        "-d",
+        "--dtype",
+        default="float32",
+        help="element type: float32, float16, bfloat16, int32, ... (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-o",
+        "--reduce-op",
+        default="sum",
+        choices=["sum", "max", "min", "prod"],
+        help="reduce op (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-w",
+        "--warmup",
+        type=int,
+        default=5,
+        help="untimed calls per implementation and size, >= 0 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-n",
+        "--iters",
+        type=int,
+        default=60,
+        help="timed calls per implementation and size, >= 1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="blocks the timed calls are split into; the median block is reported (default: %(default)s)",
+    )
     parser.add_argument("--impl", action="append", choices=["raw", "collective_ops"], help="default: both")
-    parser.add_argument("--backend", default=None)
-    parser.add_argument("--spawn", type=int, default=0, help="start N local ranks instead of running under torchrun")
+    parser.add_argument("--backend", default=None, help="hccl, nccl or gloo (default: what the hardware offers)")
+    parser.add_argument(
+        "--spawn", type=int, default=0, help="start N local ranks (default: 0 = this process, or torchrun's ranks)"
+    )
     parser.add_argument(
         "--link",
         default="none",
         help="run on 2 emulated nodes joined by a rate-limited link (a tc rate: 10gbit, 1gbit; needs root), "
         "launched as a 2-node torchrun job with --spawn/2 ranks per node (default --spawn 2); none = loopback",
     )
-    parser.add_argument("--csv")
-    parser.add_argument("--json")
+    parser.add_argument("--csv", help="write the rows here (with op, redop and world size)")
+    parser.add_argument("--json", help="write the rows and the overhead summary here")
     parser.add_argument("--plot", help="PNG of busbw against size")
+
+
+def validate(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command's arguments (a usage error), or None; checked before any rank starts."""
+    try:
+        size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
+        _check_sweep_args(args.warmup, args.iters, args.rounds, args.impl or ())
+    except ValueError as exc:
+        return str(exc)
+    if args.spawn < 0:
+        return f"--spawn takes a number of ranks >= 0, got {args.spawn}"
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:  # a MindSpore-only install checks it in its sweep
+        import torch
+
+        if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+            return f"unknown dtype {args.dtype!r}; use e.g. float32, float16, bfloat16, int32"
+    if args.backend is not None:
+        from .launch import probe_hardware, select_backend
+
+        try:
+            select_backend(args.backend, probe_hardware(), environ={})
+        except (RuntimeError, ValueError) as exc:
+            return str(exc)
+    return None
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -441,7 +522,7 @@ def _run_and_report(args: argparse.Namespace) -> None:
             print(
                 f"# collective_ops vs raw: added latency at {overhead['smallest_bytes']} B = "
                 f"{overhead['added_latency_us_at_smallest']:.1f} us; busbw ratio at >= 1 MiB: "
-                + (f"median {sorted(big)[len(big) // 2]:.3f}, min {min(big):.3f}" if big else "n/a")
+                + (f"median {statistics.median(big):.3f}, min {min(big):.3f}" if big else "n/a")
             )
         write_outputs(rows, args.csv, args.json, args.plot)
     co.barrier()
@@ -450,7 +531,7 @@ def _run_and_report(args: argparse.Namespace) -> None:
 
 def _run_on_link(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """This bench command as a 2-node torchrun job on the emulated link (one namespace per node)."""
-    from .link import LinkUnavailable, rate_bits, run_on_link, strip_link_option
+    from .link import rate_bits, run_on_link_or_explain, strip_link_option
 
     rate_bits(args.link)
     world = args.spawn or 2
@@ -466,17 +547,16 @@ def _run_on_link(args: argparse.Namespace, argv: Sequence[str]) -> int:
             rest.append(part)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(world // 2)]
     torchrun += ["--node-rank", "{node_rank}", "--master-addr", "{master_addr}", "--master-port", "{master_port}"]
-    try:
-        return run_on_link(
-            args.link, lambda link, node: link.fill([*torchrun, "-m", "collective_ops.cli", *rest], node)
-        )
-    except LinkUnavailable as exc:
-        print(f"emulated link unavailable: {exc}", file=sys.stderr)
-        return 2
+    return run_on_link_or_explain(
+        args.link, lambda link, node: link.fill([*torchrun, "-m", "collective_ops.cli", *rest], node)
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    size_sweep(args.minbytes, args.maxbytes, args.stepfactor)  # validate before starting anything
+    problem = validate(args)  # before starting anything: a usage error, never a traceback from a rank
+    if problem:
+        print(f"collective-ops bench: error: {problem}", file=sys.stderr)
+        return 2
     if args.link != "none" and "COLLECTIVE_OPS_NODE_RANK" not in os.environ:
         return _run_on_link(args, getattr(args, "argv", sys.argv[1:]))
     if args.spawn:

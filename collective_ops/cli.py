@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -26,17 +27,28 @@ def _topology() -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """What init() would choose here; exit 1 when an asked-for --backend is unavailable."""
     env = detect_launch_env()
     probe = probe_hardware()
-    try:
-        backend = select_backend(args.backend, probe)
-        choice = backend
-    except (RuntimeError, ValueError) as exc:
-        choice = f"unavailable: {exc}"
+    mindspore = env.launcher == "msrun" and importlib.util.find_spec("mindspore") is not None and args.backend is None
+    available = True
+    if mindspore:  # init() joins MindSpore communication under msrun
+        choice = "MindSpore communication (HCCL on Ascend, NCCL on GPU, MCCL on CPU: MindSpore's device target)"
+    else:
+        try:
+            choice = select_backend(args.backend, probe)
+        except (RuntimeError, ValueError) as exc:
+            choice, available = f"unavailable: {exc}", False
     print(f"collective-ops {_version()}  (python {sys.version.split()[0]})")
     print(f"launcher      : {env.launcher}")
+    print(f"framework     : {'mindspore' if mindspore else 'torch'}")
     print(f"rank/world    : {env.rank}/{env.world_size}  local_rank={env.local_rank}  DEVICE_ID={env.device_id}")
-    print(f"rendezvous    : {env.master_addr or '127.0.0.1 (default, loopback)'}:{env.master_port or 29500}")
+    if mindspore:
+        print(
+            f"rendezvous    : msrun scheduler at {env.master_addr or '127.0.0.1'}:{os.environ.get('MS_SCHED_PORT', '?')}"
+        )
+    else:
+        print(f"rendezvous    : {env.master_addr or '127.0.0.1 (default, loopback)'}:{env.master_port or 29500}")
     print(
         f"torch_npu     : {'installed' if probe.torch_npu_installed else 'not installed'}; NPU visible: {probe.npu_available}"
     )
@@ -48,7 +60,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         problem = backend_problem(name, probe)
         print(f"  {name:<5}: {'ready' if problem is None else problem}")
     print(_topology())
-    return 0
+    return 0 if available else 1
 
 
 def _version() -> str:
@@ -59,6 +71,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="collective-ops", description="Data-parallel gradient communication tools.")
+    parser.add_argument("--version", action="version", version=f"collective-ops {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="what init() would choose here, and the device topology")
     info.add_argument("--backend", default=None, help="ask about a specific backend (hccl, nccl, gloo)")

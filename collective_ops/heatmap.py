@@ -22,15 +22,42 @@ class TraceError(ValueError):
     """The trace file cannot be read as a collective-ops trace."""
 
 
+def per_rank_files(path: str | Path) -> list[Path]:
+    """The per-rank files a run leaves beside ``path`` when its ranks did not merge (no shutdown())."""
+    path = Path(path)
+    return sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix or '.json'}"), key=_rank_of)
+
+
+def _rank_of(path: Path) -> int:
+    digits = path.stem.rsplit(".rank", 1)[-1]
+    return int(digits) if digits.isdigit() else 1 << 30
+
+
+def resolve_trace_paths(paths: Sequence[str | Path]) -> list[Path]:
+    """``paths``, where a merged file that does not exist stands for its run's per-rank files, if any."""
+    resolved: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_file():
+            resolved.append(path)
+            continue
+        ranks = per_rank_files(path)
+        if not ranks:
+            raise TraceError(
+                f"{path}: no such file, and no per-rank files ({path.stem}.rank<N>{path.suffix or '.json'}) beside "
+                "it. Tracing writes the merged file at collective_ops.shutdown() and each rank's own file at exit "
+                "otherwise: was the run made with COLLECTIVE_OPS_TRACE=1, and did it write elsewhere "
+                "(COLLECTIVE_OPS_TRACE_FILE / _DIR)?"
+            )
+        resolved.extend(ranks)
+    return resolved
+
+
 def load_events(paths: Sequence[str | Path]) -> list[dict]:
-    """Events of one merged trace, or of several per-rank files."""
+    """Events of one merged trace, or of several per-rank files (found by themselves for a missing merged one)."""
     if not paths:
         raise TraceError("no trace file given: pass --trace comm_trace.json")
     events: list[dict] = []
-    for path in paths:
-        path = Path(path)
-        if not path.is_file():
-            raise TraceError(f"{path}: no such file (was the run made with COLLECTIVE_OPS_TRACE=1?)")
+    for path in resolve_trace_paths(paths):
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -183,16 +210,56 @@ def render(analysis: Analysis, output: str | Path) -> Path:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--trace", action="append", required=True, help="trace file (repeat for per-rank files)")
-    parser.add_argument("--output", default="heatmap.png", help="PNG to write")
+    parser.add_argument(
+        "--trace",
+        action="append",
+        required=True,
+        help="trace file (repeat for per-rank files); a merged file that does not exist is replaced by its run's "
+        "per-rank files (NAME.rank<N>.json beside it) when there are any",
+    )
+    parser.add_argument(
+        "--output", default="heatmap.png", help="PNG to write (its folder must exist; default: %(default)s)"
+    )
+
+
+def expected_world_size(paths: Sequence[str | Path]) -> int | None:
+    """The world size the traces' writers recorded (the largest), or None."""
+    sizes = []
+    for path in resolve_trace_paths(paths):
+        try:
+            other = json.loads(path.read_text()).get("otherData", {})
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(other, dict) and isinstance(other.get("world_size"), int):
+            sizes.append(other["world_size"])
+    return max(sizes) if sizes else None
 
 
 def run(args) -> int:
+    import sys
+
+    output = Path(args.output)
+    if output.suffix.lower() != ".png":
+        print(f"collective-ops heatmap: --output {output} must be a .png file", file=sys.stderr)
+        return 2
+    if not output.parent.is_dir():
+        print(
+            f"collective-ops heatmap: --output folder {output.parent} does not exist; create it first", file=sys.stderr
+        )
+        return 2
     try:
         analysis = analyze(load_events(args.trace))
+        world = expected_world_size(args.trace)
     except TraceError as exc:
-        print(f"collective-ops heatmap: {exc}")
+        print(f"collective-ops heatmap: {exc}", file=sys.stderr)
         return 2
+    if world is not None and len(analysis.ranks) < world:
+        missing = sorted(set(range(world)) - set(analysis.ranks))
+        print(
+            f"collective-ops heatmap: warning: the trace holds {len(analysis.ranks)} of {world} ranks "
+            f"(missing: {missing}); pass every rank's file",
+            file=sys.stderr,
+        )
     print(analysis.summary())
-    print(f"wrote {render(analysis, args.output)}")
+    print(f"wrote {render(analysis, output)}")
     return 0

@@ -29,6 +29,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 NODES = 2
 SUBNET = "198.18.0.{host}/30"  # RFC 2544 benchmarking range, only inside the namespaces
@@ -207,13 +208,18 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def relaunch_on_link(rate: str, argv: Sequence[str]) -> int:
-    """Run this same Python command (``argv``, without its --link option) once per node on the link."""
+def run_on_link_or_explain(rate: str, node_command: Callable[[Link, int], list[str]], **options: Any) -> int:
+    """:func:`run_on_link`, or one line on stderr and exit status 2 where this machine refuses the link."""
     try:
-        return run_on_link(rate, lambda link, node: [sys.executable, *argv])
+        return run_on_link(rate, node_command, **options)
     except LinkUnavailable as exc:
         print(f"emulated link unavailable: {exc}", file=sys.stderr)
         return 2
+
+
+def relaunch_on_link(rate: str, argv: Sequence[str]) -> int:
+    """Run this same Python command (``argv``, without its --link option) once per node on the link."""
+    return run_on_link_or_explain(rate, lambda link, node: [sys.executable, *argv])
 
 
 def strip_link_option(argv: Sequence[str]) -> list[str]:
@@ -244,11 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         rate_bits(args.rate)
     except ValueError as exc:
         parser.error(str(exc))
-    try:
-        return run_on_link(args.rate, lambda link, node: link.fill(command, node))
-    except LinkUnavailable as exc:
-        print(f"emulated link unavailable: {exc}", file=sys.stderr)
-        return 2
+    return run_on_link_or_explain(args.rate, lambda link, node: link.fill(command, node))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ communication); primitives pick the engine that owns the tensor they are given.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import importlib.util
 import logging
@@ -169,6 +171,7 @@ def _init_torch(
     except Exception as exc:
         raise RuntimeError(_rendezvous_hint(exc, addr, port, rank, world_size, timeout)) from exc
     _engines["torch"] = TorchEngine(backend, device)
+    atexit.register(_leave_at_exit)
     logger.info("collective_ops: rank %d/%d joined via %s on %s (%s)", rank, world_size, backend, device, env.launcher)
     return _remember("torch", DistContext("torch", backend, rank, world_size, local_rank, str(device), env.launcher))
 
@@ -240,6 +243,24 @@ def _bind_device(torch: Any, backend: str, device_id: int | None) -> Any:
     else:
         module.set_device(index)
     return torch.device(device_type, index)
+
+
+def _leave_at_exit() -> None:
+    """A script that never called shutdown(): destroy the process group this library created, at exit.
+
+    Left to the interpreter's teardown, the process group's worker threads are destroyed while
+    still joinable, and the process aborts ("terminate called without an active exception",
+    SIGABRT) instead of exiting 0. Local only: no collective, so a peer that is gone cannot
+    hold it up. (Each rank's trace file is written by the tracer's own exit hook.)
+    """
+    engine = _engines.get("torch")
+    if engine is None or not getattr(engine, "owns_group", False):
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _remember(framework: str, context: DistContext, engine: Any = None) -> DistContext:

@@ -20,6 +20,7 @@ Everything here is framework-free except :func:`measure_alpha_beta` (torch engin
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -466,22 +467,36 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--latency-us", type=float, default=5.0, help="per-hop link latency (alpha), microseconds")
     parser.add_argument("--bandwidth-gbs", type=float, default=25.0, help="per-link bandwidth, GB/s")
-    parser.add_argument("--candidates", type=float, nargs="+", default=list(CANDIDATES_MB))
+    parser.add_argument(
+        "--candidates",
+        type=float,
+        nargs="+",
+        default=list(CANDIDATES_MB),
+        help="bucket sizes to try, MiB (default: %(default)s)",
+    )
 
 
 def run(args) -> int:
     try:
         saved = load_profile(args.profile)
     except ValueError as exc:
-        print(f"collective-ops tune: {exc}")
+        print(f"collective-ops tune: {exc}", file=sys.stderr)
         return 2
     if args.latency_us < 0 or args.bandwidth_gbs <= 0 or any(w < 1 for w in args.world):
-        print("collective-ops tune: need --latency-us >= 0, --bandwidth-gbs > 0 and world sizes >= 1")
+        print("collective-ops tune: need --latency-us >= 0, --bandwidth-gbs > 0 and world sizes >= 1", file=sys.stderr)
+        return 2
+    if not all(0 < mb <= 1 << 20 for mb in args.candidates):
+        print(
+            f"collective-ops tune: --candidates are bucket sizes in MiB, > 0 (got {args.candidates})", file=sys.stderr
+        )
         return 2
     profile, contention, queued_share = saved.profile, 0.0, 1.0
     if args.project:
         if saved.cost is None or saved.cost_world_size < 2:
-            print("collective-ops tune: --project needs a profile saved with its fitted cost (save_profile(cost=...))")
+            print(
+                "collective-ops tune: --project needs a profile saved with its fitted cost (save_profile(cost=...))",
+                file=sys.stderr,
+            )
             return 2
         latency, bandwidth = link_from_fit(saved.cost, saved.cost_world_size)
         contention = saved.contention

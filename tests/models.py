@@ -81,6 +81,21 @@ class WithUnusedBranch(nn.Module):
     batch = MLP.batch
 
 
+class Reordered(nn.Module):
+    """Modules registered in the opposite order of their use in forward (the initial plan follows registration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = nn.Linear(32, 4)
+        self.middle = nn.Linear(32, 32)
+        self.first = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+    batch = MLP.batch
+
+
 MODELS = {"mlp": MLP, "cnn": SmallCNN, "transformer": TinyTransformer}
 
 

@@ -15,29 +15,7 @@ def _snapshot(model) -> dict:
     return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
 
 
-class Reordered:
-    """Modules registered in the opposite order of their use in forward (buckets follow registration first)."""
-
-    @staticmethod
-    def build():
-        import torch
-        from torch import nn
-
-        class Net(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.last = nn.Linear(32, 4)
-                self.middle = nn.Linear(32, 32)
-                self.first = nn.Linear(16, 32)
-
-            def forward(self, x):
-                return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
-
-        torch.manual_seed(0)
-        return Net()
-
-
-def _make_optimizer(kind: str, params):
+def _make_optimizer(kind: str):
     import torch
 
     if kind == "sgd":
@@ -79,7 +57,7 @@ def _pair(rank: int, build, opt_kind: str, *, find_unused: bool = False, **train
 
     scheduler_of = train_kwargs.pop("scheduler_of", None)
     ddp = torch.nn.parallel.DistributedDataParallel(build(), find_unused_parameters=find_unused)
-    cls, kwargs = _make_optimizer(opt_kind, None)
+    cls, kwargs = _make_optimizer(opt_kind)
     plain = cls(ddp.parameters(), **kwargs)
     ours_model = co.wrap(build(), bucket_size_mb=0.004, first_bucket_mb=0.001, find_unused_parameters=find_unused)
     ours = co.DistributedOptimizer(ours_model, cls, **kwargs)
@@ -94,7 +72,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
     import torch
 
     import collective_ops as co
-    from tests.models import MLP, SmallCNN, TinyTransformer, WithUnusedBranch, build, rank_batch
+    from tests.models import MLP, Reordered, SmallCNN, TinyTransformer, WithUnusedBranch, build, rank_batch
 
     out: dict = {}
     for name, cls in (("transformer", TinyTransformer), ("cnn", SmallCNN)):
@@ -116,7 +94,12 @@ def optimizer_checks(rank: int, world: int) -> dict:
     out["unused"] = _pair(
         rank, unused_net, "adamw", model_cls=MLP, find_unused=True, unused=lambda r, s: not (r == 1 and s % 3 != 1)
     )
-    out["out_of_order"] = _pair(rank, Reordered.build, "sgd", model_cls=MLP)
+
+    def reordered():
+        torch.manual_seed(0)
+        return Reordered()
+
+    out["out_of_order"] = _pair(rank, reordered, "sgd", model_cls=MLP)
 
     # state_dict round trip through a plain optimizer of the same class, and training continued from it
     model = co.wrap(build("mlp"), bucket_size_mb=0.004)

@@ -183,15 +183,7 @@ def feature_checks(rank: int, world: int) -> dict:
         )
 
     # bucket rebuild: modules registered in the opposite order of use
-    class Reordered(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.last = nn.Linear(32, 4)
-            self.middle = nn.Linear(32, 32)
-            self.first = nn.Linear(16, 32)
-
-        def forward(self, x):
-            return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+    from tests.models import Reordered
 
     torch.manual_seed(0)
     model = co.wrap(Reordered(), bucket_size_mb=0.005, first_bucket_mb=0.001)

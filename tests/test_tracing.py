@@ -139,7 +139,64 @@ def test_bad_trace_files_are_refused_clearly(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
     )
-    assert cli.returncode == 2 and "truncated" in cli.stdout and not (tmp_path / "x.png").exists()
+    assert cli.returncode == 2 and "truncated" in cli.stderr and not (tmp_path / "x.png").exists()
+    assert "Traceback" not in cli.stderr
+    for output, message in ((tmp_path / "x.txt", "must be a .png"), (tmp_path / "nowhere" / "x.png", "does not exist")):
+        cli = subprocess.run(
+            [sys.executable, "-m", "collective_ops.cli", "heatmap", "--trace", str(truncated), "--output", str(output)],
+            capture_output=True,
+            text=True,
+        )
+        assert cli.returncode == 2 and message in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
+    assert not (tmp_path / "nowhere").exists()
+
+
+README_LOOP_SCRIPT = """
+import torch, collective_ops as co
+ctx = co.init()
+model = co.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), bucket_size_mb=0.0001)
+for step in range(3):
+    model(torch.randn(4, 8)).sum().backward()
+"""  # no co.shutdown(): each rank writes its own trace file at exit
+
+
+def test_the_readme_flow_without_shutdown_reaches_the_heatmap(tmp_path: Path) -> None:
+    """COLLECTIVE_OPS_TRACE=1 with the README's launch loop, then `collective-ops heatmap --trace comm_trace.json`."""
+    from tests.harness import free_port
+
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "MASTER_PORT": str(free_port()),
+        "COLLECTIVE_OPS_TRACE": "1",
+        "COLLECTIVE_OPS_TRACE_DIR": str(tmp_path),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    procs = [
+        subprocess.Popen([sys.executable, "-c", README_LOOP_SCRIPT], env={**env, "RANK": str(r), "DEVICE_ID": str(r)})
+        for r in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert sorted(p.name for p in tmp_path.glob("comm_trace*.json")) == [
+        "comm_trace.rank0.json",
+        "comm_trace.rank1.json",
+    ]
+    cli = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "heatmap", "--trace", str(tmp_path / "comm_trace.json")]
+        + ["--output", str(tmp_path / "heatmap.png")],
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert (tmp_path / "heatmap.png").is_file() and "warning" not in cli.stderr
+    # one rank's file alone: a warning names the missing rank
+    cli = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "heatmap", "--trace", str(tmp_path / "comm_trace.rank0.json")]
+        + ["--output", str(tmp_path / "one.png")],
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 0 and "holds 1 of 2 ranks (missing: [1])" in cli.stderr, cli.stderr
 
 
 def test_trace_writer_never_follows_a_symlink(tmp_path: Path) -> None:

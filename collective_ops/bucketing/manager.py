@@ -595,7 +595,11 @@ class BucketManager:
 
     def _adopt(self, new_plan: BucketPlan) -> bool:
         """Switch to ``new_plan``, moving every gradient segment so nothing is lost. False if unchanged."""
-        if new_plan.fingerprint() == self.plan.fingerprint() and new_plan.bucket_size_mb == self.plan.bucket_size_mb:
+        same_settings = (new_plan.bucket_size_mb, new_plan.first_bucket_mb) == (
+            self.plan.bucket_size_mb,
+            self.plan.first_bucket_mb,
+        )
+        if new_plan.fingerprint() == self.plan.fingerprint() and same_settings:
             return False
         old_segments = [self.param_segment(i) for i in range(len(self._param_names))]
         new_buffers = [self.engine.zeros(b.numel, b.dtype, b.device) for b in new_plan.buckets]
