@@ -477,11 +477,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    try:
-        saved = load_profile(args.profile)
-    except ValueError as exc:
-        print(f"collective-ops tune: {exc}", file=sys.stderr)
-        return 2
     if args.latency_us < 0 or args.bandwidth_gbs <= 0 or any(w < 1 for w in args.world):
         print("collective-ops tune: need --latency-us >= 0, --bandwidth-gbs > 0 and world sizes >= 1", file=sys.stderr)
         return 2
@@ -489,6 +484,11 @@ def run(args) -> int:
         print(
             f"collective-ops tune: --candidates are bucket sizes in MiB, > 0 (got {args.candidates})", file=sys.stderr
         )
+        return 2
+    try:
+        saved = load_profile(args.profile)
+    except ValueError as exc:
+        print(f"collective-ops tune: {exc}", file=sys.stderr)
         return 2
     profile, contention, queued_share = saved.profile, 0.0, 1.0
     if args.project:

@@ -47,6 +47,11 @@ def sweep_checks(rank: int, world: int) -> dict:
     for op in bench.OPS:
         rows = bench.run_sweep(op, [64, 4096], warmup=1, iters=2, progress=False)
         out[op] = [(r.impl, r.bytes, r.wrong, r.time_us > 0, r.busbw_gbs > 0) for r in rows]
+    # every reduce op checked against its own reference (a sum-only check counted them all wrong)
+    for op in ("allreduce", "reduce_scatter"):
+        for reduce_op in ("max", "min", "prod"):
+            rows = bench.run_sweep(op, [64], reduce_op=reduce_op, warmup=0, iters=1, rounds=1, progress=False)
+            out[f"{op}/{reduce_op}"] = [(r.wrong, r.redop, r.world) for r in rows]
     # a corrupted result must be counted as wrong
     import torch
 
@@ -69,6 +74,9 @@ def test_tiny_sweep_on_real_ranks() -> None:
             assert rows[0][1] == rows[1][1] <= 64 and rows[2][1] == rows[3][1] <= 4096  # divisible by the world
             assert all(wrong == 0 and timed and bw for _, _, wrong, timed, bw in rows), (op, rows)
         assert out["corrupt_wrong"] == 1
+        for op in ("allreduce", "reduce_scatter"):
+            for reduce_op in ("max", "min", "prod"):
+                assert out[f"{op}/{reduce_op}"] == [(0, reduce_op, world)] * 2, (op, reduce_op)
 
 
 def test_cli_writes_table_csv_json_and_plot(tmp_path) -> None:
@@ -100,8 +108,47 @@ def test_cli_writes_table_csv_json_and_plot(tmp_path) -> None:
     data = json.loads((tmp_path / "r.json").read_text())
     assert len(data["rows"]) == 4 and all(r["wrong"] == 0 for r in data["rows"])
     assert (tmp_path / "r.csv").read_text().startswith("op,impl,bytes")
+    assert "redop,world" in (tmp_path / "r.csv").read_text().splitlines()[0]
+    assert all(r["redop"] == "sum" and r["world"] == 2 for r in data["rows"])
+    assert " redop " in result.stdout
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     bad = subprocess.run(
         [sys.executable, "-m", "collective_ops.cli", "bench", "-b", "lots"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "is not a number of bytes" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "-b", "1K", "-e", "8"], "larger than the last"),
+        (["bench", "-f", "1"], "step factor must be >= 2"),
+        (["bench", "-d", "bogus"], "unknown dtype 'bogus'"),
+        (["bench", "-n", "0"], "iters >= 1"),
+        (["bench", "-w", "-1"], "warmup >= 0"),
+        (["bench", "--backend", "nccl"], "needs a CUDA GPU"),
+        (["tune", "--profile", "x.json", "--candidates", "0", "-5"], "--candidates are bucket sizes in MiB"),
+        (["tune", "--profile", "missing.json"], "not a profile"),
+        (["heatmap", "--trace", "t.json", "--output", "x.txt"], "must be a .png"),
+        (["nonsense"], "invalid choice"),
+    ],
+)
+def test_cli_mistakes_are_one_line_usage_errors(args, message) -> None:
+    import torch
+
+    if "nccl" in args and torch.cuda.is_available():
+        pytest.skip("on a GPU host --backend nccl is right")
+    result = subprocess.run([sys.executable, "-m", "collective_ops.cli", *args], capture_output=True, text=True)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_cli_version_and_help_texts() -> None:
+    from collective_ops import __version__
+
+    version = subprocess.run([sys.executable, "-m", "collective_ops.cli", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip() == f"collective-ops {__version__}"
+    helptext = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "bench", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "powers of 1024" in helptext and "(default: 60)" in helptext and "(default: 64M)" in helptext

@@ -207,7 +207,7 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
         capture_output=True,
         text=True,
     )
-    assert result.returncode == 2 and "fitted cost" in result.stdout
+    assert result.returncode == 2 and "fitted cost" in result.stderr
     import json
 
     data = json.loads(profile_path.read_text())
@@ -232,4 +232,4 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(bad)], capture_output=True, text=True
     )
-    assert result.returncode == 2 and "not a profile" in result.stdout
+    assert result.returncode == 2 and "not a profile" in result.stderr
