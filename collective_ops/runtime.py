@@ -30,6 +30,21 @@ from .launch import (
 logger = logging.getLogger("collective_ops")
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+# Every rank must reach the rendezvous within this (COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT, seconds).
+DEFAULT_RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def rendezvous_timeout_from_env() -> datetime.timedelta:
+    value = os.environ.get("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT", "").strip()
+    if not value:
+        return DEFAULT_RENDEZVOUS_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT={value!r} must be a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,7 @@ def _init_torch(
     import torch
     import torch.distributed as dist
 
+    from .bucketing.interfaces import call_with_deadline
     from .comm.torch_engine import TorchEngine
 
     env = detect_launch_env()
@@ -163,13 +179,25 @@ def _init_torch(
     device = _bind_device(torch, backend, device_id)
     addr = master_addr or env.master_addr or DEFAULT_MASTER_ADDR
     port = master_port or env.master_port or DEFAULT_MASTER_PORT
+    rendezvous = rendezvous_timeout_from_env() if timeout is None else min(timeout, rendezvous_timeout_from_env())
     timeout = timeout or DEFAULT_TIMEOUT
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size, timeout=timeout
-        )
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent holds the store
+            dist.init_process_group(
+                backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size, timeout=timeout
+            )
+        else:
+            # The rendezvous gets a deadline of its own, far shorter than the collectives' timeout: a rank
+            # whose peers never come, or whose MASTER_PORT is someone else's server, fails within it.
+            # TCPStore's own timeout does not cover a server that accepts and never answers: bounded here.
+            store = call_with_deadline(
+                lambda: dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=rendezvous),
+                rendezvous.total_seconds() + 5,
+                f"the rendezvous at {addr}:{port}",
+            )
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except Exception as exc:
-        raise RuntimeError(_rendezvous_hint(exc, addr, port, rank, world_size, timeout)) from exc
+        raise RuntimeError(_rendezvous_hint(exc, addr, port, rank, world_size, rendezvous)) from exc
     _engines["torch"] = TorchEngine(backend, device)
     atexit.register(_leave_at_exit)
     logger.info("collective_ops: rank %d/%d joined via %s on %s (%s)", rank, world_size, backend, device, env.launcher)
@@ -186,11 +214,12 @@ def _rendezvous_hint(
         return (
             f"{where}: port {port} is already in use on {addr}; pick a free MASTER_PORT (or master_port=) for this run"
         )
-    if "timed out" in lowered or "timeout" in lowered:
+    if isinstance(exc, TimeoutError) or "timed out" in lowered or "timeout" in lowered:
         return (
             f"{where}: not every rank arrived within {timeout.total_seconds():g} s ({text.splitlines()[0]}). "
             f"Check that all {world_size} ranks were started (WORLD_SIZE={world_size}) with the same MASTER_ADDR "
-            "and MASTER_PORT, and that each has a distinct RANK"
+            f"and MASTER_PORT, that each has a distinct RANK, and that {addr}:{port} is rank 0's rendezvous and not "
+            "another program's port. COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT (seconds) sets how long ranks wait"
         )
     return f"{where}: {text.splitlines()[0] if text else type(exc).__name__}"
 
@@ -370,7 +399,9 @@ def shutdown(timeout: float | None = None) -> None:
     errors: list[BaseException] = []
     if tracing.get_tracer() is not None and engines:
         try:  # collective: merges all ranks' events on rank 0 (each rank's own file is written at exit otherwise)
-            call_with_deadline(lambda: tracing.flush(engines[0]), timeout, "merging the communication trace")
+            call_with_deadline(
+                lambda: tracing.flush(engines[0]), timeout, "merging the communication trace (is a peer rank gone?)"
+            )
         except Exception as exc:
             errors.append(exc)
     for engine in engines:

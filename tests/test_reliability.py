@@ -148,6 +148,25 @@ def test_rendezvous_trouble_fails_fast_with_a_hint(monkeypatch) -> None:
     assert not co.is_initialized()
 
 
+def test_a_rank_whose_rendezvous_port_is_another_programs_fails_in_bounded_time(monkeypatch) -> None:
+    """Rank 1 of 2 meets a foreign server at MASTER_PORT: an error naming the address, not a 10-minute hang."""
+    monkeypatch.setenv("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT", "2")
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()  # accepts connections, never answers
+        port = foreign.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(
+            RuntimeError, match=rf"rank 1/2 at tcp://127.0.0.1:{port}.*not every rank arrived within 2 s"
+        ):
+            co.init("gloo", rank=1, world_size=2, master_port=port)
+        assert time.monotonic() - start < 2 + 5 + 5
+    assert not co.is_initialized()
+    monkeypatch.setenv("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT='soon' is not a number"):
+        co.init("gloo", rank=0, world_size=1, master_port=free_port())
+
+
 def test_no_hooks_or_buffers_outlive_a_deleted_wrapper(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     from tests.models import build

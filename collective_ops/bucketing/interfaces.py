@@ -141,7 +141,7 @@ def call_with_deadline(fn: Callable[[], Any], timeout: float | None, what: str) 
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise TimeoutError(f"{what} did not finish within {timeout:g} s (a peer rank has probably exited)")
+        raise TimeoutError(f"{what} did not finish within {timeout:g} s")
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")

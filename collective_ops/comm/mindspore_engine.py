@@ -201,7 +201,7 @@ class MindSporeEngine(Engine):
     def shutdown(self, timeout: float | None = None) -> None:
         # Peers that exit while others still send fail after ~30 s: meet at a barrier first. The barrier
         # takes no timeout, and a dead peer would hold it forever: bounded here.
-        call_with_deadline(mdist.barrier, timeout, "the closing MindSpore barrier")
+        call_with_deadline(mdist.barrier, timeout, "the closing MindSpore barrier (is a peer rank gone?)")
 
     # -- BucketEngine ---------------------------------------------------------------
     def describe(self, tensor: ms.Tensor) -> tuple[int, str, str]:
