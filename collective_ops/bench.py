@@ -475,6 +475,15 @@ def validate(args: argparse.Namespace) -> str | None:
         return str(exc)
     if args.spawn < 0:
         return f"--spawn takes a number of ranks >= 0, got {args.spawn}"
+    if args.link != "none":
+        from .link import rate_bits
+
+        try:
+            rate_bits(args.link)
+        except ValueError as exc:
+            return str(exc)
+        if (args.spawn or 2) % 2:
+            return f"--spawn {args.spawn} does not split over the link's 2 nodes; use an even number"
     import importlib.util
 
     if importlib.util.find_spec("torch") is not None:  # a MindSpore-only install checks it in its sweep
@@ -531,20 +540,10 @@ def _run_and_report(args: argparse.Namespace) -> None:
 
 def _run_on_link(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """This bench command as a 2-node torchrun job on the emulated link (one namespace per node)."""
-    from .link import rate_bits, run_on_link_or_explain, strip_link_option
+    from .link import run_on_link_or_explain, strip_link_option
 
-    rate_bits(args.link)
-    world = args.spawn or 2
-    if world % 2:
-        raise ValueError(f"--spawn {world} does not split over the link's 2 nodes; use an even number")
-    rest, skip = [], False
-    for part in strip_link_option(argv):  # the nodes get torchrun's ranks, not --spawn
-        if skip:
-            skip = False
-        elif part == "--spawn":
-            skip = True
-        elif not part.startswith("--spawn="):
-            rest.append(part)
+    world = args.spawn or 2  # validate() checked the rate and that it splits over 2 nodes
+    rest = strip_link_option(strip_link_option(argv), "--spawn")  # the nodes get torchrun's ranks, not --spawn
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(world // 2)]
     torchrun += ["--node-rank", "{node_rank}", "--master-addr", "{master_addr}", "--master-port", "{master_port}"]
     return run_on_link_or_explain(

@@ -222,15 +222,15 @@ def relaunch_on_link(rate: str, argv: Sequence[str]) -> int:
     return run_on_link_or_explain(rate, lambda link, node: [sys.executable, *argv])
 
 
-def strip_link_option(argv: Sequence[str]) -> list[str]:
-    """``argv`` without ``--link X`` / ``--link=X`` (the relaunched nodes must not relaunch again)."""
+def strip_link_option(argv: Sequence[str], option: str = "--link") -> list[str]:
+    """``argv`` without ``--link X`` / ``--link=X`` (the relaunched nodes must not relaunch again), or ``option``."""
     out, skip = [], False
     for part in argv:
         if skip:
             skip = False
-        elif part == "--link":
+        elif part == option:
             skip = True
-        elif not part.startswith("--link="):
+        elif not part.startswith(f"{option}="):
             out.append(part)
     return out
 

@@ -35,15 +35,11 @@ DEFAULT_RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def rendezvous_timeout_from_env() -> datetime.timedelta:
-    value = os.environ.get("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT", "").strip()
-    if not value:
-        return DEFAULT_RENDEZVOUS_TIMEOUT
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT={value!r} must be a positive number of seconds")
+    from .bucketing.interfaces import env_seconds
+
+    seconds = env_seconds("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds())
+    if seconds is None:
+        raise ValueError("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT must be a positive number of seconds")
     return datetime.timedelta(seconds=seconds)
 
 

@@ -130,6 +130,8 @@ def test_cli_writes_table_csv_json_and_plot(tmp_path) -> None:
         (["tune", "--profile", "x.json", "--candidates", "0", "-5"], "--candidates are bucket sizes in MiB"),
         (["tune", "--profile", "missing.json"], "not a profile"),
         (["heatmap", "--trace", "t.json", "--output", "x.txt"], "must be a .png"),
+        (["bench", "--link", "1gbit", "--spawn", "3"], "does not split over the link's 2 nodes"),
+        (["bench", "--link", "fast"], "is not a tc rate"),
         (["nonsense"], "invalid choice"),
     ],
 )

@@ -8,6 +8,7 @@ implements :class:`BucketEngine`; the core only ever calls these methods, which 
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -118,6 +119,18 @@ def wait_with_timeout(handle: Any, timeout: float | None) -> Any:
         if "timed out" in str(exc).lower():
             raise TimeoutError(str(exc)) from exc
         raise
+
+
+def env_seconds(name: str, default: float | None) -> float | None:
+    """Seconds from environment variable ``name``: ``default`` when unset, None for 0 or less (no limit)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    return None if seconds <= 0 else seconds
 
 
 def call_with_deadline(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:

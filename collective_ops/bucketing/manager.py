@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale
-from .interfaces import BucketEngine, Handle, wait_with_timeout
+from .interfaces import BucketEngine, Handle, env_seconds, wait_with_timeout
 from .plan import BucketPlan, complete_order, plan_buckets
 
 logger = logging.getLogger(__name__)
@@ -40,16 +39,8 @@ class CommHookError(RuntimeError):
 
 
 def stall_timeout_from_env() -> float | None:
-    value = os.environ.get("COLLECTIVE_OPS_STALL_TIMEOUT", "").strip()
-    if not value:
-        return DEFAULT_STALL_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(
-            f"COLLECTIVE_OPS_STALL_TIMEOUT={value!r} is not a number of seconds (0 waits forever)"
-        ) from None
-    return None if seconds <= 0 else seconds
+    """COLLECTIVE_OPS_STALL_TIMEOUT seconds (0 waits forever), default 300."""
+    return env_seconds("COLLECTIVE_OPS_STALL_TIMEOUT", DEFAULT_STALL_TIMEOUT_S)
 
 
 @dataclass
