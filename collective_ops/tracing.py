@@ -25,8 +25,13 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-TRACK_BACKWARD, TRACK_COMM, TRACK_PRIMITIVES = 0, 1, 2
-TRACK_NAMES = {TRACK_BACKWARD: "backward", TRACK_COMM: "communication", TRACK_PRIMITIVES: "primitives"}
+TRACK_BACKWARD, TRACK_COMM, TRACK_PRIMITIVES, TRACK_UPDATES = 0, 1, 2, 3
+TRACK_NAMES = {
+    TRACK_BACKWARD: "backward",
+    TRACK_COMM: "communication",
+    TRACK_PRIMITIVES: "primitives",
+    TRACK_UPDATES: "bucket updates and forward waits",
+}
 DEFAULT_FILE = "comm_trace.json"
 MAX_PARAM_NAMES = 64  # per bucket event; the count is always given
 
@@ -134,6 +139,21 @@ class Tracer:
                     },
                 }
             )
+
+    # -- per-bucket optimizer (DistributedOptimizer) ------------------------------------
+    def bucket_update(self, kind: str, bucket: int, step: int, start: float, end: float, module: str = "") -> None:
+        """``kind``: "forward wait" (a module's forward waiting for a bucket's reduction) or "update"."""
+        self._add(
+            {
+                "name": f"{kind} {bucket}",
+                "cat": "optimizer",
+                "ph": "X",
+                "tid": TRACK_UPDATES,
+                "ts": self.us(start),
+                "dur": max(self.us(end) - self.us(start), 0),
+                "args": {"kind": kind, "bucket": bucket, "step": step, "module": module},
+            }
+        )
 
     # -- primitives ----------------------------------------------------------------------
     def primitive(self, op: str, nbytes: int, start: float, end: float, async_op: bool) -> None:

@@ -206,3 +206,37 @@ def test_three_ranks_within_rounding() -> None:
         ddp, ours = out["sgd"]
         for key in ddp:
             np.testing.assert_allclose(ours[key], ddp[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def traced_run(rank: int, world: int) -> None:
+    import torch
+
+    import collective_ops as co
+    from tests.models import TinyTransformer, build
+
+    model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001, trace=True)
+    optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
+    _train(rank, model, optimizer, TinyTransformer, steps=5)
+
+
+def test_the_trace_shows_updates_and_forward_waits_and_one_schedule_for_every_rank(tmp_path) -> None:
+    from collections import defaultdict
+
+    from collective_ops.heatmap import load_events
+
+    trace = tmp_path / "trace.json"
+    run_ranks(2, traced_run, env={"COLLECTIVE_OPS_TRACE_FILE": str(trace)})
+    events = load_events([trace])
+    updates = [e for e in events if e.get("cat") == "optimizer"]
+    for rank in (0, 1):
+        kinds = {e["args"]["kind"] for e in updates if e["pid"] == rank}
+        assert kinds == {"update", "forward wait"}, (rank, kinds)
+        assert any(e["args"]["module"] for e in updates if e["pid"] == rank and e["args"]["kind"] == "forward wait")
+    # the communication schedule (bucket launch order of every step) is the same on every rank
+    launches = defaultdict(list)
+    for e in sorted((e for e in events if e.get("cat") == "bucket"), key=lambda e: e["ts"]):
+        launches[(e["pid"], e["args"]["step"])].append(e["args"]["bucket"])
+    steps = sorted({step for _, step in launches})
+    assert len(steps) >= 4
+    for step in steps:
+        assert launches[(0, step)] == launches[(1, step)] and len(launches[(0, step)]) > 1, step

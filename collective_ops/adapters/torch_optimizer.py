@@ -159,7 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
         location = manager.plan.location
         for bucket in sorted({location[i][0] for i in indices}):  # plan order: every rank finishes them alike
-            self._finish(bucket)
+            self._finish(bucket, type(module).__name__)
 
     def _after_first_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._ran is None:
@@ -175,17 +175,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._needs[owner] = indices
 
     @torch.no_grad()
-    def _finish(self, bucket: int) -> None:
-        """Finish one bucket's reduction (if not yet) and apply its update (if owed)."""
+    def _finish(self, bucket: int, module: str = "") -> None:
+        """Finish one bucket's reduction (if not yet) and apply its update (if owed); traced when tracing is on."""
         manager = self.model.manager
+        tracer = getattr(manager.observer, "bucket_update", None)
+        step = manager.steps_synced
         members = list(manager.plan.buckets[bucket].param_indices)
         if manager.deferred_pending and not manager.bucket_finished(bucket):
+            start = time.perf_counter()
             members = self.model.finish_bucket(bucket)
+            if tracer is not None and module:
+                tracer("forward wait", bucket, step, start, time.perf_counter(), module)
         pending = self._pending
         if pending is None or not pending.take(bucket):
             return
         params = {id(self.model._params[i]) for i in members}
+        start = time.perf_counter()
         self._timed_step(params, pending.hyperparameters)
+        if tracer is not None:
+            tracer("update", bucket, step, start, time.perf_counter(), module)
         if pending.clear_after is not None:
             for i in members:
                 _clear(self.model._params[i], pending.clear_after)
