@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from .. import runtime, tracing
 from ..bucketing import (
@@ -40,7 +41,7 @@ BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in l
 _LIVE_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """A data-parallel ``torch.nn.Module`` on the collective_ops bucketing core.
 
     Use it as the model itself: ``loss.backward(); optimizer.step()``. ``.module``
@@ -66,6 +67,7 @@ class DistributedDataParallel(nn.Module):
         auto_tune_step: int = 2,
     ) -> None:
         super().__init__()
+        self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
         # "auto": start at 25 MiB, profile step `auto_tune_step`, then settle on the simulator's choice.
         self._auto_tune_at = None
         if isinstance(bucket_size_mb, str):
@@ -157,12 +159,12 @@ class DistributedDataParallel(nn.Module):
                 tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
                 self._broadcast(tensors)
 
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+    def _broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         handle, _ = fused_collective(
             self.engine,
             tensors,
             BROADCAST_BUCKET_MB,
-            lambda buffer: self.engine.broadcast(buffer, 0, async_op=True),
+            lambda buffer: self.engine.broadcast(buffer, src, async_op=True),
         )
         handle.wait()
 
@@ -415,17 +417,76 @@ class DistributedDataParallel(nn.Module):
                 "forward() called while the previous backward's reduction is unfinished; "
                 "in a custom loop call sync_gradients() after backward"
             )
-        if self.broadcast_buffers and self.engine.world_size > 1 and self.manager.sync_enabled:
-            buffers = list(self.module.buffers())
-            if buffers:
-                with torch.no_grad():
-                    self._broadcast(buffers)  # rank 0's running statistics, as DDP does
+        Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
+        self._sync_buffers(active=True)
         output = self.module(*args, **kwargs)
         if self.manager.deferred_pending:
             # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
             self.optimizer.synchronize()
         self._settle()  # the end of forward: the same point on every rank, whatever ended the last step where
         return output
+
+    def _sync_buffers(self, active: bool) -> None:
+        """Rank 0's buffers (running statistics) to every rank before a forward, as DDP does.
+
+        Inside ``join()`` the source is the highest rank still active (a joined rank's buffers are
+        stale), agreed on by one small collective that joined ranks shadow.
+        """
+        if not (self.broadcast_buffers and self.engine.world_size > 1 and self.manager.sync_enabled):
+            return
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        src = 0
+        if self._join_config.enable:
+            src = int(self.engine.reduce_floats([self.engine.rank if active else -1], "max")[0])
+        with torch.no_grad():
+            self._broadcast(buffers, src)
+
+    # -- uneven inputs (torch.distributed.algorithms.Join) ---------------------------------
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """``with model.join():`` ranks with fewer batches shadow the others' collectives until all are done.
+
+        As DDP's ``join()``: gradients of the steps some ranks sit out are divided by the initial
+        world size; a joined rank contributes zeros; at the end every rank gets the parameters and
+        buffers of a rank that joined last. ``Join([model])`` works the same.
+        """
+        if not divide_by_initial_world_size:
+            raise ValueError(
+                "join(divide_by_initial_world_size=False) is not supported yet: collective_ops divides by the "
+                "initial world size (DDP's default)"
+            )
+        if self.optimizer is not None:
+            raise ValueError("join() with a DistributedOptimizer is not supported yet; use a plain optimizer")
+        return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ShadowingHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return torch.distributed.group.WORLD
+
+    def _shadow_iteration(self) -> None:
+        """One step of a rank that has run out of data: the collectives its active peers issue, with zeros."""
+        self._sync_buffers(active=False)
+        self.manager.shadow_step()
+        self._after_step()
+        self._settle()
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """After join: every rank takes the parameters and buffers of (the highest) rank that joined last."""
+        if self.engine.world_size == 1:
+            return
+        src = int(self.engine.reduce_floats([self.engine.rank if is_last_joiner else -1], "max")[0])
+        with torch.no_grad():
+            self._broadcast([p.detach() for p in self.module.parameters()] + list(self.module.buffers()), src)
 
     # -- the unwrapped model's face ---------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -485,6 +546,17 @@ def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]
             "reduces one device per process (autograd runs one hook thread per device). Move the model to one "
             "device, and launch one process per device (torchrun --nproc-per-node)."
         )
+
+
+class _ShadowingHook(JoinHook):
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.model = model
+
+    def main_hook(self) -> None:
+        self.model._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.model._sync_final_model(is_last_joiner)
 
 
 def _weak_hook(wrapper_ref: weakref.ref, index: int):

@@ -371,6 +371,24 @@ class BucketManager:
             self._used_map = (used_map, self.engine.allreduce(used_map, "sum", async_op=True))
             stats.collectives += 1
 
+    def shadow_step(self) -> None:
+        """Take part in a step this rank has no data for (it joined): the same collectives, zero gradients.
+
+        Every bucket is zeroed and marked (as unused, for the usage map), so its peers' reductions
+        find a matching collective and receive nothing from this rank.
+        """
+        if self._marked:
+            raise RuntimeError("cannot shadow a step while this rank's own gradients are being reduced")
+        for bucket, buffer in zip(self.plan.buckets, self.buffers):
+            self.engine.fill_zero(buffer, 0, bucket.numel)
+        for index in self.launch_order_params():
+            self.mark_ready(index, used=False)
+        self.finalize(force=True)
+
+    def launch_order_params(self) -> list[int]:
+        """Parameter indices bucket by bucket, in launch order."""
+        return [i for b in self.launch_order for i in self.plan.buckets[b].param_indices]
+
     @property
     def deferred_pending(self) -> bool:
         """True while a deferred step (``finalize(defer=True)``) has buckets not yet finished."""

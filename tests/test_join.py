@@ -1,0 +1,74 @@
+"""Uneven inputs: ``with model.join():`` against torch DDP's ``join()``, on real Gloo ranks with 5/7/9 batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+from tests.reference import assert_identical
+
+BATCHES = {0: 5, 1: 7, 2: 9}
+
+
+def _snapshot(model) -> dict:
+    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+
+
+def _uneven(rank: int, model, use_join_class: bool = False, model_cls=None) -> dict:
+    import torch
+    from torch.distributed.algorithms import Join
+
+    from tests.models import MLP, rank_batch
+
+    model_cls = model_cls or MLP
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    context = Join([model]) if use_join_class else model.join()
+    with context:
+        for step in range(BATCHES[rank]):
+            x, y = rank_batch(model_cls, step, rank)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    inner = getattr(model, "module", model)
+    return _snapshot(inner)
+
+
+def join_checks(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import SmallCNN, build
+
+    out = {
+        "ddp": _uneven(rank, torch.nn.parallel.DistributedDataParallel(build("mlp"))),
+        "ours": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01)),
+        "ours_join_class": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), use_join_class=True),
+        "ddp_cnn": _uneven(rank, torch.nn.parallel.DistributedDataParallel(build("cnn")), True, SmallCNN),
+        "ours_cnn": _uneven(rank, co.wrap(build("cnn"), bucket_size_mb=0.001), model_cls=SmallCNN),
+    }
+    try:
+        co.wrap(build("mlp")).join(divide_by_initial_world_size=False)
+        out["error"] = None
+    except ValueError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
+    results = run_ranks(world, join_checks, timeout=240)
+    for rank, out in enumerate(results):
+        for ours in ("ours", "ours_join_class"):
+            if world == 2:
+                assert_identical(out[ours], out["ddp"], f"{ours} vs DDP join, rank {rank}")
+            else:  # Gloo's ring sums 3 operands in a bucket-layout dependent order
+                for key, value in out["ddp"].items():
+                    np.testing.assert_allclose(out[ours][key], value, rtol=1e-5, atol=1e-6, err_msg=f"{ours} {key}")
+        # with BatchNorm buffers: after join every rank holds the last joiner's parameters and buffers, as DDP's
+        for key, value in out["ddp_cnn"].items():
+            np.testing.assert_allclose(out["ours_cnn"][key], value, rtol=1e-5, atol=1e-6, err_msg=f"cnn {key}")
+        assert "divide_by_initial_world_size=False" in out["error"]
+    for key in results[0]["ours"]:  # every rank ends with the same model
+        assert all(np.array_equal(r["ours"][key], results[0]["ours"][key]) for r in results)
