@@ -237,6 +237,9 @@ def correctness_checks(rank: int, world: int) -> dict:
     def section_7() -> None:
         two_devices = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
         out["two_devices"] = _error(lambda: co.wrap(two_devices))
+        # DDP's name for the bucket size is understood; two disagreeing sizes are not
+        out["bucket_cap_mb"] = co.wrap(build("mlp"), bucket_cap_mb=1).manager.plan.bucket_size_mb
+        out["bucket_cap_mb_conflict"] = _error(lambda: co.wrap(build("mlp"), bucket_size_mb=5, bucket_cap_mb=1))
 
     _run_section(out, "section_7", section_7)
 
@@ -324,6 +327,7 @@ def test_gradient_views_keep_the_parameter_layout(results) -> None:
 def test_parameters_on_two_devices_are_refused(results) -> None:
     for out in _section(results, "section_7"):
         assert "2 devices (cpu, meta)" in out["two_devices"] and "one process per device" in out["two_devices"]
+        assert out["bucket_cap_mb"] == 1.0 and "disagree" in out["bucket_cap_mb_conflict"]
 
 
 def test_check_finite_lets_a_grad_scaler_skip_overflow_steps(results) -> None:
