@@ -1,0 +1,96 @@
+"""torch.compile(co.wrap(model)) against torch.compile(DDP(model)), with the eager pair beside them.
+
+    python benchmarks/compile_compare.py --link 1gbit --model transformer-5m
+
+In the same processes, alternating blocks of steps: DDP and wrap, each eager and under
+``torch.compile`` (default mode; DDP's compiled path splits the graph at bucket boundaries,
+DDPOptimizer). Reported: median step, the graphs and graph breaks ``torch._dynamo.explain``
+finds in each compiled model, and for wrap the communication still waiting after backward
+(the manager's exposed time): a compiled backward hands every gradient over at its end, so
+buckets cannot launch during it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import run_benchmark, where  # noqa: E402
+from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa: E402
+
+
+def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    import torch._dynamo as dynamo
+
+    import collective_ops as co
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    _, batch = build_model(args.model)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [batch(gen) for _ in range(4)]
+    setups, explained, wrappers = {}, {}, {}
+    for kind in ("DDP", "wrap"):
+        for compiled in (False, True):
+            model, _ = build_model(args.model)
+            if kind == "DDP":
+                wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_size_mb)
+            else:
+                wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
+            label = f"{kind} {'compiled' if compiled else 'eager'}"
+            runner = torch.compile(wrapped) if compiled else wrapped
+            if compiled and kind == "wrap":  # (explain sees no graph in DDP, whose compiled path is its own)
+                explanation = dynamo.explain(wrapped)(batches[0][0])
+                explained[label] = (explanation.graph_count, explanation.graph_break_count)
+            wrappers[label] = wrapped
+            setups[label] = (runner, torch.optim.SGD(wrapped.parameters(), lr=1e-3, momentum=0.9), batches)
+    times = alternate_steps(setups, args.rounds, args.block)
+    result = {
+        "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
+        "graphs": explained,
+        "exposed_ms": {
+            label: wrappers[label].comm_stats()["mean_exposed_comm_s"] * 1e3
+            for label in ("wrap eager", "wrap compiled")
+        },
+    }
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(result)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--model", choices=MODELS, default="transformer-5m")
+    parser.add_argument("--bucket-size-mb", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--block", type=int, default=3)
+    outcome = run_benchmark(parser, argv, rank_main)
+    if isinstance(outcome, int):
+        return outcome
+    args, r = outcome
+    print(
+        f"# compile_compare: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb:g} MiB, "
+        f"torch {torch.__version__}; median step, {args.rounds} rounds x {args.block} steps alternating"
+    )
+    ms = r["median_step_ms"]
+    for label in ("DDP eager", "wrap eager", "DDP compiled", "wrap compiled"):
+        graphs = r["graphs"].get(label)
+        extra = f"  {graphs[0]} graph(s), {graphs[1]} graph break(s)" if graphs else ""
+        exposed = r["exposed_ms"].get(label)
+        extra += f"  communication waited for after backward {exposed:.1f} ms" if exposed is not None else ""
+        print(f"  {label:<14} {ms[label]:>8.1f} ms{extra}")
+    print(f"  wrap compiled / DDP compiled: {ms['wrap compiled'] / ms['DDP compiled']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
