@@ -3,11 +3,10 @@
     python benchmarks/compile_compare.py --link 1gbit --model transformer-5m
 
 In the same processes, alternating blocks of steps: DDP and wrap, each eager and under
-``torch.compile`` (default mode; DDP's compiled path splits the graph at bucket boundaries,
-DDPOptimizer). Reported: median step, the graphs and graph breaks ``torch._dynamo.explain``
-finds in each compiled model, and for wrap the communication still waiting after backward
-(the manager's exposed time): a compiled backward hands every gradient over at its end, so
-buckets cannot launch during it.
+``torch.compile`` (default mode; both compiled graphs are split at bucket boundaries by
+dynamo's DDPOptimizer). Reported: median step, and for wrap the communication still waiting
+after backward (the manager's exposed time): a compiled backward in one piece hands every
+gradient over at its end, so no bucket could launch during it.
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa:
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    import torch._dynamo as dynamo
-
     import collective_ops as co
 
     torch.set_num_threads(1)
@@ -36,7 +33,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     _, batch = build_model(args.model)
     gen = torch.Generator().manual_seed(rank)
     batches = [batch(gen) for _ in range(4)]
-    setups, explained, wrappers = {}, {}, {}
+    setups, wrappers = {}, {}
     for kind in ("DDP", "wrap"):
         for compiled in (False, True):
             model, _ = build_model(args.model)
@@ -46,15 +43,11 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                 wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
             label = f"{kind} {'compiled' if compiled else 'eager'}"
             runner = torch.compile(wrapped) if compiled else wrapped
-            if compiled and kind == "wrap":  # (explain sees no graph in DDP, whose compiled path is its own)
-                explanation = dynamo.explain(wrapped)(batches[0][0])
-                explained[label] = (explanation.graph_count, explanation.graph_break_count)
             wrappers[label] = wrapped
             setups[label] = (runner, torch.optim.SGD(wrapped.parameters(), lr=1e-3, momentum=0.9), batches)
     times = alternate_steps(setups, args.rounds, args.block)
     result = {
         "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
-        "graphs": explained,
         "exposed_ms": {
             label: wrappers[label].comm_stats()["mean_exposed_comm_s"] * 1e3
             for label in ("wrap eager", "wrap compiled")
@@ -83,8 +76,7 @@ def main(argv=None) -> int:
     )
     ms = r["median_step_ms"]
     for label in ("DDP eager", "wrap eager", "DDP compiled", "wrap compiled"):
-        graphs = r["graphs"].get(label)
-        extra = f"  {graphs[0]} graph(s), {graphs[1]} graph break(s)" if graphs else ""
+        extra = ""
         exposed = r["exposed_ms"].get(label)
         extra += f"  communication waited for after backward {exposed:.1f} ms" if exposed is not None else ""
         print(f"  {label:<14} {ms[label]:>8.1f} ms{extra}")

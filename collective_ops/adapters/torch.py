@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -419,7 +420,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
         self._sync_buffers(active=True)
-        output = self.module(*args, **kwargs)
+        with _compiled_as_ddp(self):
+            output = self.module(*args, **kwargs)
         if self.manager.deferred_pending:
             # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
             self.optimizer.synchronize()
@@ -519,6 +521,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             **self.manager.stats_summary(),
         }
 
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket size in bytes, which torch.compile's graph splitting reads as it does from DDP.
+
+        Never below DDP's first bucket (1 MiB), which that splitting insists on: smaller buckets
+        then share pieces (coarser overlap), rather than making compilation fail.
+        """
+        floor = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", 0)
+        return max(int(self.manager.plan.bucket_size_mb * 2**20), floor)
+
     def describe_plan(self) -> str:
         return self.manager.plan.describe()
 
@@ -546,6 +558,28 @@ def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]
             "reduces one device per process (autograd runs one hook thread per device). Move the model to one "
             "device, and launch one process per device (torchrun --nproc-per-node)."
         )
+
+
+@contextlib.contextmanager
+@torch._disable_dynamo(recursive=False)
+def _compiled_as_ddp(model: DistributedDataParallel) -> Iterator[None]:
+    """Under ``torch.compile``, have the module's graph split at bucket boundaries as DDP's is.
+
+    Dynamo splits a compiled graph into bucket-sized pieces (its DDPOptimizer) while torch's DDP
+    marks itself active around its module's forward; without the split the compiled backward
+    is one piece that hands every gradient over at its end, and no bucket overlaps it. The
+    same marker, with this model's bucket size, gives collective_ops' buckets the same pieces.
+    Skipped where this torch has no such marker.
+    """
+    ddp = nn.parallel.DistributedDataParallel
+    if not hasattr(ddp, "_active_ddp_module"):
+        yield
+        return
+    previous, ddp._active_ddp_module = ddp._active_ddp_module, model
+    try:
+        yield
+    finally:
+        ddp._active_ddp_module = previous
 
 
 class _ShadowingHook(JoinHook):
