@@ -118,6 +118,21 @@ def test_info_command() -> None:
     assert "backend       : gloo" in result.stdout
     bad = subprocess.run([sys.executable, "-m", "collective_ops.cli", "nonsense"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    # under msrun init() joins MindSpore communication: info says so, with msrun's scheduler as the rendezvous
+    msrun_env = {"RANK_ID": "0", "MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "127.0.0.1"}
+    msrun_env.update(MS_SCHED_PORT="8118", PATH=env["PATH"])
+    under_msrun = subprocess.run(
+        [sys.executable, "-m", "collective_ops.cli", "info"], capture_output=True, text=True, env=msrun_env
+    )
+    import importlib.util
+
+    if importlib.util.find_spec("mindspore") is not None:
+        assert "framework     : mindspore" in under_msrun.stdout and "127.0.0.1:8118" in under_msrun.stdout
+    if not torch.cuda.is_available():  # an asked-for backend the machine lacks: said, and a non-zero exit
+        nccl = subprocess.run(
+            [sys.executable, "-m", "collective_ops.cli", "info", "--backend", "nccl"], capture_output=True, text=True
+        )
+        assert nccl.returncode == 1 and "unavailable: backend 'nccl' needs a CUDA GPU" in nccl.stdout
 
 
 def test_the_example_says_when_it_uses_its_own_resnet(tmp_path) -> None:
