@@ -528,9 +528,11 @@ def _run_and_report(args: argparse.Namespace) -> None:
         overhead = summarize_overhead(rows)
         if overhead:
             big = [v for b, v in overhead["bandwidth_ratio_by_bytes"].items() if b >= 1 << 20]
+            added = overhead["added_latency_us_at_smallest"]
+            noise = "" if added >= 0 else " (negative: below this run's noise, no measurable added latency)"
             print(
                 f"# collective_ops vs raw: added latency at {overhead['smallest_bytes']} B = "
-                f"{overhead['added_latency_us_at_smallest']:.1f} us; busbw ratio at >= 1 MiB: "
+                f"{added:.1f} us{noise}; busbw ratio at >= 1 MiB: "
                 + (f"median {statistics.median(big):.3f}, min {min(big):.3f}" if big else "n/a")
             )
         write_outputs(rows, args.csv, args.json, args.plot)
