@@ -420,7 +420,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
         self._sync_buffers(active=True)
-        with _compiled_as_ddp(self):
+        if torch.compiler.is_compiling():  # (eager calls never touch dynamo: importing it made exits abort)
+            with _compiled_as_ddp(self):
+                output = self.module(*args, **kwargs)
+        else:
             output = self.module(*args, **kwargs)
         if self.manager.deferred_pending:
             # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
