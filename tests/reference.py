@@ -64,3 +64,8 @@ def assert_identical(a, b, what: str) -> None:
     else:
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=f"{what}: #{i}")
+
+
+def snapshot(model) -> dict:
+    """A torch module's state_dict as numpy arrays (copies), for comparing trained models."""
+    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}

@@ -10,11 +10,7 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import assert_identical
-
-
-def _snapshot(model) -> dict:
-    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+from tests.reference import assert_identical, snapshot
 
 
 def _error(call) -> str | None:
@@ -42,7 +38,7 @@ def _accumulation(rank: int, model, sync_by_call: bool, rounds: int = 2, micro_s
         if sync_by_call:
             model.sync_gradients()
         optimizer.step()
-    return _snapshot(model.module)
+    return snapshot(model.module)
 
 
 def _unused_run(rank: int, model, schedule: str) -> dict:
@@ -69,7 +65,7 @@ def _unused_run(rank: int, model, schedule: str) -> dict:
                 with torch.enable_grad() if last else model.no_sync():
                     torch.nn.functional.cross_entropy(model(x, use_branch=not last), y).backward()
         optimizer.step()
-    return _snapshot(model.module)
+    return snapshot(model.module)
 
 
 class ChannelsLastCNN:
@@ -96,7 +92,7 @@ def _cnn_steps(rank: int, model) -> tuple[dict, list]:
         torch.nn.functional.cross_entropy(model(x.to(memory_format=torch.channels_last)), y).backward()
         optimizer.step()
     layouts = [(tuple(p.grad.stride()), tuple(p.stride())) for p in model.module.parameters() if p.dim() == 4]
-    return _snapshot(model.module), layouts
+    return snapshot(model.module), layouts
 
 
 def _scaler_run(rank: int, model) -> dict:
@@ -117,7 +113,7 @@ def _scaler_run(rank: int, model) -> dict:
         scaler.step(optimizer)
         scaler.update()
         scales.append(float(scaler.get_scale()))
-    return {"params": _snapshot(model.module), "scales": scales}
+    return {"params": snapshot(model.module), "scales": scales}
 
 
 class _RecordingHandle:

@@ -6,13 +6,9 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import assert_identical
+from tests.reference import assert_identical, snapshot
 
 STEPS = 20
-
-
-def _snapshot(model) -> dict:
-    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
 
 
 def _make_optimizer(kind: str):
@@ -45,8 +41,8 @@ def _train(
         if scheduler is not None:
             scheduler.step()
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return _snapshot(model)  # the wrapper's state_dict: the last step's owed updates land first
-    return _snapshot(model.module)
+        return snapshot(model)  # the wrapper's state_dict: the last step's owed updates land first
+    return snapshot(model.module)
 
 
 def _pair(rank: int, build, opt_kind: str, *, find_unused: bool = False, **train_kwargs) -> tuple[dict, dict]:
@@ -127,7 +123,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
-        return float(norm), _snapshot(model.module)
+        return float(norm), snapshot(model.module)
 
     ddp = torch.nn.parallel.DistributedDataParallel(build("mlp"))
     ours_model = co.wrap(build("mlp"), bucket_size_mb=0.004)

@@ -6,13 +6,9 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import assert_identical
+from tests.reference import assert_identical, snapshot
 
 BATCHES = {0: 5, 1: 7, 2: 9}
-
-
-def _snapshot(model) -> dict:
-    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
 
 
 def _uneven(rank: int, model, use_join_class: bool = False, model_cls=None) -> dict:
@@ -32,7 +28,7 @@ def _uneven(rank: int, model, use_join_class: bool = False, model_cls=None) -> d
             loss.backward()
             optimizer.step()
     inner = getattr(model, "module", model)
-    return _snapshot(inner)
+    return snapshot(inner)
 
 
 def join_checks(rank: int, world: int) -> dict:

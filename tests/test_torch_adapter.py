@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import assert_identical, collect_errors
+from tests.reference import assert_identical, collect_errors, snapshot
 
 STEPS = 3
 # Attention's key bias has a mathematically zero gradient (softmax ignores a shift), so its
@@ -14,10 +14,6 @@ STEPS = 3
 # up to +-lr per step. At 3 ranks the order differs from DDP's (other bucket layout), so
 # those elements cannot be compared after Adam. Everything else is compared.
 NOISE_ONLY = {"encoder.self_attn.in_proj_bias": slice(32, 64)}
-
-
-def _snapshot(model) -> dict:
-    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
 
 
 def _optimizer(name: str, params):
@@ -63,9 +59,9 @@ def equivalence_checks(rank: int, world: int) -> dict:
             _train(ours, cls, rank, world, opt)
             single = _train(build(name, seed=0), cls, rank, world, opt, concat=True)
             out[(name, opt)] = {
-                "ours": _snapshot(ours.module),
-                "ddp": _snapshot(ddp.module),
-                "single": _snapshot(single),
+                "ours": snapshot(ours.module),
+                "ddp": snapshot(ddp.module),
+                "single": snapshot(single),
                 "buckets": ours.comm_stats()["buckets"],
                 "collectives": ours.comm_stats()["collectives_per_step"],
                 "fingerprint": ours.comm_stats()["plan_fingerprint"],
@@ -120,7 +116,7 @@ def feature_checks(rank: int, world: int) -> dict:
             with context:
                 loss_fn(model(x), y).backward()
         optimizer.step()
-        return _snapshot(model.module)
+        return snapshot(model.module)
 
     # no_sync accumulation, in view and copy mode, against DDP's no_sync
     out["no_sync_ddp"] = accumulate(torch.nn.parallel.DistributedDataParallel(build("mlp")))
@@ -136,7 +132,7 @@ def feature_checks(rank: int, world: int) -> dict:
             optimizer.zero_grad()
             loss_fn(model(x, use_branch=use_branch), y).backward()
             optimizer.step()
-        return _snapshot(model.module)
+        return snapshot(model.module)
 
     torch.manual_seed(0)
     out["unused_ddp"] = unused_run(
@@ -158,7 +154,7 @@ def feature_checks(rank: int, world: int) -> dict:
                 first.grad = None  # fresh next backward; its bucket-mates keep their gradients
             loss_fn(model(x), y).backward()
             optimizer.step()
-        return _snapshot(model.module)
+        return snapshot(model.module)
 
     for mode in ("kept", "mixed"):
         out[f"zero_grad_{mode}_ddp"] = zero_grad_run(torch.nn.parallel.DistributedDataParallel(build("mlp")), mode)
@@ -195,10 +191,10 @@ def feature_checks(rank: int, world: int) -> dict:
         model.comm_stats()["plan_fingerprint"],
     )
     torch.manual_seed(0)
-    out["rebuild_ddp"] = _snapshot(
+    out["rebuild_ddp"] = snapshot(
         _train(torch.nn.parallel.DistributedDataParallel(Reordered()), MLP, rank, world, "sgd", steps=2).module
     )
-    out["rebuild_ours"] = _snapshot(model.module)
+    out["rebuild_ours"] = snapshot(model.module)
 
     # the seed's manual loops on an unwrapped model: per-parameter allreduce, and GradientBucket
     def manual(loop: str) -> dict:
@@ -220,11 +216,11 @@ def feature_checks(rank: int, world: int) -> dict:
                 bucket.allreduce()
                 out["manual_collectives"] = bucket.num_collectives
             optimizer.step()
-        return _snapshot(model)
+        return snapshot(model)
 
     out["manual_per_param"] = manual("per_param")
     out["manual_bucket"] = manual("bucket")
-    out["manual_ddp"] = _snapshot(
+    out["manual_ddp"] = snapshot(
         _train(torch.nn.parallel.DistributedDataParallel(build("mlp")), MLP, rank, world, "sgd").module
     )
 

@@ -381,13 +381,10 @@ class BucketManager:
             raise RuntimeError("cannot shadow a step while this rank's own gradients are being reduced")
         for bucket, buffer in zip(self.plan.buckets, self.buffers):
             self.engine.fill_zero(buffer, 0, bucket.numel)
-        for index in self.launch_order_params():
-            self.mark_ready(index, used=False)
+        for bucket in self.launch_order:
+            for index in self.plan.buckets[bucket].param_indices:
+                self.mark_ready(index, used=False)
         self.finalize(force=True)
-
-    def launch_order_params(self) -> list[int]:
-        """Parameter indices bucket by bucket, in launch order."""
-        return [i for b in self.launch_order for i in self.plan.buckets[b].param_indices]
 
     @property
     def deferred_pending(self) -> bool:

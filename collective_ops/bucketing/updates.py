@@ -10,8 +10,8 @@ when the next forward needs their parameters: :meth:`take` hands each out exactl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -22,7 +22,6 @@ class PendingUpdates:
     buckets: list[int]  # owed, in plan order
     hyperparameters: list[dict[str, Any]]  # per parameter group, as at step()
     clear_after: bool | None = None  # None: keep gradients; True: set to None; False: zero them
-    applied: list[int] = field(default_factory=list)
 
     @classmethod
     def start(cls, bucket_count: int, groups: Sequence[dict[str, Any]]) -> PendingUpdates:
@@ -30,21 +29,12 @@ class PendingUpdates:
         frozen = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         return cls(list(range(bucket_count)), frozen)
 
-    def owes(self, bucket: int) -> bool:
-        return bucket in self.buckets
-
     def take(self, bucket: int) -> bool:
         """True (once) if ``bucket``'s update is owed: the caller applies it now."""
         if bucket not in self.buckets:
             return False
         self.buckets.remove(bucket)
-        self.applied.append(bucket)
         return True
-
-    def owed_among(self, buckets: Iterable[int]) -> list[int]:
-        """The owed ones of ``buckets``, in plan order (so every rank applies them alike)."""
-        wanted = set(buckets)
-        return [b for b in self.buckets if b in wanted]
 
     @property
     def finished(self) -> bool:
