@@ -156,9 +156,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         signature.append(plan_entry(plan))
         check_same_on_all_ranks(signature, self.engine.allgather_bytes)
         if self.engine.world_size > 1:
-            with torch.no_grad():
-                tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
-                self._broadcast(tensors)
+            self._broadcast_model(src=0)
+
+    def _broadcast_model(self, src: int) -> None:
+        """Rank ``src``'s parameters and buffers to every rank (at wrap, and after join)."""
+        with torch.no_grad():
+            self._broadcast([p.detach() for p in self.module.parameters()] + list(self.module.buffers()), src)
+
+    def _highest_rank_where(self, condition: bool) -> int:
+        """The highest rank for which ``condition`` holds (-1 if none): one small collective every rank joins."""
+        return int(self.engine.reduce_floats([self.engine.rank if condition else -1], "max")[0])
 
     def _broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         handle, _ = fused_collective(
@@ -444,7 +451,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             return
         src = 0
         if self._join_config.enable:
-            src = int(self.engine.reduce_floats([self.engine.rank if active else -1], "max")[0])
+            src = self._highest_rank_where(active)
         with torch.no_grad():
             self._broadcast(buffers, src)
 
@@ -489,9 +496,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """After join: every rank takes the parameters and buffers of (the highest) rank that joined last."""
         if self.engine.world_size == 1:
             return
-        src = int(self.engine.reduce_floats([self.engine.rank if is_last_joiner else -1], "max")[0])
-        with torch.no_grad():
-            self._broadcast([p.detach() for p in self.module.parameters()] + list(self.module.buffers()), src)
+        self._broadcast_model(src=self._highest_rank_where(is_last_joiner))
 
     # -- the unwrapped model's face ---------------------------------------------------
     def __getattr__(self, name: str) -> Any:
