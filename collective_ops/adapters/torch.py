@@ -184,9 +184,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         self._views = []
         for i, p in enumerate(self._params):
-            buffer, offset, numel = self.manager.param_segment(i)
-            strides = torch.empty_like(p, device="meta").stride()  # p's strides where p is dense, else contiguous
-            self._views.append(buffer.as_strided(p.shape, strides, buffer.storage_offset() + offset))
+            buffer, offset, _numel = self.manager.param_segment(i)
+            self._views.append(view_like(p, buffer, offset))
 
     def _on_rebuild(self, plan: BucketPlan) -> None:
         old = self._views
@@ -196,6 +195,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if p.grad is not None and p.grad.data_ptr() == old_view.data_ptr():
                     p.grad = new_view  # the manager already moved the values
         logger.info("collective_ops: new bucket plan:\n%s", plan.describe())  # rebuild or set_bucket_size
+        if self.optimizer is not None:
+            self.optimizer.on_plan_change(plan)
 
     # -- backward --------------------------------------------------------------------
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -432,7 +433,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 output = self.module(*args, **kwargs)
         else:
             output = self.module(*args, **kwargs)
-        if self.manager.deferred_pending:
+        if self.optimizer is not None and self.optimizer.in_flight:
             # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
             self.optimizer.synchronize()
         self._settle()  # the end of forward: the same point on every rank, whatever ended the last step where
@@ -509,7 +510,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             return getattr(module, name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        if self.manager.deferred_pending:
+        if self.optimizer is not None and self.optimizer.in_flight:
             self.optimizer.synchronize()  # updates still owed by a DistributedOptimizer land first
         return self.module.state_dict(*args, **kwargs)
 
@@ -545,6 +546,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def extra_repr(self) -> str:
         plan = self.manager.plan
         return f"buckets={len(plan.buckets)}, bucket_size_mb={plan.bucket_size_mb:g}, backend={self.engine.backend}"
+
+
+def view_like(p: torch.Tensor, buffer: torch.Tensor, offset: int) -> torch.Tensor:
+    """A view of ``buffer`` from ``offset`` shaped as ``p``, with ``p``'s strides where ``p`` is dense."""
+    strides = torch.empty_like(p, device="meta").stride()
+    return buffer.as_strided(p.shape, strides, buffer.storage_offset() + offset)
 
 
 def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:

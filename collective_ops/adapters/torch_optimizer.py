@@ -38,6 +38,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``overlap=False`` finishes every bucket in backward, as a plain optimizer sees it.
     """
 
+    def __new__(cls, *args: Any, shard: bool = False, **kwargs: Any) -> DistributedOptimizer:
+        if shard and cls is DistributedOptimizer:
+            from .torch_sharded import ShardedDistributedOptimizer
+
+            cls = ShardedDistributedOptimizer
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: DistributedDataParallel,
@@ -45,6 +52,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *args: Any,
         params: Any = None,
         overlap: bool = True,
+        shard: bool = False,
         **kwargs: Any,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
@@ -56,20 +64,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got {optimizer_class!r}"
             )
+        if "grad_reduce_dtype" in kwargs:
+            raise ValueError("grad_reduce_dtype is an option of the sharded optimizer: pass shard=True with it")
         self.model = model
         self.overlap = overlap
-        self._optimizer = optimizer_class(model.module.parameters() if params is None else params, *args, **kwargs)
+        groups = _as_groups(model.module.parameters() if params is None else params)
         owned = {id(p) for p in model.module.parameters()}
-        for group in self._optimizer.param_groups:
+        for group in groups:
             for p in group["params"]:
                 if id(p) not in owned:
                     raise ValueError(
                         f"a parameter of shape {tuple(p.shape)} given to DistributedOptimizer is not a parameter of the "
                         "wrapped model: its updates follow the model's buckets, so give only the model's parameters"
                     )
+        self._index = {id(p): i for i, p in enumerate(model._params)}
+        self._optimizer = self._make_optimizer(optimizer_class, groups, args, kwargs)
         super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
         self.state = self._optimizer.state  # one state, shared with the class's own optimizer
-        self._index = {id(p): i for i, p in enumerate(model._params)}
         self._pending: PendingUpdates | None = None
         self.update_seconds = 0.0  # time spent in per-bucket updates (the last step)
         model.attach_optimizer(self)
@@ -79,6 +90,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._needs: dict[nn.Module, list[int]] = {}
         self._hooks = [module.register_forward_pre_hook(self._before_forward_of) for module in model.module.modules()]
         self._hooks.append(model.module.register_forward_hook(self._after_first_forward))
+
+    def _make_optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
+    ) -> torch.optim.Optimizer:
+        """The wrapped class's optimizer (over the model's parameters here; over shards when sharded)."""
+        return optimizer_class(groups, *args, **kwargs)
+
+    def _model_params(self) -> list[torch.Tensor]:
+        """The model parameters this optimizer trains."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a step's reductions or updates are not all finished (synchronize() finishes them)."""
+        return self.model.manager.deferred_pending or self._pending is not None
 
     # -- torch.optim.Optimizer ------------------------------------------------------------------
     @torch.no_grad()
@@ -107,10 +133,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if pending is not None:
             pending.clear_after = set_to_none
             owed = self._params_of(pending.buckets)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) not in owed:
-                    _clear(p, set_to_none)
+        for p in self._model_params():
+            if id(p) not in owed:
+                _clear(p, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The class's own state_dict (loadable into a plain optimizer of the same class), every update applied."""
@@ -143,17 +168,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for bucket in range(len(manager.plan.buckets)):
             if manager.deferred_pending:
                 self.model.finish_bucket(bucket)
-        params = [p for group in self.param_groups for p in group["params"]]
-        return nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return nn.utils.clip_grad_norm_(self._model_params(), max_norm, norm_type)
 
     # -- internals ---------------------------------------------------------------------------------
     def _before_forward_of(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
         if self._ran is not None:
             self._ran.add(module)
-        manager = self.model.manager
-        if not (manager.deferred_pending or self._pending is not None):
+        if not self.in_flight:
             return
+        manager = self.model.manager
         indices = self._needs.get(module)
         if indices is None:  # not seen in the first forward: at least its own parameters
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
@@ -222,12 +246,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         plan = self.model.manager.plan
         return {id(self.model._params[i]) for b in buckets for i in plan.buckets[b].param_indices}
 
+    def on_plan_change(self, plan: Any) -> None:
+        """The model's buckets were replanned (first-step rebuild, auto-tune): nothing to move here."""
+
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks (after a final synchronize)."""
         self.synchronize()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _as_groups(params: Any) -> list[dict[str, Any]]:
+    """``params`` as torch.optim takes them (tensors, or parameter-group dicts) as a list of groups."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or of parameter-group dicts, not one tensor")
+    params = list(params)
+    if not params:
+        raise ValueError("DistributedOptimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        return [{"params": params}]
+    return [{**group, "params": list(group["params"])} for group in params]
 
 
 def _clear(p: torch.Tensor, set_to_none: bool) -> None:

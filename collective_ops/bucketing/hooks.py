@@ -72,6 +72,36 @@ def compression_hook(dtype: str) -> CommHook:
     return hook
 
 
+def reduce_scatter_hook(wire_dtype: str | None = None, keep: Callable[[int, Any], None] | None = None) -> CommHook:
+    """Sharded data parallel: each rank receives the averaged sum of its own shard of the bucket only.
+
+    The buffer must be padded to a multiple of the world size (``BucketManager.set_padding``);
+    afterwards this rank's shard of it (``engine.shard_of``) holds the result, averaged as
+    :func:`allreduce_hook` averages (so the same two-operand sums at 2 ranks: bit-equal to it).
+    With ``wire_dtype`` other than the bucket's (fp16 compression, or bf16 gradients reduced in
+    fp32) the bucket is cast first and the reduced shard, in ``wire_dtype``, is handed to
+    ``keep(bucket_index, shard)`` instead of being written back.
+    """
+
+    def hook(ctx: BucketContext) -> Handle:
+        engine = ctx.engine
+        factor = allreduce_prescale(engine, ctx.reduce_op)
+        if wire_dtype is None or wire_dtype == ctx.bucket.dtype:
+            if factor is not None and not ctx.prescaled:
+                engine.scale_(ctx.buffer, factor)
+            return engine.reduce_scatter_shard(ctx.buffer, async_op=True)
+        if keep is None:
+            raise ValueError("reduce_scatter_hook with a wire dtype needs keep= to receive the reduced shard")
+        wire = engine.cast(ctx.buffer, wire_dtype)
+        if factor is not None and not ctx.prescaled:
+            engine.scale_(wire, factor)
+        handle = engine.reduce_scatter_shard(wire, async_op=True)
+        return ThenHandle(handle, lambda: keep(ctx.bucket.index, engine.shard_of(wire)))
+
+    hook.__name__ = f"reduce_scatter_hook_{wire_dtype or 'native'}"
+    return hook
+
+
 COMPRESSIONS = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 

@@ -88,6 +88,16 @@ class BucketEngine(Protocol):
     def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
         """``values`` of rank ``src`` on every rank (same length on every rank)."""
 
+    # Optional, for sharded data parallel (buffers padded to a multiple of the world size):
+    def shard_of(self, buffer: Any) -> Any:
+        """This rank's equal, contiguous part of ``buffer`` (a view)."""
+
+    def reduce_scatter_shard(self, buffer: Any, async_op: bool = False) -> Handle | None:
+        """Sum ``buffer`` over ranks into this rank's shard of it (the rest is left undefined)."""
+
+    def all_gather_shard(self, buffer: Any, async_op: bool = False, group: Any = None) -> Handle | None:
+        """Every rank's shard of ``buffer`` into ``buffer`` on every rank (over ``group``: default, all)."""
+
 
 class CompletedHandle:
     """A handle for work that finished synchronously."""

@@ -18,7 +18,8 @@ from typing import Any
 
 from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale
 from .interfaces import BucketEngine, Handle, env_seconds, wait_with_timeout
-from .plan import BucketPlan, complete_order, plan_buckets
+from .plan import BucketPlan, BucketSpec, complete_order, plan_buckets
+from .shard import padded_numel
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,10 @@ class BucketManager:
         self.globally_unused: frozenset[int] = frozenset()
         self.last_stats = StepStats()
         self.totals = {"collectives": 0, "bytes": 0, "steps": 0, "exposed_comm_s": 0.0}
+        # Buffers are padded to a multiple of this (the world size when they are reduce-scattered).
+        self.pad_multiple = 1
         self._set_plan(plan)
-        self.buffers = [engine.zeros(b.numel, b.dtype, b.device) for b in plan.buckets]
+        self.buffers = [self._new_buffer(b) for b in plan.buckets]
         self._reset_iteration()
 
     # -- plan & buffers ----------------------------------------------------------
@@ -130,6 +133,29 @@ class BucketManager:
         self.plan = plan
         self._launch_order: tuple[int, ...] | None = None
         self._param_names = [p.name for p in plan.params]
+
+    def _new_buffer(self, bucket: BucketSpec) -> Any:
+        numel = bucket.numel if self.pad_multiple == 1 else padded_numel(bucket.numel, self.pad_multiple)
+        return self.engine.zeros(numel, bucket.dtype, bucket.device)
+
+    def set_comm_hook(self, hook: CommHook, prescale_on_copy: bool = False) -> None:
+        """Reduce buckets with ``hook`` from the next step on (every rank alike).
+
+        ``prescale_on_copy``: the hook averages as :func:`allreduce_hook` does (1/world, then a
+        sum), so adapters may scale gradients as they copy them in (:attr:`copy_in_scale`).
+        """
+        if self.in_progress or self._deferred:
+            raise RuntimeError("cannot change the comm hook while a step's buckets are in flight")
+        self.comm_hook = hook
+        self._copy_in_scale = allreduce_prescale(self.engine, self.reduce_op) if prescale_on_copy else None
+
+    def set_padding(self, multiple: int) -> None:
+        """Pad every bucket buffer to a multiple of ``multiple`` elements (moving the gradients held)."""
+        if multiple < 1:
+            raise ValueError(f"padding multiple must be >= 1, got {multiple}")
+        if multiple != self.pad_multiple:
+            self.pad_multiple = multiple
+            self._move_to(self.plan)
 
     def param_segment(self, index: int) -> tuple[Any, int, int]:
         """(buffer, offset, numel) of parameter ``index``'s gradient in its bucket."""
@@ -468,8 +494,7 @@ class BucketManager:
         if first_failed is not None:
             unsettled.append(first_failed)
         for bucket_index in unsettled:
-            bucket = self.plan.buckets[bucket_index]
-            self.buffers[bucket_index] = self.engine.zeros(bucket.numel, bucket.dtype, bucket.device)
+            self.buffers[bucket_index] = self._new_buffer(self.plan.buckets[bucket_index])
         self._accumulated.clear()
         self._reset_iteration()
         if self.on_rebuild is not None:
@@ -607,8 +632,15 @@ class BucketManager:
         )
         if new_plan.fingerprint() == self.plan.fingerprint() and same_settings:
             return False
+        self._move_to(new_plan)
+        return True
+
+    def _move_to(self, new_plan: BucketPlan) -> None:
+        """New buffers for ``new_plan`` holding every gradient segment of the current ones."""
+        if self.in_progress or self._deferred:
+            raise RuntimeError("cannot move bucket buffers while a step's buckets are in flight")
         old_segments = [self.param_segment(i) for i in range(len(self._param_names))]
-        new_buffers = [self.engine.zeros(b.numel, b.dtype, b.device) for b in new_plan.buckets]
+        new_buffers = [self._new_buffer(b) for b in new_plan.buckets]
         for index, (old_buffer, old_offset, numel) in enumerate(old_segments):
             bucket_index, slot = new_plan.location[index]
             segment = self.engine.segment(old_buffer, old_offset, numel)
@@ -618,7 +650,6 @@ class BucketManager:
         self._reset_iteration()
         if self.on_rebuild is not None:
             self.on_rebuild(new_plan)
-        return True
 
     # -- modes ---------------------------------------------------------------------
     @contextlib.contextmanager

@@ -234,6 +234,39 @@ class TorchEngine(Engine):
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
+    # -- sharded buckets -------------------------------------------------------------
+    def shard_of(self, buffer: torch.Tensor) -> torch.Tensor:
+        shard = buffer.numel() // self._world_size
+        return buffer.narrow(0, self._rank * shard, shard)
+
+    def reduce_scatter_shard(self, buffer: torch.Tensor, async_op: bool = False) -> Any:
+        """The sum of every rank's ``buffer`` into this rank's shard of it.
+
+        Gloo's reduce-scatter moves the whole buffer (measured on the emulated 1gbit link, 4 MiB:
+        37.5 ms, as much as an allreduce's 35 ms), so on Gloo each shard is sent to its owner with
+        an all-to-all (17.5 ms: (N-1)/N of the buffer, as a reduce-scatter should) and the N
+        received parts are summed here, in rank order. Other backends reduce-scatter in place.
+        """
+        shard = self.shard_of(buffer)
+        if self.backend != "gloo":
+            work = _reduce_scatter_single(shard, buffer, op=dist.ReduceOp.SUM, async_op=True)
+            return finish(ThenHandle(work, lambda: shard), async_op)
+        received = torch.empty_like(buffer)
+        work = dist.all_to_all_single(received, buffer, async_op=True)
+
+        def sum_parts() -> torch.Tensor:
+            parts = received.view(self._world_size, -1)
+            shard.copy_(parts[0])
+            for part in parts[1:]:  # left to right: a + b at 2 ranks, as the allreduce sums
+                shard.add_(part)
+            return shard
+
+        return finish(ThenHandle(work, sum_parts), async_op)
+
+    def all_gather_shard(self, buffer: torch.Tensor, async_op: bool = False, group: Any = None) -> Any:
+        work = _all_gather_single(buffer, self.shard_of(buffer), group=group, async_op=True)
+        return finish(ThenHandle(work, lambda: buffer), async_op)
+
     def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=src)

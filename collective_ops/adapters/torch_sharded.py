@@ -1,0 +1,471 @@
+"""Sharded data parallel on the same buckets: ``DistributedOptimizer(..., shard=True)`` (ZeRO-1).
+
+Each bucket is padded to a multiple of the world size and cut into equal contiguous shards
+(:class:`collective_ops.bucketing.shard.ShardLayout`). Gradients are reduce-scattered per
+bucket during backward, in the plan's launch order on every rank; each rank runs the wrapped
+optimizer on the pieces of parameters inside its shards only, so it keeps 1/N of the
+optimizer state; the updated shards are all-gathered per bucket into the parameters, and the
+next forward waits only for the buckets it is about to use.
+
+Parameters become views of one padded flat buffer per bucket (as gradients already are), so
+the all-gather lands in them without a copy. For fp32 parameters the optimizer's pieces are
+views of those buffers too (no extra memory); for fp16/bf16 parameters each rank keeps an
+fp32 master copy of its pieces only, and gradients are reduced in the parameter dtype or, with
+``grad_reduce_dtype="float32"``, cast and reduced in fp32 (Megatron's ``grad_reduce_in_fp32``).
+
+All-gathers are launched in one fixed order (the reverse of the plan: the buckets the forward
+needs first), each once its bucket's update is applied, on a process group of their own: how
+many are launched before the next forward depends on timing, and on the default group they
+would interleave differently on each rank with the forward's buffer broadcast or a user's
+``all_reduce(loss)``, mismatching collectives. On their own group the order is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..bucketing.hooks import allreduce_hook, reduce_scatter_hook
+from ..bucketing.interfaces import Handle, wait_with_timeout
+from ..bucketing.plan import BucketPlan
+from ..bucketing.shard import ShardLayout, ShardPiece
+from ..bucketing.updates import PendingUpdates
+from .torch import DistributedDataParallel, view_like
+from .torch_optimizer import DistributedOptimizer, _clear
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+MASTER_KEY = "master_param"  # fp32 master values of a low-precision parameter, in state_dict()
+GRAD_REDUCE_DTYPES = (None, "float32")
+
+
+class ShardedDistributedOptimizer(DistributedOptimizer):
+    """``DistributedOptimizer(model, cls, ..., shard=True)``: optimizer state sharded across ranks.
+
+    ``param_groups`` hold this rank's pieces (flat tensors), with the groups' settings, so LR
+    schedulers work; ``state_dict()`` is the full, unsharded state in the plain optimizer's
+    format (gathered on every rank: save it from one), and ``load_state_dict`` reshards a full
+    state, also one saved at another world size.
+    """
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        optimizer_class: type[torch.optim.Optimizer],
+        *args: Any,
+        params: Any = None,
+        overlap: bool = True,
+        shard: bool = True,
+        grad_reduce_dtype: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(
+                f"grad_reduce_dtype must be None (the parameters' dtype) or 'float32', got {grad_reduce_dtype!r}"
+            )
+        if isinstance(model, DistributedDataParallel):
+            _refuse_unsupported(model, grad_reduce_dtype)
+        self.grad_reduce_dtype = grad_reduce_dtype
+        self._inner_args = (args, kwargs)
+        self._kept: dict[int, torch.Tensor] = {}  # bucket -> reduced shard in another dtype (fp32, fp16)
+        self._gathers: dict[int, Handle] = {}  # bucket -> all-gather in flight
+        self._next_gather = 0  # position in the gather order
+        self._steps_applied = 0  # the model's synchronised step whose gradients were last applied
+        # (every rank constructs the optimizer at the same point: creating a group is a collective)
+        self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
+        super().__init__(model, optimizer_class, *args, params=params, overlap=overlap, **kwargs)
+
+    # -- building ------------------------------------------------------------------------------
+    def _make_optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
+    ) -> torch.optim.Optimizer:
+        self._optimizer_class = optimizer_class
+        self._model_groups = [group["params"] for group in groups]
+        manager = self.model.manager
+        manager.set_padding(self.model.engine.world_size)
+        manager.set_comm_hook(
+            reduce_scatter_hook(self._wire_dtype(), keep=self._kept.__setitem__),
+            prescale_on_copy=self._wire_dtype() is None,
+        )
+        self._lay_out(manager.plan)
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        return self._inner_optimizer(settings)
+
+    def _wire_dtype(self) -> str | None:
+        compression = self.model.compression
+        if compression:
+            return {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}[compression]
+        return self.grad_reduce_dtype
+
+    def _lay_out(self, plan: BucketPlan) -> None:
+        """Parameters as views of padded per-bucket buffers; this rank's pieces (views, or fp32 masters)."""
+        engine = self.model.engine
+        self._layout = ShardLayout(plan, engine.world_size)
+        self._param_buffers = []
+        for spec, shards in zip(plan.buckets, self._layout.buckets):
+            buffer = torch.zeros(shards.padded_numel, dtype=getattr(torch, spec.dtype), device=spec.device)
+            with torch.no_grad():
+                for index, offset in zip(spec.param_indices, spec.offsets):
+                    p = self.model._params[index]
+                    view = view_like(p, buffer, offset)
+                    view.copy_(p.detach())
+                    p.data = view
+            self._param_buffers.append(buffer)
+        self._pieces: list[tuple[ShardPiece, torch.Tensor]] = []
+        for piece in self._layout.pieces(engine.rank):
+            source = self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel)
+            master = source.detach().float().clone() if source.dtype in LOW_PRECISION else source
+            self._pieces.append((piece, master))
+        self._bucket_pieces = [[] for _ in plan.buckets]
+        for piece, tensor in self._pieces:
+            self._bucket_pieces[piece.bucket].append((piece, tensor))
+        self._gather_order = list(reversed(range(len(plan.buckets))))  # the forward needs the last buckets first
+
+    def _param_shard(self, bucket: int) -> torch.Tensor:
+        return self.model.engine.shard_of(self._param_buffers[bucket])
+
+    def _inner_optimizer(self, settings: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """The wrapped class over this rank's pieces, grouped as the model's parameters were."""
+        group_of = {id(p): g for g, params in enumerate(self._model_groups) for p in params}
+        pieces: list[list[torch.Tensor]] = [[] for _ in self._model_groups]
+        for piece, tensor in self._pieces:
+            group = group_of.get(id(self.model._params[piece.param_index]))
+            if group is not None:
+                pieces[group].append(tensor)
+        args, kwargs = self._inner_args
+        groups = [{**setting, "params": group_pieces} for setting, group_pieces in zip(settings, pieces)]
+        return self._optimizer_class(groups, *args, **kwargs)
+
+    def _model_params(self) -> list[torch.Tensor]:
+        return [p for params in self._model_groups for p in params]
+
+    # -- the step ------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        return super().in_flight or bool(self._gathers)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Update each bucket's shard once its reduce-scatter lands and all-gather it; the rest as needed."""
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
+        if self._pending is not None or self._gathers:
+            self.synchronize()  # a previous step's updates were never needed: owed first
+        self.update_seconds = 0.0
+        manager = self.model.manager
+        reduction = manager.steps_synced + (1 if manager.deferred_pending else 0)
+        if reduction == self._steps_applied:
+            return  # no gradients reduced since the last step: nothing to apply, as torch skips grad=None
+        self._steps_applied = reduction
+        self._pending = PendingUpdates.start(len(manager.plan.buckets), self.param_groups)
+        self._next_gather = 0
+        if self.overlap:
+            self._advance(block=False)
+        else:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Finish every reduction, apply every owed update, finish every all-gather (blocking)."""
+        self._advance(block=True)
+        for bucket in list(self._gathers):
+            self._wait_gather(bucket)
+
+    def _advance(self, block: bool, until: int | None = None) -> None:
+        """Update and all-gather buckets in the gather order: those already reduced, or (``block``) all,
+        or up to bucket ``until``. The order never depends on timing, only how far it gets now."""
+        manager = self.model.manager
+        while self._next_gather < len(self._gather_order):
+            bucket = self._gather_order[self._next_gather]
+            if not block and manager.deferred_pending and not manager.bucket_ready(bucket):
+                return
+            self._update_and_gather(bucket)
+            self._next_gather += 1
+            if bucket == until:
+                return
+        if self._pending is None and manager.deferred_pending:  # reductions no step() asked to apply
+            for bucket in range(len(manager.plan.buckets)):
+                self.model.finish_bucket(bucket)
+
+    @torch.no_grad()
+    def _update_and_gather(self, bucket: int, module: str = "") -> None:
+        manager = self.model.manager
+        tracer = getattr(manager.observer, "bucket_update", None)
+        step = manager.steps_synced
+        if manager.deferred_pending and not manager.bucket_finished(bucket):
+            start = time.perf_counter()
+            self.model.finish_bucket(bucket)
+            if tracer is not None and module:
+                tracer("forward wait", bucket, step, start, time.perf_counter(), module)
+        pending = self._pending
+        if pending is None or not pending.take(bucket):
+            return
+        start = time.perf_counter()
+        self._bind_grads(bucket)
+        self._timed_step({id(t) for _, t in self._bucket_pieces[bucket]}, pending.hyperparameters)
+        shard = self._param_shard(bucket)
+        for piece, tensor in self._bucket_pieces[bucket]:
+            tensor.grad = None
+            if _is_master(piece, tensor, self._param_buffers):
+                shard.narrow(0, piece.shard_offset, piece.numel).copy_(tensor)  # fp32 master -> parameters
+        self._gathers[bucket] = self.model.engine.all_gather_shard(
+            self._param_buffers[bucket], async_op=True, group=self._gather_group
+        )
+        if tracer is not None:
+            tracer("update", bucket, step, start, time.perf_counter(), module)
+        if pending.clear_after is not None:
+            for index in manager.plan.buckets[bucket].param_indices:
+                _clear(self.model._params[index], pending.clear_after)
+        if pending.finished:
+            self._pending = None
+
+    def _bind_grads(self, bucket: int) -> None:
+        """Each piece's ``.grad``: its part of the reduced shard (cast to the piece's dtype where it differs)."""
+        source = self._kept.pop(bucket, None)
+        if source is None:
+            source = self.model.engine.shard_of(self.model.manager.buffers[bucket])
+        for piece, tensor in self._bucket_pieces[bucket]:
+            if tensor.grad is not None:
+                continue  # bound already this step (clip_grad_norm_ scaled it)
+            grad = source.narrow(0, piece.shard_offset, piece.numel)
+            tensor.grad = grad if grad.dtype == tensor.dtype else grad.to(tensor.dtype)
+
+    def _wait_gather(self, bucket: int, module: str = "") -> None:
+        handle = self._gathers.pop(bucket, None)
+        if handle is None:
+            return
+        start = time.perf_counter()
+        wait_with_timeout(handle, self.model.manager.stall_timeout_s)
+        tracer = getattr(self.model.manager.observer, "bucket_update", None)
+        if tracer is not None and module:
+            tracer("forward wait", bucket, self.model.manager.steps_synced, start, time.perf_counter(), module)
+
+    def _before_forward_of(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: the buckets holding the parameters this module reads are gathered first."""
+        if self._ran is not None:
+            self._ran.add(module)
+        if not self.in_flight:
+            return
+        indices = self._needs.get(module)
+        if indices is None:
+            indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
+        location = self.model.manager.plan.location
+        name = type(module).__name__
+        for bucket in sorted({location[i][0] for i in indices}, key=self._gather_order.index):
+            if bucket in self._gather_order[self._next_gather :]:
+                self._advance(block=True, until=bucket)
+            self._wait_gather(bucket, name)
+
+    # -- what the rest of the loop may call --------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As the class's zero_grad, over the model's parameters (their owed buckets cleared after the update)."""
+        super().zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` on the averaged gradients, from the shards (one small allreduce).
+
+        Every bucket's reduction is finished first (this step loses its overlap with the next
+        forward). Equal to torch's up to summation order (each rank sums its shards first).
+        """
+        if self._pending is not None:
+            raise RuntimeError("clip_grad_norm_ after step(): clip between backward() and step(), as with torch")
+        manager = self.model.manager
+        for bucket in range(len(manager.plan.buckets)):
+            if manager.deferred_pending:
+                self.model.finish_bucket(bucket)
+            self._bind_grads(bucket)
+        grads = [t.grad for _, t in self._pieces if t.grad is not None]
+        norm_type = float(norm_type)
+        device = self.model.engine.device
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+            local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+        else:
+            local = torch.zeros((), device=device)
+        total = local.to(torch.float32).reshape(1).clone()
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op)
+        total = total[0] if norm_type == float("inf") else total[0].pow(1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype))
+        return total
+
+    # -- checkpoints: the full state, resharded ---------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The full, unsharded state in the plain optimizer's format, on every rank (a collective)."""
+        self.synchronize()
+        full = self._full_state()
+        state, groups, number = {}, [], 0
+        for inner_group, params in zip(self._optimizer.param_groups, self._model_groups):
+            ids = []
+            for p in params:
+                index = self._index[id(p)]
+                if index in full:
+                    state[number] = full[index]
+                ids.append(number)
+                number += 1
+            groups.append({**_settings(inner_group), "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state (ours at any world size, or a plain optimizer's of the same class)."""
+        self.synchronize()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self._model_groups) or any(
+            len(g["params"]) != len(params) for g, params in zip(groups, self._model_groups)
+        ):
+            raise ValueError(
+                "loaded state dict has a different number of parameter groups or parameters per group than this "
+                "optimizer: it belongs to another model or optimizer setup"
+            )
+        full = {}
+        for group, params in zip(groups, self._model_groups):
+            for number, p in zip(group["params"], params):
+                if number in state_dict["state"]:
+                    full[self._index[id(p)]] = state_dict["state"][number]
+        self._install(full, [_settings(g) for g in groups])
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 master pieces from the (low-precision) parameters, after loading model weights."""
+        self.synchronize()
+        for piece, tensor in self._pieces:
+            if _is_master(piece, tensor, self._param_buffers):
+                tensor.detach().copy_(self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel))
+
+    def on_plan_change(self, plan: BucketPlan) -> None:
+        """The model's buckets were replanned: lay the shards out anew, moving the state with them."""
+        if plan is self._layout.plan:
+            return  # the same plan with fresh gradient buffers (a failed step): pieces bind lazily
+        full = self._full_state()
+        settings = [_settings(g) for g in self._optimizer.param_groups]
+        self._lay_out(plan)
+        self._install(full, settings)
+
+    def _install(self, full: dict[int, dict[str, Any]], settings: list[dict[str, Any]]) -> None:
+        """A fresh inner optimizer over the current pieces, holding their slices of ``full``."""
+        self.reload_model_params()
+        optimizer = self._inner_optimizer(settings)
+        inner_state, number, groups = {}, 0, []
+        piece_of = {id(tensor): piece for piece, tensor in self._pieces}
+        for group in optimizer.param_groups:
+            groups.append({**_settings(group), "params": list(range(number, number + len(group["params"])))})
+            for tensor in group["params"]:
+                piece = piece_of[id(tensor)]
+                state = full.get(piece.param_index)
+                if state is not None:
+                    inner_state[number] = self._slice_state(state, piece, tensor)
+                number += 1
+        optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
+        self._optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+
+    def _slice_state(self, state: dict[str, Any], piece: ShardPiece, tensor: torch.Tensor) -> dict[str, Any]:
+        p = self.model._params[piece.param_index]
+        sliced = {}
+        for key, value in state.items():
+            if key == MASTER_KEY:
+                tensor.detach().copy_(_flat_like(value, p)[piece.param_start : piece.param_end])
+            elif _elementwise(key, value, p):
+                sliced[key] = _flat_like(value, p)[piece.param_start : piece.param_end].clone()
+            else:  # a scalar (step): each piece its own, as the class's load_state_dict would not copy it
+                sliced[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return sliced
+
+    def _full_state(self) -> dict[int, dict[str, Any]]:
+        """Every parameter's state (model index -> {key: value}), gathered per bucket (collectives)."""
+        plan = self._layout.plan
+        inner_state = self._optimizer.state
+        scalars, keys = {}, set()
+        for piece, tensor in self._pieces:
+            state = inner_state.get(tensor, {})
+            keys |= {k for k, v in state.items() if _piecewise(v, piece)}
+            if piece.param_start == 0 and state:
+                scalars[piece.param_index] = {k: v for k, v in state.items() if not _piecewise(v, piece)}
+        if any(_is_master(pc, t, self._param_buffers) for pc, t in self._pieces):
+            keys.add(MASTER_KEY)
+        gathered: list[Any] = [None] * self.model.engine.world_size
+        dist.all_gather_object(gathered, (scalars, sorted(keys)))
+        full: dict[int, dict[str, Any]] = {}
+        for rank_scalars, _ in gathered:
+            full.update({index: dict(values) for index, values in rank_scalars.items()})
+        keys = sorted({k for _, rank_keys in gathered for k in rank_keys})
+        for bucket, shards in enumerate(self._layout.buckets):
+            spec = plan.buckets[bucket]
+            for key in keys:
+                if key == MASTER_KEY and getattr(torch, spec.dtype) not in LOW_PRECISION:
+                    continue  # fp32 parameters are their own masters
+                flat = self._gather_bucket_state(bucket, key, shards.shard_numel)
+                for index, offset in zip(spec.param_indices, spec.offsets):
+                    if index in full:
+                        p = self.model._params[index]
+                        full[index][key] = _unflat_like(flat.narrow(0, offset, p.numel()), p)
+        return full
+
+    def _gather_bucket_state(self, bucket: int, key: str, shard_numel: int) -> torch.Tensor:
+        dtype = _master_dtype(self.model.manager.plan.buckets[bucket].dtype)
+        local = torch.zeros(shard_numel, dtype=dtype, device=self._param_buffers[bucket].device)
+        for piece, tensor in self._bucket_pieces[bucket]:
+            value = tensor.detach() if key == MASTER_KEY else self._optimizer.state.get(tensor, {}).get(key)
+            if value is not None:
+                local.narrow(0, piece.shard_offset, piece.numel).copy_(value.reshape(-1))
+        return self.model.engine.allgather(local)
+
+
+def _refuse_unsupported(model: DistributedDataParallel, grad_reduce_dtype: str | None) -> None:
+    manager = model.manager
+    if manager.find_unused_parameters:
+        raise ValueError(
+            "shard=True with find_unused_parameters=True is not supported yet: wrap without it, or use shard=False"
+        )
+    if manager.comm_hook is not allreduce_hook and not model.compression:
+        raise ValueError(
+            "shard=True reduce-scatters gradients and replaces the model's comm hook; a custom comm_hook cannot be "
+            "used with it (compression='fp16'/'bf16' can)"
+        )
+    if grad_reduce_dtype is not None and model.compression:
+        raise ValueError("pass either compression (on wrap) or grad_reduce_dtype, not both")
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _is_master(piece: ShardPiece, tensor: torch.Tensor, param_buffers: list[torch.Tensor]) -> bool:
+    """True when the piece's tensor is an fp32 copy (of low-precision parameters), not a view of them."""
+    return tensor.dtype != param_buffers[piece.bucket].dtype
+
+
+def _master_dtype(dtype: str) -> torch.dtype:
+    """The dtype the optimizer works in for a bucket of ``dtype``: fp32 for fp16/bf16, else its own."""
+    torch_dtype = getattr(torch, dtype)
+    return torch.float32 if torch_dtype in LOW_PRECISION else torch_dtype
+
+
+def _piecewise(value: Any, piece: ShardPiece) -> bool:
+    """A piece's state value with one entry per element (exp_avg), not a scalar (step)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.numel
+
+
+def _elementwise(key: str, value: Any, p: torch.Tensor) -> bool:
+    """A full state value with one entry per element of ``p``."""
+    return isinstance(value, torch.Tensor) and value.shape == p.shape and not (p.dim() == 0 and key == "step")
+
+
+def _flat_like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``value``'s elements in ``p``'s memory order (how ``p`` lies in its bucket), flat."""
+    laid_out = torch.empty_like(p, dtype=value.dtype).copy_(value)
+    return laid_out.as_strided((p.numel(),), (1,), 0)
+
+
+def _unflat_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_flat_like`: a tensor shaped (and strided) as ``p``."""
+    out = torch.empty_like(p, dtype=flat.dtype)
+    out.as_strided((p.numel(),), (1,), 0).copy_(flat)
+    return out
+
+
+__all__ = ["ShardedDistributedOptimizer"]

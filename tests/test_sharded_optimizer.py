@@ -1,0 +1,373 @@
+"""DistributedOptimizer(shard=True), ZeRO-1 on our buckets, on real Gloo ranks.
+
+One spawn per world size: 2 ranks (bit-equality with DDP + the same optimizer, the full state,
+checkpoint saved), then 1 and 3 ranks (that checkpoint resharded, training continued).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+from tests.reference import assert_identical, collect_errors, snapshot
+from tests.test_distributed_optimizer import STEPS, _make_optimizer, _train
+
+BUCKET = {"bucket_size_mb": 0.004, "first_bucket_mb": 0.001}  # several buckets, shards splitting parameters
+
+
+def _ddp_and_sharded(rank: int, name: str, opt_kind: str, **train_kwargs) -> tuple[dict, dict]:
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, SmallCNN, TinyTransformer, build
+
+    model_cls = {"transformer": TinyTransformer, "cnn": SmallCNN, "mlp": MLP}[name]
+    scheduler_of = train_kwargs.pop("scheduler_of", None)
+    cls, kwargs = _make_optimizer(opt_kind)
+    ddp = torch.nn.parallel.DistributedDataParallel(build(name))
+    ours_model = co.wrap(build(name), **BUCKET)
+    pairs = (
+        (ddp, cls(ddp.parameters(), **kwargs)),
+        (ours_model, co.DistributedOptimizer(ours_model, cls, shard=True, **kwargs)),
+    )
+    results = []
+    for model, optimizer in pairs:
+        scheduler = scheduler_of(optimizer) if scheduler_of else None
+        results.append(_train(rank, model, optimizer, model_cls, scheduler=scheduler, **train_kwargs))
+    return results[0], results[1]
+
+
+def _state_arrays(state_dict: dict) -> dict:
+    return {f"{i}/{k}": v.detach().numpy() for i, s in state_dict["state"].items() for k, v in s.items()}
+
+
+def _state_bytes(optimizer) -> int:
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    total = sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values() if v.dim() > 0)
+    masters = getattr(optimizer, "_pieces", [])
+    return total + sum(
+        t.numel() * t.element_size() for piece, t in masters if t.dtype != _param_dtype(optimizer, piece)
+    )
+
+
+def _param_dtype(optimizer, piece):
+    return optimizer._param_buffers[piece.bucket].dtype
+
+
+def _interleaved_user_collectives(rank: int) -> tuple[dict, dict]:
+    """A loop that all-reduces its loss between step() and the next forward, ranks timed differently."""
+    import time
+
+    import torch
+
+    import collective_ops as co
+    from tests.models import TinyTransformer, build, rank_batch
+
+    results = []
+    for sharded in (False, True):
+        model = (
+            co.wrap(build("transformer"), **BUCKET)
+            if sharded
+            else torch.nn.parallel.DistributedDataParallel(build("transformer"))
+        )
+        if sharded:
+            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(8):
+            x, y = rank_batch(TinyTransformer, step, rank)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            if rank == step % 2:
+                time.sleep(0.05)  # this rank's reductions have landed at step(), its peer's have not
+            optimizer.step()
+            torch.distributed.all_reduce(loss.detach())
+        results.append(snapshot(model if sharded else model.module))  # the wrapper's: owed updates land first
+    return results[0], results[1]
+
+
+def _bf16_loss_curves(rank: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    curves = {}
+    for label, dtype, reduce_dtype in (
+        ("fp32", torch.float32, None),
+        ("bf16", torch.bfloat16, None),
+        ("bf16_fp32_reduce", torch.bfloat16, "float32"),
+    ):
+        model = co.wrap(build("mlp").to(dtype), **BUCKET)
+        optimizer = co.DistributedOptimizer(
+            model, torch.optim.AdamW, lr=3e-3, shard=True, grad_reduce_dtype=reduce_dtype
+        )
+        losses = []
+        for step in range(40):
+            x, y = rank_batch(MLP, step % 4, rank)
+            loss = torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+        masters = {str(t.dtype) for _, t in optimizer._pieces}
+        curves[label] = (losses, masters, sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
+    return curves
+
+
+def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
+    import torch
+
+    import collective_ops as co
+    from collective_ops.bucketing.shard import ShardLayout
+    from tests.models import MLP, TinyTransformer, build, rank_batch
+
+    out: dict = {}
+    for name in ("transformer", "cnn"):
+        for opt in ("sgd", "adamw"):
+            out[f"{name}_{opt}"] = _ddp_and_sharded(rank, name, opt)
+    out["scheduler"] = _ddp_and_sharded(
+        rank, "mlp", "adamw", scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8)
+    )
+    out["accumulation"] = _ddp_and_sharded(rank, "mlp", "sgd", accumulate=3, steps=6)
+    reference, _ = _ddp_and_sharded(rank, "mlp", "adamw")
+    cls, kwargs = _make_optimizer("adamw")
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, cls, shard=True, overlap=False, **kwargs)
+    out["no_overlap"] = (reference, _train(rank, model, optimizer, MLP))
+    out["interleaved"] = _interleaved_user_collectives(rank)
+
+    # the full state: equal to the unsharded optimizer's after the same training, and it round-trips
+    states, bytes_used = [], []
+    for shard in (False, True):
+        model = co.wrap(build("transformer"), **BUCKET)
+        optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=shard)
+        _train(rank, model, optimizer, TinyTransformer, steps=3)
+        states.append(optimizer.state_dict())
+        bytes_used.append(_state_bytes(optimizer))
+        if shard:
+            layout = ShardLayout(model.manager.plan, world)
+            mine = optimizer._layout.pieces(rank)
+            out["layout"] = (
+                hashlib.sha256(repr([layout.pieces(r) for r in range(world)]).encode()).hexdigest(),
+                mine == layout.pieces(rank),
+                sum(b.padded_numel - b.numel for b in layout.buckets),
+            )
+            plain = torch.optim.AdamW(build("transformer").parameters(), lr=1e-2)
+            plain.load_state_dict(states[1])
+            optimizer.load_state_dict(plain.state_dict())
+            out["reloaded"] = _state_arrays(optimizer.state_dict())
+    out["full_state"] = (
+        _state_arrays(states[0]),
+        _state_arrays(states[1]),
+        states[0]["param_groups"] == states[1]["param_groups"],
+    )
+    out["state_bytes"] = bytes_used
+
+    # clip_grad_norm_ from the shards against torch's on DDP's averaged gradients
+    def clipped(model, optimizer):
+        x, y = rank_batch(MLP, 0, rank)
+        loss = torch.nn.functional.cross_entropy(model(x), y) * 50
+        optimizer.zero_grad()
+        loss.backward()
+        if isinstance(optimizer, co.DistributedOptimizer):
+            norm = optimizer.clip_grad_norm_(0.5)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        # ours: the wrapper's state_dict, where the owed all-gathers land first
+        return float(norm), snapshot(
+            model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        )
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build("mlp"))
+    model = co.wrap(build("mlp"), **BUCKET)
+    out["clip"] = (
+        clipped(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)),
+        clipped(model, co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)),
+    )
+    out["bf16"] = _bf16_loss_curves(rank)
+
+    # a checkpoint for the 1- and 3-rank runs, and training continued from it here
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, shard=True)
+    _train(rank, model, optimizer, MLP, steps=6)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    if rank == 0:
+        torch.save(saved, checkpoint)
+    out["continued"] = _continue_from(rank, saved)
+
+    def unused_net():
+        from tests.models import WithUnusedBranch
+
+        torch.manual_seed(0)
+        return WithUnusedBranch()
+
+    out["errors"] = collect_errors(
+        {
+            "find_unused": lambda: co.DistributedOptimizer(
+                co.wrap(unused_net(), find_unused_parameters=True), torch.optim.SGD, lr=0.1, shard=True
+            ),
+            "custom_hook": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp"), comm_hook=lambda ctx: ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)),
+                torch.optim.SGD,
+                lr=0.1,
+                shard=True,
+            ),
+            "reduce_dtype": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True, grad_reduce_dtype="float64"
+            ),
+            "reduce_dtype_unsharded": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, grad_reduce_dtype="float32"
+            ),
+        }
+    )
+    return out
+
+
+def _continue_from(rank: int, saved: dict, steps: int = 4) -> tuple[dict, dict]:
+    """(unsharded, sharded) after loading ``saved`` at this world size and training ``steps`` more."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build
+
+    results = []
+    for shard in (False, True):
+        loaded = copy.deepcopy(saved)  # torch's load_state_dict keeps the loaded tensors: trained in place
+        net = build("mlp")
+        net.load_state_dict(loaded["model"])
+        model = co.wrap(net, **BUCKET)
+        optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, shard=shard)
+        optimizer.load_state_dict(loaded["optimizer"])
+        results.append(_train(rank, model, optimizer, MLP, steps=steps))
+    return results[0], results[1]
+
+
+def resharded_checks(rank: int, world: int, checkpoint: str) -> dict:
+    import torch
+
+    from tests.models import MLP, build
+
+    saved = torch.load(checkpoint, weights_only=True)
+    out = {"continued": _continue_from(rank, saved)}
+    if world == 1:  # the plain optimizer on the plain model, from the same checkpoint
+        net = build("mlp")
+        net.load_state_dict(saved["model"])
+        plain = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+        plain.load_state_dict(copy.deepcopy(saved["optimizer"]))
+        out["plain"] = _train(rank, torch.nn.parallel.DistributedDataParallel(net), plain, MLP, steps=4)
+    if world == 3:
+        out["transformer_sgd"] = _ddp_and_sharded(rank, "transformer", "sgd", steps=10)
+        out["mlp_adamw"] = _ddp_and_sharded(rank, "mlp", "adamw", steps=10)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("sharded") / "checkpoint.pt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint) -> list[dict]:
+    return run_ranks(2, two_rank_checks, checkpoint, timeout=400)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["transformer_sgd", "transformer_adamw", "cnn_sgd", "cnn_adamw", "scheduler", "accumulation", "no_overlap"],
+)
+def test_two_ranks_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:
+    for rank, out in enumerate(two_ranks):
+        ddp, ours = out[case]
+        assert_identical(ours, ddp, f"{case}, rank {rank}, {STEPS} steps")
+
+
+def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:
+    """All-gathers run on a group of their own: a user's all_reduce(loss) after step() cannot interleave."""
+    for rank, out in enumerate(two_ranks):
+        ddp, ours = out["interleaved"]
+        assert_identical(ours, ddp, f"rank {rank}")
+
+
+def test_layout_identical_on_every_rank_and_padding_small(two_ranks) -> None:
+    hashes = {out["layout"][0] for out in two_ranks}
+    assert len(hashes) == 1
+    assert all(out["layout"][1] for out in two_ranks)
+    assert all(out["layout"][2] < 2 * 20 for out in two_ranks)  # < world per bucket
+
+
+def test_full_state_equals_the_unsharded_optimizers_and_round_trips(two_ranks) -> None:
+    for out in two_ranks:
+        unsharded, sharded, groups_equal = out["full_state"]
+        assert len(unsharded) > 0 and groups_equal
+        assert_identical(sharded, unsharded, "state_dict(): shard=True vs shard=False after 3 steps")
+        assert_identical(out["reloaded"], sharded, "sharded -> plain AdamW -> sharded")
+
+
+def test_each_rank_holds_half_the_optimizer_state(two_ranks) -> None:
+    world = 2
+    for out in two_ranks:
+        unsharded, sharded = out["state_bytes"]
+        padding_bytes = out["layout"][2] * 4 * 2  # fp32, two AdamW moments
+        assert sharded <= unsharded / world + padding_bytes, (sharded, unsharded)
+        assert sharded >= unsharded / world - padding_bytes  # really sharded, not dropped
+
+
+def test_clip_grad_norm_from_shards_matches_torch(two_ranks) -> None:
+    for out in two_ranks:
+        (ddp_norm, ddp_params), (our_norm, our_params) = out["clip"]
+        assert ddp_norm > 0.5
+        assert our_norm == pytest.approx(ddp_norm, rel=1e-6)
+        for key in ddp_params:
+            np.testing.assert_allclose(our_params[key], ddp_params[key], rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_bf16_model_with_fp32_master_shards_tracks_fp32(two_ranks) -> None:
+    curves = two_ranks[0]["bf16"]
+    fp32 = np.array(curves["fp32"][0])
+    assert fp32[-4:].mean() < 0.5 * fp32[:4].mean()  # it learns
+    for label in ("bf16", "bf16_fp32_reduce"):
+        losses, masters, keys = curves[label]
+        assert masters == {"torch.float32"}
+        assert "master_param" in keys
+        assert abs(np.mean(losses[-8:]) - np.mean(fp32[-8:])) < 0.1 * np.mean(fp32[:4]), label
+    assert curves["fp32"][1] == {"torch.float32"} and "master_param" not in curves["fp32"][2]
+
+
+def test_continued_from_checkpoint_as_unsharded_at_two_ranks(two_ranks) -> None:
+    for out in two_ranks:
+        unsharded, sharded = out["continued"]
+        assert_identical(sharded, unsharded, "4 steps after loading, 2 ranks")
+
+
+def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
+    errors = two_ranks[0]["errors"]
+    assert "find_unused_parameters" in errors["find_unused"]
+    assert "custom comm_hook" in errors["custom_hook"]
+    assert "'float32'" in errors["reduce_dtype"]
+    assert "shard=True" in errors["reduce_dtype_unsharded"]
+
+
+def test_checkpoint_of_two_ranks_loads_at_one_rank(two_ranks, checkpoint) -> None:
+    (out,) = run_ranks(1, resharded_checks, checkpoint, timeout=200)
+    unsharded, sharded = out["continued"]
+    assert_identical(sharded, unsharded, "1 rank")
+    assert_identical(sharded, out["plain"], "1 rank, against a plain AdamW")
+
+
+def test_checkpoint_of_two_ranks_loads_at_three_ranks(two_ranks, checkpoint) -> None:
+    """At 3 ranks the sums have three operands, added in another order than Gloo's ring allreduce:
+    equal within fp32 rounding (SGD: 1e-6 after 10 steps). Adam divides by sqrt(v), so an element
+    whose averaged gradient is near zero turns a last-bit difference into a visible step: its
+    weights are compared at 1e-4 for an MLP whose gradients are not near zero."""
+    for out in run_ranks(3, resharded_checks, checkpoint, timeout=300):
+        for case, atol in (("continued", 1e-4), ("transformer_sgd", 1e-6), ("mlp_adamw", 1e-4)):
+            reference, sharded = out[case]
+            for key in reference:
+                np.testing.assert_allclose(sharded[key], reference[key], rtol=1e-5, atol=atol, err_msg=f"{case} {key}")
