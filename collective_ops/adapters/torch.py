@@ -246,7 +246,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.manager.find_unused_parameters:
             self._contribute_kept_gradients()
         # With a DistributedOptimizer the step ends bucket by bucket (finish_bucket), as updates need them.
-        self.manager.finalize(defer=self.optimizer is not None and self.optimizer.overlap)
+        self.manager.finalize(defer=self.optimizer is not None and self.optimizer.defers)
         if not self.manager.deferred_pending:
             self._after_step()
             self._settle()

@@ -102,6 +102,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     @property
+    def defers(self) -> bool:
+        """True if backward returns once buckets are launched (their reductions finished later, as needed)."""
+        return self.overlap
+
+    @property
     def in_flight(self) -> bool:
         """True while a step's reductions or updates are not all finished (synchronize() finishes them)."""
         return self.model.manager.deferred_pending or self._pending is not None

@@ -85,14 +85,30 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._optimizer_class = optimizer_class
         self._model_groups = [group["params"] for group in groups]
         manager = self.model.manager
+        # The first step's bucket rebuild would move the shards under optimizer state that exists by
+        # then (gathering the full state once: ~5x the model's bytes at peak). So the first step is
+        # allreduced as by DDP, not deferred: its rebuild happens at the end of backward, before any
+        # state exists, and the reduced gradients are complete in the new layout.
+        self._allreduce_first_step = manager.rebuild_after_first_step and manager.steps_synced == 0
+        if not self._allreduce_first_step:
+            self._start_sharding()
+        self._lay_out(manager.plan)
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        return self._inner_optimizer(settings)
+
+    def _start_sharding(self) -> None:
+        """Pad the gradient buffers and reduce-scatter them from now on."""
+        manager = self.model.manager
         manager.set_padding(self.model.engine.world_size)
         manager.set_comm_hook(
             reduce_scatter_hook(self._wire_dtype(), keep=self._kept.__setitem__),
             prescale_on_copy=self._wire_dtype() is None,
         )
-        self._lay_out(manager.plan)
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-        return self._inner_optimizer(settings)
+        self._allreduce_first_step = False
+
+    @property
+    def defers(self) -> bool:
+        return self.overlap and not self._allreduce_first_step
 
     def _wire_dtype(self) -> str | None:
         compression = self.model.compression
@@ -155,17 +171,23 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._pending is not None or self._gathers:
             self.synchronize()  # a previous step's updates were never needed: owed first
         self.update_seconds = 0.0
-        manager = self.model.manager
-        reduction = manager.steps_synced + (1 if manager.deferred_pending else 0)
+        reduction = self._reduction()
         if reduction == self._steps_applied:
             return  # no gradients reduced since the last step: nothing to apply, as torch skips grad=None
+        if self._allreduce_first_step:
+            self._start_sharding()  # the gradients of this step are complete: every shard of them is valid
         self._steps_applied = reduction
-        self._pending = PendingUpdates.start(len(manager.plan.buckets), self.param_groups)
+        self._pending = PendingUpdates.start(len(self.model.manager.plan.buckets), self.param_groups)
         self._next_gather = 0
         if self.overlap:
             self._advance(block=False)
         else:
             self.synchronize()
+
+    def _reduction(self) -> int:
+        """The number of the model's synchronised step whose gradients are (being) reduced."""
+        manager = self.model.manager
+        return manager.steps_synced + (1 if manager.deferred_pending else 0)
 
     def synchronize(self) -> None:
         """Finish every reduction, apply every owed update, finish every all-gather (blocking)."""
@@ -173,24 +195,30 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for bucket in list(self._gathers):
             self._wait_gather(bucket)
 
-    def _advance(self, block: bool, until: int | None = None) -> None:
-        """Update and all-gather buckets in the gather order: those already reduced, or (``block``) all,
-        or up to bucket ``until``. The order never depends on timing, only how far it gets now."""
+    def _advance(self, block: bool, until: int | None = None, module: str = "") -> None:
+        """Apply the updates of the buckets whose reduction landed (local work, in any order), and with
+        ``block`` of every bucket up to ``until`` in the gather order (all: None), waiting for their
+        reductions; then launch the all-gathers of the gather order's updated prefix. Only how far
+        the all-gathers get depends on timing, never their order."""
         manager = self.model.manager
+        stop = len(self._gather_order) if until is None else self._gather_order.index(until) + 1
+        for position, bucket in enumerate(self._gather_order):
+            if (block and position < stop) or not manager.deferred_pending or manager.bucket_ready(bucket):
+                self._update(bucket, module)
+        if self._steps_applied != self._reduction():
+            return  # no step() for these gradients: parameters unchanged, nothing to gather
         while self._next_gather < len(self._gather_order):
             bucket = self._gather_order[self._next_gather]
-            if not block and manager.deferred_pending and not manager.bucket_ready(bucket):
+            if self._pending is not None and bucket in self._pending.buckets:
                 return
-            self._update_and_gather(bucket)
+            self._gathers[bucket] = self.model.engine.all_gather_shard(
+                self._param_buffers[bucket], async_op=True, group=self._gather_group
+            )
             self._next_gather += 1
-            if bucket == until:
-                return
-        if self._pending is None and manager.deferred_pending:  # reductions no step() asked to apply
-            for bucket in range(len(manager.plan.buckets)):
-                self.model.finish_bucket(bucket)
 
     @torch.no_grad()
-    def _update_and_gather(self, bucket: int, module: str = "") -> None:
+    def _update(self, bucket: int, module: str = "") -> None:
+        """Finish the bucket's reduction (if not yet) and apply its update (if owed)."""
         manager = self.model.manager
         tracer = getattr(manager.observer, "bucket_update", None)
         step = manager.steps_synced
@@ -210,9 +238,6 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             tensor.grad = None
             if _is_master(piece, tensor, self._param_buffers):
                 shard.narrow(0, piece.shard_offset, piece.numel).copy_(tensor)  # fp32 master -> parameters
-        self._gathers[bucket] = self.model.engine.all_gather_shard(
-            self._param_buffers[bucket], async_op=True, group=self._gather_group
-        )
         if tracer is not None:
             tracer("update", bucket, step, start, time.perf_counter(), module)
         if pending.clear_after is not None:
@@ -251,11 +276,12 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         indices = self._needs.get(module)
         if indices is None:
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
-        location = self.model.manager.plan.location
+        manager = self.model.manager
+        location = manager.plan.location
         name = type(module).__name__
         for bucket in sorted({location[i][0] for i in indices}, key=self._gather_order.index):
-            if bucket in self._gather_order[self._next_gather :]:
-                self._advance(block=True, until=bucket)
+            if bucket in self._gather_order[self._next_gather :] or manager.deferred_pending:
+                self._advance(block=True, until=bucket, module=name)
             self._wait_gather(bucket, name)
 
     # -- what the rest of the loop may call --------------------------------------------------------

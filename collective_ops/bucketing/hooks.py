@@ -83,19 +83,28 @@ def reduce_scatter_hook(wire_dtype: str | None = None, keep: Callable[[int, Any]
     ``keep(bucket_index, shard)`` instead of being written back.
     """
 
+    scratch: dict[int, Any] = {}  # bucket -> a receive buffer for the engine, kept between steps
+
+    def scratch_for(ctx: BucketContext, buffer: Any) -> Any:
+        description = ctx.engine.describe(buffer)
+        held = scratch.get(ctx.bucket.index)
+        if held is None or ctx.engine.describe(held) != description:  # first use, or a replan
+            held = scratch[ctx.bucket.index] = ctx.engine.zeros(*description)
+        return held
+
     def hook(ctx: BucketContext) -> Handle:
         engine = ctx.engine
         factor = allreduce_prescale(engine, ctx.reduce_op)
         if wire_dtype is None or wire_dtype == ctx.bucket.dtype:
             if factor is not None and not ctx.prescaled:
                 engine.scale_(ctx.buffer, factor)
-            return engine.reduce_scatter_shard(ctx.buffer, async_op=True)
+            return engine.reduce_scatter_shard(ctx.buffer, async_op=True, scratch=scratch_for(ctx, ctx.buffer))
         if keep is None:
             raise ValueError("reduce_scatter_hook with a wire dtype needs keep= to receive the reduced shard")
         wire = engine.cast(ctx.buffer, wire_dtype)
         if factor is not None and not ctx.prescaled:
             engine.scale_(wire, factor)
-        handle = engine.reduce_scatter_shard(wire, async_op=True)
+        handle = engine.reduce_scatter_shard(wire, async_op=True, scratch=scratch_for(ctx, wire))
         return ThenHandle(handle, lambda: keep(ctx.bucket.index, engine.shard_of(wire)))
 
     hook.__name__ = f"reduce_scatter_hook_{wire_dtype or 'native'}"

@@ -92,8 +92,9 @@ class BucketEngine(Protocol):
     def shard_of(self, buffer: Any) -> Any:
         """This rank's equal, contiguous part of ``buffer`` (a view)."""
 
-    def reduce_scatter_shard(self, buffer: Any, async_op: bool = False) -> Handle | None:
-        """Sum ``buffer`` over ranks into this rank's shard of it (the rest is left undefined)."""
+    def reduce_scatter_shard(self, buffer: Any, async_op: bool = False, scratch: Any = None) -> Handle | None:
+        """Sum ``buffer`` over ranks into this rank's shard of it (the rest is left undefined);
+        ``scratch``, a buffer like it that the engine may use, saves an allocation per call."""
 
     def all_gather_shard(self, buffer: Any, async_op: bool = False, group: Any = None) -> Handle | None:
         """Every rank's shard of ``buffer`` into ``buffer`` on every rank (over ``group``: default, all)."""

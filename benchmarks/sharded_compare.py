@@ -1,0 +1,180 @@
+"""Sharded optimizer state (ZeRO-1): speed and memory against the unsharded optimizer and torch's ZeRO.
+
+    python benchmarks/sharded_compare.py                      # loopback, 2 ranks
+    python benchmarks/sharded_compare.py --world 3
+    python benchmarks/sharded_compare.py --link 1gbit         # emulated 2-node link
+
+In the same processes, alternating in blocks of steps (the order reversed every round), with
+AdamW everywhere: torch DDP (25 MiB buckets) + AdamW; DDP + ``ZeroRedundancyOptimizer(AdamW)``;
+``wrap(bucket_size_mb="auto")`` (or ``--bucket-size-mb``) + ``DistributedOptimizer`` (unsharded); the same with
+``shard=True``. Memory per rank: the bytes of the optimizer's state tensors and fp32 master
+copies, counted after the steps (max over ranks), and the process's peak RSS measured in a
+separate run of each setup alone (``--memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import run_benchmark, spawn, where  # noqa: E402
+from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step  # noqa: E402
+
+ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
+SETUPS = (
+    "DDP + AdamW",
+    "DDP + ZeroRedundancyOptimizer(AdamW)",
+    "wrap + DistributedOptimizer",
+    "wrap + DistributedOptimizer(shard=True)",
+)
+
+
+def build_setup(label: str, name: str, bucket_size_mb: float | str = "auto") -> tuple:
+    """(model, optimizer) of one setup."""
+    import collective_ops as co
+
+    model, _ = build_model(name)
+    if label.startswith("DDP"):
+        ddp = nn.parallel.DistributedDataParallel(model)
+        if "Zero" in label:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
+        return ddp, torch.optim.AdamW(ddp.parameters(), **ADAMW)
+    wrapped = co.wrap(model, bucket_size_mb=bucket_size_mb)
+    return wrapped, co.DistributedOptimizer(wrapped, torch.optim.AdamW, shard="shard" in label, **ADAMW)
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's per-element state tensors and fp32 master copies on this rank."""
+    inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optim", None) or optimizer
+    total = sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values() if v.dim() > 0)
+    buffers = getattr(optimizer, "_param_buffers", None)
+    for piece, tensor in getattr(optimizer, "_pieces", []):
+        if tensor.dtype != buffers[piece.bucket].dtype:
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _padding_bytes(optimizer) -> int:
+    layout = getattr(optimizer, "_layout", None)
+    if layout is None:
+        return 0
+    return sum(b.padded_numel - b.numel for b in layout.buckets) // layout.world_size * 4 * 2
+
+
+def _batches(name: str, rank: int) -> list:
+    _, batch = build_model(name)
+    gen = torch.Generator().manual_seed(rank)
+    return [batch(gen) for _ in range(4)]
+
+
+def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    import collective_ops as co
+    from collective_ops.runtime import get_engine
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    engine = get_engine("torch")
+    results = {}
+    for name in args.models:
+        batches = _batches(name, rank)
+        setups = {label: (*build_setup(label, name, args.bucket_size_mb), batches) for label in SETUPS}
+        times = alternate_steps(setups, args.rounds, args.block)
+        memory = {label: engine.reduce_floats([state_bytes(opt)], "max")[0] for label, (_, opt, _) in setups.items()}
+        sharded = setups[SETUPS[3]][1]
+        results[name] = {
+            "plan": [sharded.model.manager.plan.bucket_size_mb, sharded.model.manager.plan.first_bucket_mb],
+            "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
+            "state_bytes": memory,
+            "padding_bytes": _padding_bytes(sharded),
+            "params_m": sum(p.numel() for p in setups[SETUPS[0]][0].parameters()) / 1e6,
+        }
+        del setups
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(results)
+
+
+def memory_rank(rank: int, world: int, port: int, args, label: str, queue) -> None:
+    """One setup alone for a few steps: the process's peak RSS (max over ranks)."""
+    import collective_ops as co
+    from collective_ops.runtime import get_engine
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    name = args.models[0]
+    batches = _batches(name, rank)
+    model, optimizer = build_setup(label, name, args.bucket_size_mb)
+    for i in range(4):
+        one_step(model, optimizer, batches[i % len(batches)])
+    getattr(optimizer, "synchronize", lambda: None)()
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = get_engine("torch").reduce_floats([peak_mib], "max")[0]
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(peak)
+
+
+def _size(value: str) -> float | str:
+    return value if value == "auto" else float(value)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["transformer-5m"])
+    parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
+    parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
+    parser.add_argument(
+        "--bucket-size-mb", type=_size, default="auto", help="collective_ops' bucket size (MiB or auto)"
+    )
+    parser.add_argument("--memory", action="store_true", help="also measure each setup's peak RSS alone")
+    parser.add_argument("--json")
+    started = time.monotonic()
+    outcome = run_benchmark(parser, argv, rank_main)
+    if isinstance(outcome, int):
+        return outcome
+    args, results = outcome
+    peaks = {label: spawn(memory_rank, args.world, args, label) for label in SETUPS} if args.memory else {}
+    print(
+        f"# sharded_compare: {args.world} Gloo ranks, {where()}, AdamW; median step, {args.rounds} rounds x "
+        f"{args.block} steps alternating ({time.monotonic() - started:.0f} s)"
+    )
+    for name, r in results.items():
+        ms, memory = r["median_step_ms"], r["state_bytes"]
+        unsharded, zero = ms[SETUPS[2]], ms[SETUPS[1]]
+        print(
+            f"  {name} ({r['params_m']:.1f}M params), collective_ops plan {r['plan'][0]:g}/{r['plan'][1]:g} MiB "
+            f"({args.bucket_size_mb}), padding {r['padding_bytes']} B of AdamW state per rank"
+        )
+        print(f"    {'setup':<46} {'step':>9}  {'/unsharded':>10}  {'/DDP+ZeRO':>9}  {'state/rank':>10}  peak RSS")
+        for key in SETUPS:
+            peak = f"{peaks[key]:.0f} MiB" if key in peaks else "-"
+            print(
+                f"    {key:<46} {ms[key]:>6.1f} ms  {ms[key] / unsharded:>9.3f}x  {ms[key] / zero:>8.3f}x  "
+                f"{memory[key] / 2**20:>7.2f} MiB  {peak}"
+            )
+        share = memory[SETUPS[3]] / memory[SETUPS[2]]
+        print(f"    sharded state / unsharded state: {share:.3f} (1/{args.world} = {1 / args.world:.3f})")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "where": where(), "results": results, "peak_rss_mib": peaks}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
