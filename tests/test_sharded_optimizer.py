@@ -91,6 +91,25 @@ def _interleaved_user_collectives(rank: int) -> tuple[dict, dict]:
     return results[0], results[1]
 
 
+def _replanned_mid_training(rank: int) -> tuple[dict, dict]:
+    """A new bucket size after 3 AdamW steps: the shards are laid out anew with their state moved."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import TinyTransformer, build
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build("transformer"))
+    plain = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    model = co.wrap(build("transformer"), **BUCKET)
+    sharded = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    for net, optimizer in ((ddp, plain), (model, sharded)):
+        _train(rank, net, optimizer, TinyTransformer, steps=3)
+        if net is model:
+            model.set_bucket_size(0.002, 0.002)
+        _train(rank, net, optimizer, TinyTransformer, steps=3)
+    return snapshot(ddp.module), snapshot(model)
+
+
 def _bf16_loss_curves(rank: int) -> dict:
     import torch
 
@@ -141,6 +160,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     optimizer = co.DistributedOptimizer(model, cls, shard=True, overlap=False, **kwargs)
     out["no_overlap"] = (reference, _train(rank, model, optimizer, MLP))
     out["interleaved"] = _interleaved_user_collectives(rank)
+    out["replanned"] = _replanned_mid_training(rank)
 
     # the full state: equal to the unsharded optimizer's after the same training, and it round-trips
     states, bytes_used = [], []
@@ -286,6 +306,12 @@ def test_two_ranks_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str
     for rank, out in enumerate(two_ranks):
         ddp, ours = out[case]
         assert_identical(ours, ddp, f"{case}, rank {rank}, {STEPS} steps")
+
+
+def test_replanned_buckets_move_the_sharded_state(two_ranks) -> None:
+    for rank, out in enumerate(two_ranks):
+        ddp, ours = out["replanned"]
+        assert_identical(ours, ddp, f"rank {rank}: 3 steps, set_bucket_size, 3 steps")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:
