@@ -432,7 +432,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         return full
 
     def _gather_bucket_state(self, bucket: int, key: str, shard_numel: int) -> torch.Tensor:
-        dtype = _master_dtype(self.model.manager.plan.buckets[bucket].dtype)
+        dtype = _master_dtype(self._layout.plan.buckets[bucket].dtype)  # the layout being read (a replan: the old)
         local = torch.zeros(shard_numel, dtype=dtype, device=self._param_buffers[bucket].device)
         for piece, tensor in self._bucket_pieces[bucket]:
             value = tensor.detach() if key == MASTER_KEY else self._optimizer.state.get(tensor, {}).get(key)
