@@ -6,20 +6,29 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import assert_identical, snapshot
+from tests.reference import assert_identical, collect_errors, snapshot
 
 BATCHES = {0: 5, 1: 7, 2: 9}
 
 
-def _uneven(rank: int, model, use_join_class: bool = False, model_cls=None) -> dict:
+def _uneven(
+    rank: int, model, use_join_class: bool = False, model_cls=None, divide: bool = True, distributed: bool = False
+) -> dict:
     import torch
     from torch.distributed.algorithms import Join
 
+    import collective_ops as co
     from tests.models import MLP, rank_batch
 
     model_cls = model_cls or MLP
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    context = Join([model]) if use_join_class else model.join()
+    if distributed:  # updates overlapped with the next forward
+        optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if use_join_class:
+        context = Join([model], divide_by_initial_world_size=divide)
+    else:
+        context = model.join(divide_by_initial_world_size=divide)
     with context:
         for step in range(BATCHES[rank]):
             x, y = rank_batch(model_cls, step, rank)
@@ -27,8 +36,7 @@ def _uneven(rank: int, model, use_join_class: bool = False, model_cls=None) -> d
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    inner = getattr(model, "module", model)
-    return snapshot(inner)
+    return snapshot(model if distributed else model.module)  # ours: the wrapper's (owed updates land first)
 
 
 def join_checks(rank: int, world: int) -> dict:
@@ -43,12 +51,15 @@ def join_checks(rank: int, world: int) -> dict:
         "ours_join_class": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), use_join_class=True),
         "ddp_cnn": _uneven(rank, torch.nn.parallel.DistributedDataParallel(build("cnn")), True, SmallCNN),
         "ours_cnn": _uneven(rank, co.wrap(build("cnn"), bucket_size_mb=0.001), model_cls=SmallCNN),
+        # divided by the ranks still active, as DDP's join(divide_by_initial_world_size=False)
+        "ddp_active": _uneven(rank, torch.nn.parallel.DistributedDataParallel(build("mlp")), divide=False),
+        "ours_active": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), divide=False),
+        "ours_active_join_class": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), True, divide=False),
+        "ours_distributed": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), distributed=True),
     }
-    try:
-        co.wrap(build("mlp")).join(divide_by_initial_world_size=False)
-        out["error"] = None
-    except ValueError as exc:
-        out["error"] = str(exc)
+    model = co.wrap(build("mlp"))
+    co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)
+    out["errors"] = collect_errors({"sharded": lambda: model.join()})
     return out
 
 
@@ -56,15 +67,22 @@ def join_checks(rank: int, world: int) -> dict:
 def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
     results = run_ranks(world, join_checks, timeout=240)
     for rank, out in enumerate(results):
-        for ours in ("ours", "ours_join_class"):
+        for ours, ddp in (
+            ("ours", "ddp"),
+            ("ours_join_class", "ddp"),
+            ("ours_active", "ddp_active"),
+            ("ours_active_join_class", "ddp_active"),
+            ("ours_distributed", "ddp"),
+        ):
             if world == 2:
-                assert_identical(out[ours], out["ddp"], f"{ours} vs DDP join, rank {rank}")
+                assert_identical(out[ours], out[ddp], f"{ours} vs DDP join, rank {rank}")
             else:  # Gloo's ring sums 3 operands in a bucket-layout dependent order
-                for key, value in out["ddp"].items():
+                for key, value in out[ddp].items():
                     np.testing.assert_allclose(out[ours][key], value, rtol=1e-5, atol=1e-6, err_msg=f"{ours} {key}")
+        assert not all(np.array_equal(out["ddp_active"][k], out["ddp"][k]) for k in out["ddp"])  # they differ
+        assert "shard=False" in out["errors"]["sharded"]
         # with BatchNorm buffers: after join every rank holds the last joiner's parameters and buffers, as DDP's
         for key, value in out["ddp_cnn"].items():
             np.testing.assert_allclose(out["ours_cnn"][key], value, rtol=1e-5, atol=1e-6, err_msg=f"cnn {key}")
-        assert "divide_by_initial_world_size=False" in out["error"]
     for key in results[0]["ours"]:  # every rank ends with the same model
         assert all(np.array_equal(r["ours"][key], results[0]["ours"][key]) for r in results)

@@ -69,6 +69,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
+        self._divide_by_initial_world_size = True
         # "auto": start at 25 MiB, profile step `auto_tune_step`, then settle on the simulator's choice.
         self._auto_tune_at = None
         if isinstance(bucket_size_mb, str):
@@ -427,6 +428,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "in a custom loop call sync_gradients() after backward"
             )
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
+        self._count_active_ranks(active=True)
         self._sync_buffers(active=True)
         if torch.compiler.is_compiling():  # (eager calls never touch dynamo: importing it made exits abort)
             with _compiled_as_ddp(self):
@@ -463,20 +465,37 @@ class DistributedDataParallel(nn.Module, Joinable):
         """``with model.join():`` ranks with fewer batches shadow the others' collectives until all are done.
 
         As DDP's ``join()``: gradients of the steps some ranks sit out are divided by the initial
-        world size; a joined rank contributes zeros; at the end every rank gets the parameters and
-        buffers of a rank that joined last. ``Join([model])`` works the same.
+        world size (with ``divide_by_initial_world_size=False``: by the ranks still active, agreed
+        on by one small collective per step); a joined rank contributes zeros; at the end every
+        rank gets the parameters and buffers of a rank that joined last. ``Join([model])`` works
+        the same.
         """
-        if not divide_by_initial_world_size:
-            raise ValueError(
-                "join(divide_by_initial_world_size=False) is not supported yet: collective_ops divides by the "
-                "initial world size (DDP's default)"
-            )
-        if self.optimizer is not None:
-            raise ValueError("join() with a DistributedOptimizer is not supported yet; use a plain optimizer")
-        return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination)
+        return Join(
+            [self],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For ``Join([model, ...], divide_by_initial_world_size=...)``, as DDP's."""
+        if getattr(self.optimizer, "shards", False):
+            raise ValueError(
+                "join() with DistributedOptimizer(shard=True) is not supported yet: a rank that joined would have "
+                "to keep updating its shards; use shard=False, or a plain optimizer"
+            )
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return _ShadowingHook(self)
+
+    def _count_active_ranks(self, active: bool) -> None:
+        """Inside join(divide_by_initial_world_size=False): this step averages over the ranks still active.
+
+        One small collective per step, which ranks that joined shadow with 0 (as DDP's forward does).
+        """
+        if self._join_config.enable and not self._divide_by_initial_world_size:
+            count = int(self.engine.reduce_floats([1.0 if active else 0.0], "sum")[0])
+            if active:
+                self.manager.set_divisor(count)
 
     @property
     def join_device(self) -> torch.device:
@@ -487,14 +506,26 @@ class DistributedDataParallel(nn.Module, Joinable):
         return torch.distributed.group.WORLD
 
     def _shadow_iteration(self) -> None:
-        """One step of a rank that has run out of data: the collectives its active peers issue, with zeros."""
+        """One step of a rank that has run out of data: the collectives its active peers issue, with zeros.
+
+        In the order an active rank issues them: step count, buffers, what the end of its forward
+        settles (rebuild, auto-tune), then the step's reductions.
+        """
+        self._count_active_ranks(active=False)
         self._sync_buffers(active=False)
+        self._finish_owed_updates()  # this rank's own last step, if a DistributedOptimizer deferred it
+        self._settle()
         self.manager.shadow_step()
         self._after_step()
-        self._settle()
+
+    def _finish_owed_updates(self) -> None:
+        if self.optimizer is not None and self.optimizer.in_flight:
+            self.optimizer.synchronize()
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After join: every rank takes the parameters and buffers of (the highest) rank that joined last."""
+        self.manager.set_divisor(None)
+        self._finish_owed_updates()  # the last joiner's last step: its parameters are the ones broadcast
         if self.engine.world_size == 1:
             return
         self._broadcast_model(src=self._highest_rank_where(is_last_joiner))

@@ -38,6 +38,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``overlap=False`` finishes every bucket in backward, as a plain optimizer sees it.
     """
 
+    shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
+
     def __new__(cls, *args: Any, shard: bool = False, **kwargs: Any) -> DistributedOptimizer:
         if shard and cls is DistributedOptimizer:
             from .torch_sharded import ShardedDistributedOptimizer

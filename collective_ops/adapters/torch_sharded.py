@@ -51,6 +51,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     state, also one saved at another world size.
     """
 
+    shards = True
+
     def __init__(
         self,
         model: DistributedDataParallel,

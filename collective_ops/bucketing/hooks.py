@@ -25,6 +25,9 @@ class BucketContext:
     # True when every gradient in the buffer was already multiplied by 1/world_size as it was
     # copied in (BucketManager.copy_in_scale): the hook must not scale again.
     prescaled: bool = False
+    # What "avg" divides by when not the world size: the ranks still active under join()
+    # with divide_by_initial_world_size=False, as DDP.
+    divisor: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -34,14 +37,14 @@ class BucketContext:
 CommHook = Callable[[BucketContext], Handle]
 
 
-def allreduce_prescale(engine: BucketEngine, reduce_op: str) -> float | None:
+def allreduce_prescale(engine: BucketEngine, reduce_op: str, divisor: int | None = None) -> float | None:
     """The factor :func:`allreduce_hook` multiplies a bucket by before summing, or None.
 
-    1/world_size for "avg", as DDP does, except where the engine's framework averages after
-    the sum (MindSpore's ``DistributedGradReducer``: sum, then times 1/world).
+    1/world_size (or 1/``divisor``) for "avg", as DDP does, except where the engine's framework
+    averages after the sum (MindSpore's ``DistributedGradReducer``: sum, then times 1/world).
     """
     if reduce_op == "avg" and engine.world_size > 1 and not getattr(engine, "average_after_sum", False):
-        return 1.0 / engine.world_size
+        return 1.0 / (divisor or engine.world_size)
     return None
 
 
@@ -50,7 +53,7 @@ def allreduce_hook(ctx: BucketContext) -> Handle:
     if ctx.reduce_op == "avg" and ctx.world_size > 1 and getattr(ctx.engine, "average_after_sum", False):
         handle = ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
         return ThenHandle(handle, lambda: ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size))
-    factor = allreduce_prescale(ctx.engine, ctx.reduce_op)
+    factor = allreduce_prescale(ctx.engine, ctx.reduce_op, ctx.divisor)
     if factor is not None and not ctx.prescaled:
         ctx.engine.scale_(ctx.buffer, factor)
     return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
@@ -64,7 +67,7 @@ def compression_hook(dtype: str) -> CommHook:
             return allreduce_hook(ctx)
         compressed = ctx.engine.cast(ctx.buffer, dtype)
         if ctx.reduce_op == "avg" and ctx.world_size > 1:
-            ctx.engine.scale_(compressed, 1.0 / ctx.world_size)
+            ctx.engine.scale_(compressed, 1.0 / (ctx.divisor or ctx.world_size))
         handle = ctx.engine.allreduce(compressed, "sum", async_op=True)
         return ThenHandle(handle, lambda: ctx.engine.copy_(ctx.buffer, compressed))
 
@@ -94,7 +97,7 @@ def reduce_scatter_hook(wire_dtype: str | None = None, keep: Callable[[int, Any]
 
     def hook(ctx: BucketContext) -> Handle:
         engine = ctx.engine
-        factor = allreduce_prescale(engine, ctx.reduce_op)
+        factor = allreduce_prescale(engine, ctx.reduce_op, ctx.divisor)
         if wire_dtype is None or wire_dtype == ctx.bucket.dtype:
             if factor is not None and not ctx.prescaled:
                 engine.scale_(ctx.buffer, factor)

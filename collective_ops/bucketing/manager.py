@@ -104,7 +104,9 @@ class BucketManager:
         self.engine = engine
         self.reduce_op = reduce_op
         self.comm_hook: CommHook = comm_hook or allreduce_hook
-        self._copy_in_scale = allreduce_prescale(engine, reduce_op) if self.comm_hook is allreduce_hook else None
+        self._prescale_on_copy = self.comm_hook is allreduce_hook
+        self.divisor: int | None = None  # "avg" divides by the world size unless set (set_divisor)
+        self._copy_in_scale = allreduce_prescale(engine, reduce_op) if self._prescale_on_copy else None
         self.find_unused_parameters = find_unused_parameters
         self.rebuild_after_first_step = rebuild_after_first_step
         self.on_rebuild = on_rebuild
@@ -147,7 +149,21 @@ class BucketManager:
         if self.in_progress or self._deferred:
             raise RuntimeError("cannot change the comm hook while a step's buckets are in flight")
         self.comm_hook = hook
-        self._copy_in_scale = allreduce_prescale(self.engine, self.reduce_op) if prescale_on_copy else None
+        self._prescale_on_copy = prescale_on_copy
+        self.set_divisor(self.divisor)
+
+    def set_divisor(self, divisor: int | None) -> None:
+        """Average over ``divisor`` ranks instead of the world size from the next step (None: the world).
+
+        For join(divide_by_initial_world_size=False): the ranks still active, agreed on by every rank.
+        """
+        if self.in_progress:
+            raise RuntimeError("cannot change the averaging divisor in the middle of a backward pass")
+        if divisor is not None and not 1 <= divisor <= self.engine.world_size:
+            raise ValueError(f"divisor must be between 1 and the world size {self.engine.world_size}, got {divisor}")
+        self.divisor = divisor
+        scale = allreduce_prescale(self.engine, self.reduce_op, divisor)
+        self._copy_in_scale = scale if self._prescale_on_copy else None
 
     def set_padding(self, multiple: int) -> None:
         """Pad every bucket buffer to a multiple of ``multiple`` elements (moving the gradients held)."""
@@ -328,7 +344,7 @@ class BucketManager:
                 members.append(grad)
             self.buffers[bucket_index] = self.engine.pack(members)
         prescaled = bool(self._prescaled) and self._scale_the_rest(bucket_index)
-        ctx = BucketContext(bucket, self.buffers[bucket_index], self.engine, self.reduce_op, prescaled)
+        ctx = BucketContext(bucket, self.buffers[bucket_index], self.engine, self.reduce_op, prescaled, self.divisor)
         self._stats.buckets[bucket_index].launched = time.perf_counter()
         self._handles[bucket_index] = self.comm_hook(ctx)
         self._stats.collectives += 1
