@@ -89,24 +89,31 @@ def _namespaces_allowed() -> str | None:
 
 PROBE = """
 import os, torch, collective_ops as co
+ctx = co.init()  # RANK, WORLD_SIZE, DEVICE_ID, MASTER_ADDR, GLOO_SOCKET_IFNAME from the environment
 node = int(os.environ["COLLECTIVE_OPS_NODE_RANK"])
-co.init("gloo", rank=node, world_size=2, timeout=30)
+assert (ctx.rank, ctx.world_size, ctx.backend) == (node, 2, "gloo"), ctx
 t = torch.arange(1 << 18, dtype=torch.float32) * (node + 1)
 co.allreduce(t)
 assert torch.equal(t, torch.arange(1 << 18, dtype=torch.float32) * 3), "wrong sum over the link"
+model = co.wrap(torch.nn.Linear(8, 2, bias=False))
+model(torch.ones(4, 8) * (node + 1)).sum().backward()
+assert torch.equal(model.module.weight.grad, torch.full((2, 8), 6.0)), "wrong gradient average over the link"
 print("link ok", os.environ["COLLECTIVE_OPS_LINK"], os.environ["GLOO_SOCKET_IFNAME"], flush=True)
 co.shutdown()
 """
 
 
-def test_a_real_two_node_run_over_a_10gbit_link() -> None:
+def test_a_real_two_node_run_over_a_10gbit_link_launched_as_a_rank_loop() -> None:
     reason = _namespaces_allowed()
     if reason:
         pytest.skip(reason)
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "collective_ops.link", "--rate", "10gbit", "--", sys.executable, "-c", PROBE],
+        # the seed-style launch across machines: each node sets RANK/WORLD_SIZE/DEVICE_ID (the link sets
+        # MASTER_ADDR to node 0's address and GLOO_SOCKET_IFNAME to the node's interface)
+        [sys.executable, "-m", "collective_ops.link", "--rate", "10gbit", "--", "env", "RANK={node_rank}"]
+        + ["WORLD_SIZE=2", "DEVICE_ID=0", sys.executable, "-c", PROBE],
         capture_output=True,
         text=True,
         timeout=60,
