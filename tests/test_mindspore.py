@@ -122,3 +122,18 @@ def test_model_train_equals_model_under_mindspores_data_parallel(mode: str) -> N
             assert_identical(out["loaded"], out["ours"], "checkpoint loaded into a plain network")
         else:
             assert out["checkpoint_files"] == []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_join_with_uneven_batches_equals_the_hand_computed_average(world: int) -> None:
+    """Ranks with 3/5(/4) batches inside net.join(): the longest rank's steps averaged over the initial world."""
+    results = run_msrun("join.py", world=world)
+    for rank, out in enumerate(results):
+        assert out["steps"] == 5, "every rank takes part in every step of the longest rank"
+        if world == 2:  # two operands: MCCL's sum and the hand-computed one agree to the bit
+            assert_identical(out["ours"], out["reference"], f"rank {rank}")
+        else:
+            for name, value in out["reference"].items():
+                np.testing.assert_allclose(out["ours"][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    for name in results[0]["ours"]:  # every rank ends with the last joiner's parameters
+        assert all(r["ours"][name] == results[0]["ours"][name] for r in results)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mindspore as ms
+import numpy as np
 from mindspore import nn
 
 from .. import runtime, tracing
@@ -118,13 +119,7 @@ class DataParallel:
         ]
         check_same_on_all_ranks([*signature, plan_entry(plan)], self.engine.allgather_bytes)
         if broadcast_parameters and self.engine.world_size > 1:
-            handle, _ = fused_collective(
-                self.engine,
-                list(network.get_parameters()),
-                BROADCAST_BUCKET_MB,
-                lambda buffer: self.engine.broadcast(buffer, 0, async_op=True),
-            )
-            handle.wait()
+            self._broadcast_parameters(src=0)
         self.manager = BucketManager(
             plan,
             self.engine,
@@ -145,6 +140,48 @@ class DataParallel:
             for i, p in enumerate(self._params):
                 self._hook_handles.append(p.register_hook(self._make_hook(i)))
         self._last_mode = "overlap" if self.overlap else "fused-after-backward"
+        self._joining = False
+        self._own_steps = 0  # steps this rank ran inside join()
+
+    def _broadcast_parameters(self, src: int) -> None:
+        """Rank ``src``'s parameters to every rank, in few fused collectives."""
+        handle, _ = fused_collective(
+            self.engine,
+            list(self.network.get_parameters()),
+            BROADCAST_BUCKET_MB,
+            lambda buffer: self.engine.broadcast(buffer, src, async_op=True),
+        )
+        handle.wait()
+
+    # -- uneven inputs ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def join(self) -> Any:
+        """``with net.join():`` ranks with fewer batches shadow the others' steps until all are done.
+
+        As torch DDP's ``join()``: every step starts (at the network's call) with one small
+        collective counting the ranks still active; a rank that ran out of data answers 0 and
+        takes part in each remaining step's bucket collectives with zero gradients, so the
+        average divides by the initial world size. At the end every rank takes the parameters
+        of the (highest) rank that ran the most steps. PyNative mode, ``reduce()`` loops.
+        """
+        if not _pynative():
+            raise ValueError("net.join() needs PyNative mode: a rank that ran out of data shadows steps from Python")
+        if self._joining:
+            raise RuntimeError("already inside net.join()")
+        self._joining, self._own_steps = True, 0
+        try:
+            yield self
+            while self._count_active(active=False) > 0:  # a peer still has data: take part with zeros
+                self.manager.shadow_step()
+        finally:
+            self._joining = False
+        steps = self.engine.allgather(np.array([self._own_steps], dtype=np.float32))
+        last_joiner = max(rank for rank, count in enumerate(steps) if count == steps.max())
+        self._broadcast_parameters(src=last_joiner)
+
+    def _count_active(self, active: bool) -> int:
+        """The ranks still active in this step (one float32 sum: MCCL's CPU allreduce supports it)."""
+        return int(self.engine.allreduce(np.array([1.0 if active else 0.0], dtype=np.float32), "sum")[0])
 
     # -- backward -------------------------------------------------------------------
     def _make_hook(self, index: int):
@@ -174,7 +211,7 @@ class DataParallel:
         if not manager.sync_enabled:
             raise RuntimeError("reduce() inside no_sync(): leave the no_sync() block first")
         by_index = dict(zip(indices, grads))
-        if self._compile and not manager.in_progress and len(by_index) == len(self._params):
+        if self._compile and not self._joining and not manager.in_progress and len(by_index) == len(self._params):
             compiled = self._compiled_reduction(indices)
             if compiled is not None:
                 start = time.perf_counter()
@@ -250,6 +287,9 @@ class DataParallel:
 
     # -- the network's face ---------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._joining:  # a step starts: counted, so ranks that ran out of data know to shadow it
+            self._count_active(active=True)
+            self._own_steps += 1
         return self.network(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
