@@ -132,6 +132,13 @@ def optimizer_checks(rank: int, world: int) -> dict:
         clipped(ours_model, co.DistributedOptimizer(ours_model, torch.optim.SGD, lr=0.1)),
     )
 
+    # the launch order planned after step 3 from rank 0's profile (schedule="auto", the default)
+    model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001)
+    opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05)
+    _train(rank, model, opt, TinyTransformer, steps=5)
+    report = opt.schedule_report
+    out["schedule"] = (list(model.manager.launch_order), None if report is None else len(report))
+
     # bad input: each refused with what to do
     errors = {}
     stranger = torch.nn.Parameter(torch.zeros(3))
@@ -142,6 +149,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
             co.wrap(build("mlp")), torch.optim.SGD, params=[stranger], lr=0.1
         ),
         "closure": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1).step(lambda: 0),
+        "schedule": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, schedule="x"),
     }.items():
         try:
             call()
@@ -182,12 +190,19 @@ def test_clip_grad_norm_matches_torch_on_averaged_gradients(two_ranks) -> None:
         assert_identical(our_params, ddp_params, "after clipping and one step")
 
 
+def test_a_launch_order_is_planned_once_and_is_the_same_on_every_rank(two_ranks) -> None:
+    orders = [out["schedule"][0] for out in two_ranks]
+    assert orders[0] == orders[1] and sorted(orders[0]) == list(range(len(orders[0])))
+    assert all(out["schedule"][1] == len(orders[0]) + 1 for out in two_ranks)  # every held tail k = 0..n simulated
+
+
 def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     errors = two_ranks[0]["errors"]
     assert "collective_ops.wrap" in errors["not_wrapped"]
     assert "torch.optim.Optimizer subclass" in errors["not_a_class"]
     assert "not a parameter of the wrapped model" in errors["foreign_params"]
     assert "takes no closure" in errors["closure"]
+    assert "schedule must be one of" in errors["schedule"]
 
 
 def three_rank_checks(rank: int, world: int) -> dict:

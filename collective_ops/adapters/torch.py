@@ -263,6 +263,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.manager.settle_deferred()
         if self._auto_tune_at is not None and self.manager.steps_synced >= self._auto_tune_at:
             self._auto_tune()
+        if self.optimizer is not None:
+            self.optimizer.on_settle()
 
     def finish_bucket(self, bucket_index: int) -> list[int]:
         """Finish one bucket of a deferred step; the indices of its parameters (their gradients now final)."""

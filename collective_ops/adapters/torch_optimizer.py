@@ -20,14 +20,20 @@ reports the in-place update (a loud error, never a silent stale read).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..bucketing.schedule import OrderPrediction, StepProfile, plan_order
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel
+
+logger = logging.getLogger("collective_ops")
+SCHEDULES = ("auto", "plan")
+SCHEDULE_AFTER_STEPS = 3  # after the first-step rebuild and bucket_size_mb="auto" settling (step 2)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -55,8 +61,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params: Any = None,
         overlap: bool = True,
         shard: bool = False,
+        schedule: str | None = None,
         **kwargs: Any,
     ) -> None:
+        schedule = schedule or ("plan" if shard else "auto")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(
                 f"DistributedOptimizer takes a model wrapped by collective_ops.wrap(), got {type(model).__name__}; "
@@ -70,6 +80,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("grad_reduce_dtype is an option of the sharded optimizer: pass shard=True with it")
         self.model = model
         self.overlap = overlap
+        self.schedule = schedule
+        self.schedule_report: list[OrderPrediction] | None = None
+        self._scheduled_plan = ""  # fingerprint of the bucket plan the launch order was planned for
         groups = _as_groups(model.module.parameters() if params is None else params)
         owned = {id(p) for p in model.module.parameters()}
         for group in groups:
@@ -253,6 +266,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
         plan = self.model.manager.plan
         return {id(self.model._params[i]) for b in buckets for i in plan.buckets[b].param_indices}
 
+    def on_settle(self) -> None:
+        """At the end of a forward, every rank at the same point: plan the launch order once per bucket plan.
+
+        With ``schedule="auto"``, from a profiled step of the current plan and the fitted α/β,
+        rank 0 simulates every held-tail order (:mod:`collective_ops.bucketing.schedule`) and
+        every rank adopts its choice: buckets the next forward needs first stop queueing
+        behind the rest.
+        """
+        manager = self.model.manager
+        stats = manager.last_stats
+        if (
+            self.schedule != "auto"
+            or not self.overlap
+            or manager.steps_synced < SCHEDULE_AFTER_STEPS
+            or manager.launch_order != tuple(range(len(manager.plan.buckets)))
+            or self.schedule_report is not None
+            and self._scheduled_plan == manager.plan.fingerprint()
+            or len(stats.buckets) != len(manager.plan.buckets)
+            or stats.backward_start is None
+        ):
+            return
+        from ..tuning import measure_alpha_beta
+
+        cost = measure_alpha_beta()  # a collective: every rank is here
+        wire = 0.5 if self.model.compression else 1.0
+        predictions = plan_order(_profile(manager, stats), lambda nbytes: cost.cost(int(nbytes * wire)))
+        order = self.model.engine.broadcast_ints(list(predictions[0].order))  # rank 0's plan, on every rank
+        manager.set_launch_order(order)
+        self.schedule_report, self._scheduled_plan = predictions, manager.plan.fingerprint()
+        plain = next(p for p in predictions if p.held_from >= len(order) - 1)
+        logger.info(
+            "collective_ops: DistributedOptimizer launch order %s (buckets from position %d held and sent in forward "
+            "order); predicted forward end %.1f ms vs %.1f ms in plan order",
+            order,
+            predictions[0].held_from,
+            predictions[0].forward_end_s * 1e3,
+            plain.forward_end_s * 1e3,
+        )
+
     def on_plan_change(self, plan: Any) -> None:
         """The model's buckets were replanned (first-step rebuild, auto-tune): nothing to move here."""
 
@@ -262,6 +314,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+FORWARD_TO_BACKWARD = 0.5  # forward compute of a layer, as a share of its backward (about 1:2)
+
+
+def _profile(manager: Any, stats: Any) -> StepProfile:
+    """The last step of ``manager``'s plan as the planner's input: seconds from the start of backward."""
+    start, end = stats.backward_start, stats.finalize_start or stats.backward_start
+    ready = [(b.last_ready or end) - start for b in stats.buckets]
+    previous = [0.0, *ready[:-1]]
+    forward = [max(r - p, 0.0) * FORWARD_TO_BACKWARD for r, p in zip(ready, previous)]
+    return StepProfile(ready, [b.nbytes for b in manager.plan.buckets], end - start, forward)
 
 
 def _as_groups(params: Any) -> list[dict[str, Any]]:
