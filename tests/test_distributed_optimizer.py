@@ -132,9 +132,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
         clipped(ours_model, co.DistributedOptimizer(ours_model, torch.optim.SGD, lr=0.1)),
     )
 
-    # the launch order planned after step 3 from rank 0's profile (schedule="auto", the default)
+    # the launch order planned after step 3 from rank 0's profile (schedule="auto")
     model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001)
-    opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05)
+    opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, schedule="auto")
     _train(rank, model, opt, TinyTransformer, steps=5)
     report = opt.schedule_report
     out["schedule"] = (list(model.manager.launch_order), None if report is None else len(report))
