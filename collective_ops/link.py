@@ -191,6 +191,9 @@ def run_on_link(
                 print(f"--- node 1 (exit {codes[1]}) ---\n" + log.read()[-4000:], file=sys.stderr)
         return failed
     finally:
+        # A second signal must not cut the teardown short: `timeout CMD` forwards the SIGTERM a
+        # `pkill` also sent, and a second Ctrl-C is common. Both wait until the namespaces are gone.
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -201,6 +204,7 @@ def run_on_link(
         for argv in link.teardown_commands():
             with contextlib.suppress(Exception):  # a namespace that was never made: nothing to remove
                 runner(argv)
+        signal.signal(signal.SIGINT, held[signal.SIGINT])
         signal.signal(signal.SIGTERM, previous)
 
 

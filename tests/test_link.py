@@ -77,6 +77,25 @@ def test_the_link_is_always_torn_down(failing_step) -> None:
     assert len(deletes) == 2, issued
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_second_signal_does_not_cut_the_teardown_short(sig: str) -> None:
+    """`timeout CMD` forwards the SIGTERM `pkill` also sent (a second Ctrl-C likewise): both deletes still run."""
+    import signal
+
+    issued: list[list[str]] = []
+
+    def runner(argv: list[str]) -> None:
+        issued.append(argv)
+        if argv[:3] == ["ip", "netns", "delete"] and len(issued) == len(Link.new("1gbit").setup_commands()) + 1:
+            os.kill(os.getpid(), getattr(signal, sig))  # arrives while the first namespace is deleted
+
+    command = [sys.executable, "-c", "raise SystemExit(3)"]
+    run_on_link("1gbit", lambda link, node: command, runner=runner, log_dir=None)
+    deletes = [argv for argv in issued if argv[:3] == ["ip", "netns", "delete"]]
+    assert len(deletes) == 2, issued
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
 def _namespaces_allowed() -> str | None:
     try:
         check_available()
