@@ -113,6 +113,7 @@ def test_model_train_equals_model_under_mindspores_data_parallel(mode: str) -> N
     results = run_msrun("model_train.py", world=2, args=(mode,))
     for rank, out in enumerate(results):
         assert_identical(out["ours"], out["reference"], f"Model.train ({mode}), rank {rank}")
+        assert_identical(out["fit"], out["reference"], f"Model.fit with evaluation ({mode}), rank {rank}")
         # our reduction, not MindSpore's: eager buckets in PyNative, the compiled plan inside the GRAPH step
         assert out["reducer"] == ("_EagerReducer" if mode == "pynative" else "CompiledReduction")
         if mode == "pynative":

@@ -273,10 +273,16 @@ class TorchEngine(Engine):
             work = _reduce_scatter_single(shard, buffer, op=dist.ReduceOp.SUM, async_op=True)
             return finish(ThenHandle(work, lambda: shard), async_op)
         received = torch.empty_like(buffer) if scratch is None else scratch
-        works = [
-            dist.all_to_all(self._pieces(received, start, length), self._pieces(buffer, start, length), async_op=True)
-            for start, length in self._shard_chunks(buffer)
-        ]
+        chunks = self._shard_chunks(buffer)
+        if len(chunks) == 1:  # the single-tensor call: no copies in and out of lists
+            works = [dist.all_to_all_single(received, buffer, async_op=True)]
+        else:
+            works = [
+                dist.all_to_all(
+                    self._pieces(received, start, length), self._pieces(buffer, start, length), async_op=True
+                )
+                for start, length in chunks
+            ]
 
         def sum_parts() -> torch.Tensor:
             parts = received.view(self._world_size, -1)
@@ -293,8 +299,12 @@ class TorchEngine(Engine):
             work = _all_gather_single(buffer, self.shard_of(buffer), group=group, async_op=True)
             return finish(ThenHandle(work, lambda: buffer), async_op)
         shard = self.shard_of(buffer)
+        chunks = self._shard_chunks(buffer)
+        if len(chunks) == 1:
+            work = _all_gather_single(buffer, shard, group=group, async_op=True)
+            return finish(ThenHandle(work, lambda: buffer), async_op)
         works = []
-        for start, length in self._shard_chunks(buffer):
+        for start, length in chunks:
             mine = shard.narrow(0, start, length).clone()  # the output list holds the same memory
             works.append(dist.all_gather(self._pieces(buffer, start, length), mine, group=group, async_op=True))
         return finish(ThenHandle(_Works(works), lambda: buffer), async_op)

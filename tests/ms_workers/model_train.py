@@ -67,6 +67,19 @@ if rank == 0:
 Model(train_cell).train(1, dataset(), callbacks=callbacks, dataset_sink_mode=False)
 out["ours"] = weights(wrapped.network)
 out["steps_reduced"] = wrapped.comm_stats()["steps"]
+
+# 2b. Model.fit (train with evaluation after each epoch) with the same cell
+fitted = co.wrap(build(rank), bucket_size_mb=BUCKET_MB, first_bucket_mb=FIRST_MB, overlap=MODE == "pynative")
+with_loss = nn.WithLossCell(fitted.network, loss_fn)
+fit_cell = TrainOneStepCell(with_loss, nn.Momentum(with_loss.trainable_params(), 0.1, 0.9), fitted)
+evaluated = Model(
+    fit_cell,
+    eval_network=nn.WithEvalCell(fitted.network, loss_fn),
+    metrics={"loss": nn.Loss(), "accuracy": nn.Accuracy()},
+    eval_indexes=[0, 1, 2],  # (loss, logits, label) of WithEvalCell
+)
+evaluated.fit(1, dataset(), valid_dataset=dataset(), callbacks=[LossMonitor(1)], dataset_sink_mode=False)
+out["fit"] = weights(fitted.network)
 co.barrier()
 
 # 3. the checkpoint: written by rank 0 only, loadable with MindSpore's API into a plain network
