@@ -25,8 +25,8 @@ def _uneven(
         optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    if use_join_class:
-        context = Join([model], divide_by_initial_world_size=divide)
+    if use_join_class:  # as DDP-style code lists its joinables: the model, and the optimizer when it is one
+        context = Join([model, optimizer] if distributed else [model], divide_by_initial_world_size=divide)
     else:
         context = model.join(divide_by_initial_world_size=divide)
     with context:
@@ -41,6 +41,7 @@ def _uneven(
 
 def join_checks(rank: int, world: int) -> dict:
     import torch
+    from torch.distributed.algorithms import Join
 
     import collective_ops as co
     from tests.models import SmallCNN, build
@@ -56,10 +57,14 @@ def join_checks(rank: int, world: int) -> dict:
         "ours_active": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), divide=False),
         "ours_active_join_class": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), True, divide=False),
         "ours_distributed": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), distributed=True),
+        "ours_distributed_join_class": _uneven(
+            rank, co.wrap(build("mlp"), bucket_size_mb=0.01), True, distributed=True
+        ),
     }
     model = co.wrap(build("mlp"))
     co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)
-    out["errors"] = collect_errors({"sharded": lambda: model.join()})
+    sharded = co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True)
+    out["errors"] = collect_errors({"sharded": lambda: model.join(), "sharded_join_class": lambda: Join([sharded])})
     return out
 
 
@@ -73,6 +78,7 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
             ("ours_active", "ddp_active"),
             ("ours_active_join_class", "ddp_active"),
             ("ours_distributed", "ddp"),
+            ("ours_distributed_join_class", "ddp"),
         ):
             if world == 2:
                 assert_identical(out[ours], out[ddp], f"{ours} vs DDP join, rank {rank}")
@@ -80,7 +86,7 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
                 for key, value in out[ddp].items():
                     np.testing.assert_allclose(out[ours][key], value, rtol=1e-5, atol=1e-6, err_msg=f"{ours} {key}")
         assert not all(np.array_equal(out["ddp_active"][k], out["ddp"][k]) for k in out["ddp"])  # they differ
-        assert "shard=False" in out["errors"]["sharded"]
+        assert "shard=False" in out["errors"]["sharded"] and "shard=False" in out["errors"]["sharded_join_class"]
         # with BatchNorm buffers: after join every rank holds the last joiner's parameters and buffers, as DDP's
         for key, value in out["ddp_cnn"].items():
             np.testing.assert_allclose(out["ours_cnn"][key], value, rtol=1e-5, atol=1e-6, err_msg=f"cnn {key}")

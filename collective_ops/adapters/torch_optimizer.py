@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
 from ..bucketing.schedule import OrderPrediction, StepProfile, plan_order
 from ..bucketing.updates import PendingUpdates
@@ -36,7 +37,7 @@ SCHEDULES = ("auto", "plan")
 SCHEDULE_AFTER_STEPS = 3  # after the first-step rebuild and bucket_size_mb="auto" settling (step 2)
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     """``optimizer_class`` over a wrapped model's parameters, updated bucket by bucket.
 
     ``DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)``; ``params``
@@ -99,6 +100,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "wrapped model: its updates follow the model's buckets, so give only the model's parameters"
                     )
         self._index = {id(p): i for i, p in enumerate(model._params)}
+        self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable (Optimizer's init skips its)
         self._optimizer = self._make_optimizer(optimizer_class, groups, args, kwargs)
         super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
         self.state = self._optimizer.state  # one state, shared with the class's own optimizer
@@ -271,6 +273,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _params_of(self, buckets: list[int]) -> set[int]:
         plan = self.model.manager.plan
         return {id(self.model._params[i]) for b in buckets for i in plan.buckets[b].param_indices}
+
+    # -- torch.distributed.algorithms.Join: Join([model, opt]) as with DDP-style code ---------------
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Nothing to shadow: the model's hook issues every collective; a rank that joined skips its updates,
+        as a plain optimizer does under DDP's join, and takes the last joiner's parameters at the end."""
+        if self.shards:
+            raise ValueError(
+                "join() with DistributedOptimizer(shard=True) is not supported yet: a rank that joined would have "
+                "to keep updating its shards; use shard=False, or a plain optimizer"
+            )
+        return JoinHook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.model.engine.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return torch.distributed.group.WORLD
 
     def on_settle(self) -> None:
         """At the end of a forward, every rank at the same point: plan the launch order once per bucket plan.
