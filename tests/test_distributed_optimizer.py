@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -64,11 +66,32 @@ def _pair(rank: int, build, opt_kind: str, *, find_unused: bool = False, **train
     return results[0], results[1]
 
 
+def clipped_step(rank: int, model, optimizer) -> tuple[float, dict]:
+    """One step clipped to norm 0.5: torch's clip_grad_norm_ for DDP, the optimizer's own for ours."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    x, y = rank_batch(MLP, 0, rank)
+    loss = torch.nn.functional.cross_entropy(model(x), y) * 50
+    optimizer.zero_grad()
+    loss.backward()
+    if isinstance(optimizer, co.DistributedOptimizer):
+        norm = optimizer.clip_grad_norm_(0.5)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    # ours: the wrapper's state_dict, where owed updates (and all-gathers) land first
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return float(norm), snapshot(inner)
+
+
 def optimizer_checks(rank: int, world: int) -> dict:
     import torch
 
     import collective_ops as co
-    from tests.models import MLP, Reordered, SmallCNN, TinyTransformer, WithUnusedBranch, build, rank_batch
+    from tests.models import MLP, Reordered, SmallCNN, TinyTransformer, WithUnusedBranch, build
 
     out: dict = {}
     for name, cls in (("transformer", TinyTransformer), ("cnn", SmallCNN)):
@@ -113,18 +136,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
     )
 
     # clip_grad_norm_ on the averaged gradients, as torch's after DDP
-    def clipped(model, optimizer):
-        x, y = rank_batch(MLP, 0, rank)
-        loss = torch.nn.functional.cross_entropy(model(x), y) * 50
-        optimizer.zero_grad()
-        loss.backward()
-        if isinstance(optimizer, co.DistributedOptimizer):
-            norm = optimizer.clip_grad_norm_(0.5)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        return float(norm), snapshot(model.module)
-
+    clipped = functools.partial(clipped_step, rank)
     ddp = torch.nn.parallel.DistributedDataParallel(build("mlp"))
     ours_model = co.wrap(build("mlp"), bucket_size_mb=0.004)
     out["clip"] = (

@@ -7,6 +7,7 @@ checkpoint saved), then 1 and 3 ranks (that checkpoint resharded, training conti
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 from tests.harness import run_ranks
 from tests.reference import assert_identical, collect_errors, snapshot
-from tests.test_distributed_optimizer import STEPS, _make_optimizer, _train
+from tests.test_distributed_optimizer import STEPS, _make_optimizer, _train, clipped_step
 
 BUCKET = {"bucket_size_mb": 0.004, "first_bucket_mb": 0.001}  # several buckets, shards splitting parameters
 
@@ -144,7 +145,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
 
     import collective_ops as co
     from collective_ops.bucketing.shard import ShardLayout
-    from tests.models import MLP, TinyTransformer, build, rank_batch
+    from tests.models import MLP, TinyTransformer, build
 
     out: dict = {}
     for name in ("transformer", "cnn"):
@@ -190,21 +191,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["state_bytes"] = bytes_used
 
     # clip_grad_norm_ from the shards against torch's on DDP's averaged gradients
-    def clipped(model, optimizer):
-        x, y = rank_batch(MLP, 0, rank)
-        loss = torch.nn.functional.cross_entropy(model(x), y) * 50
-        optimizer.zero_grad()
-        loss.backward()
-        if isinstance(optimizer, co.DistributedOptimizer):
-            norm = optimizer.clip_grad_norm_(0.5)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        # ours: the wrapper's state_dict, where the owed all-gathers land first
-        return float(norm), snapshot(
-            model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        )
-
+    clipped = functools.partial(clipped_step, rank)
     ddp = torch.nn.parallel.DistributedDataParallel(build("mlp"))
     model = co.wrap(build("mlp"), **BUCKET)
     out["clip"] = (
