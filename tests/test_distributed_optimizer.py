@@ -87,6 +87,26 @@ def clipped_step(rank: int, model, optimizer) -> tuple[float, dict]:
     return float(norm), snapshot(inner)
 
 
+def zero_grad_after_step(rank: int, build, make_optimizer, set_to_none: bool, steps: int = 6) -> tuple[dict, dict]:
+    """(DDP, ours) with the loop ordered backward, step, zero_grad: zero_grad comes while updates are owed."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    results = []
+    for ours in (False, True):
+        model = co.wrap(build(), bucket_size_mb=0.004) if ours else torch.nn.parallel.DistributedDataParallel(build())
+        optimizer = make_optimizer(model) if ours else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        results.append(snapshot(model if ours else model.module))
+    return results[0], results[1]
+
+
 def optimizer_checks(rank: int, world: int) -> dict:
     import torch
 
@@ -119,6 +139,14 @@ def optimizer_checks(rank: int, world: int) -> dict:
         return Reordered()
 
     out["out_of_order"] = _pair(rank, reordered, "sgd", model_cls=MLP)
+
+    for set_to_none in (True, False):
+        out[f"zero_grad_after_step_{set_to_none}"] = zero_grad_after_step(
+            rank,
+            lambda: build("mlp"),
+            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
+            set_to_none,
+        )
 
     # state_dict round trip through a plain optimizer of the same class, and training continued from it
     model = co.wrap(build("mlp"), bucket_size_mb=0.004)
@@ -180,7 +208,7 @@ def two_ranks() -> list[dict]:
 CASES = ["transformer_sgd", "transformer_adamw", "cnn_sgd", "cnn_adamw", "scheduler", "accumulation", "unused"]
 
 
-@pytest.mark.parametrize("case", [*CASES, "out_of_order"])
+@pytest.mark.parametrize("case", [*CASES, "out_of_order", "zero_grad_after_step_True", "zero_grad_after_step_False"])
 def test_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:
     for rank, out in enumerate(two_ranks):
         ddp, ours = out[case]

@@ -15,7 +15,7 @@ import pytest
 
 from tests.harness import run_ranks
 from tests.reference import assert_identical, collect_errors, snapshot
-from tests.test_distributed_optimizer import STEPS, _make_optimizer, _train, clipped_step
+from tests.test_distributed_optimizer import STEPS, _make_optimizer, _train, clipped_step, zero_grad_after_step
 
 BUCKET = {"bucket_size_mb": 0.004, "first_bucket_mb": 0.001}  # several buckets, shards splitting parameters
 
@@ -160,6 +160,13 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     model = co.wrap(build("mlp"), **BUCKET)
     optimizer = co.DistributedOptimizer(model, cls, shard=True, overlap=False, **kwargs)
     out["no_overlap"] = (reference, _train(rank, model, optimizer, MLP))
+    for set_to_none in (True, False):
+        out[f"zero_grad_after_step_{set_to_none}"] = zero_grad_after_step(
+            rank,
+            lambda: build("mlp"),
+            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
+            set_to_none,
+        )
     out["interleaved"] = _interleaved_user_collectives(rank)
     out["replanned"] = _replanned_mid_training(rank)
 
@@ -287,7 +294,17 @@ def two_ranks(checkpoint) -> list[dict]:
 
 @pytest.mark.parametrize(
     "case",
-    ["transformer_sgd", "transformer_adamw", "cnn_sgd", "cnn_adamw", "scheduler", "accumulation", "no_overlap"],
+    [
+        "transformer_sgd",
+        "transformer_adamw",
+        "cnn_sgd",
+        "cnn_adamw",
+        "scheduler",
+        "accumulation",
+        "no_overlap",
+        "zero_grad_after_step_True",
+        "zero_grad_after_step_False",
+    ],
 )
 def test_two_ranks_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:
     for rank, out in enumerate(two_ranks):

@@ -372,8 +372,11 @@ def _clear(p: torch.Tensor, set_to_none: bool) -> None:
         return
     if set_to_none:
         p.grad = None
-    else:
-        p.grad.detach_()
+    else:  # as torch.optim.Optimizer.zero_grad: a gradient that is a bucket view cannot be detached in place
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
         p.grad.zero_()
 
 
