@@ -107,6 +107,33 @@ def zero_grad_after_step(rank: int, build, make_optimizer, set_to_none: bool, st
     return results[0], results[1]
 
 
+def scaled_training(rank: int, build, make_optimizer, steps: int = 6) -> tuple[tuple, tuple]:
+    """(DDP, ours) with torch.amp.GradScaler's loop, step 2 overflowing (skipped, the scale halved)."""
+    import warnings
+
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    results = []
+    for ours in (False, True):
+        model = co.wrap(build(), bucket_size_mb=0.004) if ours else torch.nn.parallel.DistributedDataParallel(build())
+        optimizer = make_optimizer(model) if ours else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            loss = torch.nn.functional.cross_entropy(model(x), y) * (float("inf") if step == 2 else 1.0)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            with warnings.catch_warnings():  # torch announces a change of this protocol (FutureWarning)
+                warnings.simplefilter("ignore", FutureWarning)
+                scaler.step(optimizer)
+            scaler.update()
+        results.append((snapshot(model if ours else model.module), scaler.get_scale()))
+    return results[0], results[1]
+
+
 def optimizer_checks(rank: int, world: int) -> dict:
     import torch
 
@@ -147,6 +174,10 @@ def optimizer_checks(rank: int, world: int) -> dict:
             lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
             set_to_none,
         )
+
+    out["grad_scaler"] = scaled_training(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    )
 
     # state_dict round trip through a plain optimizer of the same class, and training continued from it
     model = co.wrap(build("mlp"), bucket_size_mb=0.004)
@@ -234,6 +265,13 @@ def test_a_launch_order_is_planned_once_and_is_the_same_on_every_rank(two_ranks)
     orders = [out["schedule"][0] for out in two_ranks]
     assert orders[0] == orders[1] and sorted(orders[0]) == list(range(len(orders[0])))
     assert all(out["schedule"][1] == len(orders[0]) + 1 for out in two_ranks)  # every held tail k = 0..n simulated
+
+
+def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
+    for rank, out in enumerate(two_ranks):
+        (ddp, ddp_scale), (ours, our_scale) = out["grad_scaler"]
+        assert ddp_scale == our_scale == 2.0**9  # one overflow: halved once
+        assert_identical(ours, ddp, f"GradScaler loop, rank {rank}")
 
 
 def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:

@@ -15,7 +15,14 @@ import pytest
 
 from tests.harness import run_ranks
 from tests.reference import assert_identical, collect_errors, snapshot
-from tests.test_distributed_optimizer import STEPS, _make_optimizer, _train, clipped_step, zero_grad_after_step
+from tests.test_distributed_optimizer import (
+    STEPS,
+    _make_optimizer,
+    _train,
+    clipped_step,
+    scaled_training,
+    zero_grad_after_step,
+)
 
 BUCKET = {"bucket_size_mb": 0.004, "first_bucket_mb": 0.001}  # several buckets, shards splitting parameters
 
@@ -167,6 +174,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
             lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
             set_to_none,
         )
+    out["grad_scaler"] = scaled_training(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
+    )
     out["interleaved"] = _interleaved_user_collectives(rank)
     out["replanned"] = _replanned_mid_training(rank)
 
@@ -316,6 +326,13 @@ def test_replanned_buckets_move_the_sharded_state(two_ranks) -> None:
     for rank, out in enumerate(two_ranks):
         ddp, ours = out["replanned"]
         assert_identical(ours, ddp, f"rank {rank}: 3 steps, set_bucket_size, 3 steps")
+
+
+def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
+    for rank, out in enumerate(two_ranks):
+        (ddp, ddp_scale), (ours, our_scale) = out["grad_scaler"]
+        assert ddp_scale == our_scale == 2.0**9
+        assert_identical(ours, ddp, f"GradScaler loop, sharded, rank {rank}")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:

@@ -46,6 +46,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     """
 
     shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
+    # GradScaler.step(opt) then calls step(grad_scaler=scaler) instead of unscaling gradients itself:
+    # it would read them while their reductions are still in flight.
+    _step_supports_amp_scaling = True
 
     def __new__(cls, *args: Any, shard: bool = False, **kwargs: Any) -> DistributedOptimizer:
         if shard and cls is DistributedOptimizer:
@@ -136,8 +139,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- torch.optim.Optimizer ------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
         """Update every bucket whose reduction has landed; the rest as the next forward needs them."""
+        if grad_scaler is not None:
+            self._scaled_step(grad_scaler)
+            return
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
         if self._pending is not None:
@@ -192,11 +198,38 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if self._pending is not None:
             raise RuntimeError("clip_grad_norm_ after step(): clip between backward() and step(), as with torch")
+        self.finish_reductions()
+        return nn.utils.clip_grad_norm_(self._model_params(), max_norm, norm_type)
+
+    def finish_reductions(self) -> None:
+        """Wait for every reduction of the last backward (no update applied): the gradients are final.
+
+        For code that reads gradients between backward and step (``scaler.unscale_(opt)`` before
+        clipping, logging a gradient norm); this step then loses its overlap with the next forward.
+        """
         manager = self.model.manager
         for bucket in range(len(manager.plan.buckets)):
             if manager.deferred_pending:
                 self.model.finish_bucket(bucket)
-        return nn.utils.clip_grad_norm_(self._model_params(), max_norm, norm_type)
+
+    def _scaled_step(self, scaler: Any) -> None:
+        """``GradScaler.step(opt)``: every reduction finished (the inf check needs all gradients), the
+        gradients unscaled and checked, the step skipped where one is not finite, as torch does."""
+        from torch.amp.grad_scaler import OptState
+
+        self.finish_reductions()
+        if scaler._per_optimizer_states[id(self)]["stage"] is OptState.READY:
+            scaler.unscale_(self)  # records found_inf for scaler.update()
+        found_inf = sum(
+            float(v.item()) for v in scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values()
+        )
+        if found_inf:
+            self._skip_step()
+        else:
+            self.step()
+
+    def _skip_step(self) -> None:
+        """The last backward's gradients are not applied (GradScaler found them not finite)."""
 
     # -- internals ---------------------------------------------------------------------------------
     def _before_forward_of(self, module: nn.Module, args: Any) -> None:

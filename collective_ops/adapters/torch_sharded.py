@@ -166,8 +166,11 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         return super().in_flight or bool(self._gathers)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
         """Update each bucket's shard once its reduce-scatter lands and all-gather it; the rest as needed."""
+        if grad_scaler is not None:
+            self._scaled_step(grad_scaler)
+            return
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
         if self._pending is not None or self._gathers:
@@ -299,11 +302,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """
         if self._pending is not None:
             raise RuntimeError("clip_grad_norm_ after step(): clip between backward() and step(), as with torch")
-        manager = self.model.manager
-        for bucket in range(len(manager.plan.buckets)):
-            if manager.deferred_pending:
-                self.model.finish_bucket(bucket)
-            self._bind_grads(bucket)
+        self.finish_reductions()
         grads = [t.grad for _, t in self._pieces if t.grad is not None]
         norm_type = float(norm_type)
         device = self.model.engine.device
@@ -320,6 +319,20 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for g in grads:
             g.mul_(coefficient.to(g.dtype))
         return total
+
+    def finish_reductions(self) -> None:
+        """Wait for every reduce-scatter of the last backward; each piece's ``.grad`` then holds its
+        averaged gradient (``param_groups`` holds the pieces: what ``scaler.unscale_(opt)`` reads)."""
+        if self._allreduce_first_step and self._reduction() != self._steps_applied:
+            self._start_sharding()  # the first step's gradients are complete: every shard of them is valid
+        super().finish_reductions()
+        for bucket in range(len(self.model.manager.plan.buckets)):
+            self._bind_grads(bucket)
+
+    def _skip_step(self) -> None:
+        self._steps_applied = self._reduction()
+        for _, tensor in self._pieces:
+            tensor.grad = None
 
     # -- checkpoints: the full state, resharded ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
