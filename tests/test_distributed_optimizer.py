@@ -107,6 +107,31 @@ def zero_grad_after_step(rank: int, build, make_optimizer, set_to_none: bool, st
     return results[0], results[1]
 
 
+def eval_between_steps(rank: int, build, make_optimizer, steps: int = 5) -> tuple[tuple, tuple]:
+    """(DDP, ours) evaluating under model.eval() and no_grad after every step: the evaluation sees updated weights."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    results = []
+    for ours in (False, True):
+        model = co.wrap(build(), bucket_size_mb=0.004) if ours else torch.nn.parallel.DistributedDataParallel(build())
+        optimizer = make_optimizer(model) if ours else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        evaluations = []
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            model.eval()
+            with torch.no_grad():
+                evaluations.append(model(rank_batch(MLP, 100, rank)[0]).numpy().copy())
+            model.train()
+        results.append((snapshot(model if ours else model.module), evaluations))
+    return results[0], results[1]
+
+
 def scaled_training(rank: int, build, make_optimizer, steps: int = 6) -> tuple[tuple, tuple]:
     """(DDP, ours) with torch.amp.GradScaler's loop, step 2 overflowing (skipped, the scale halved)."""
     import warnings
@@ -176,6 +201,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
         )
 
     out["grad_scaler"] = scaled_training(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    )
+    out["eval_between_steps"] = eval_between_steps(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
 
@@ -265,6 +293,13 @@ def test_a_launch_order_is_planned_once_and_is_the_same_on_every_rank(two_ranks)
     orders = [out["schedule"][0] for out in two_ranks]
     assert orders[0] == orders[1] and sorted(orders[0]) == list(range(len(orders[0])))
     assert all(out["schedule"][1] == len(orders[0]) + 1 for out in two_ranks)  # every held tail k = 0..n simulated
+
+
+def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
+    for rank, out in enumerate(two_ranks):
+        (ddp, ddp_evals), (ours, our_evals) = out["eval_between_steps"]
+        assert_identical(ours, ddp, f"weights, rank {rank}")
+        assert_identical(our_evals, ddp_evals, f"evaluation outputs after each step, rank {rank}")
 
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:

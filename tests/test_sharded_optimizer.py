@@ -20,6 +20,7 @@ from tests.test_distributed_optimizer import (
     _make_optimizer,
     _train,
     clipped_step,
+    eval_between_steps,
     scaled_training,
     zero_grad_after_step,
 )
@@ -177,6 +178,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["grad_scaler"] = scaled_training(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
+    out["eval_between_steps"] = eval_between_steps(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
+    )
     out["interleaved"] = _interleaved_user_collectives(rank)
     out["replanned"] = _replanned_mid_training(rank)
 
@@ -326,6 +330,13 @@ def test_replanned_buckets_move_the_sharded_state(two_ranks) -> None:
     for rank, out in enumerate(two_ranks):
         ddp, ours = out["replanned"]
         assert_identical(ours, ddp, f"rank {rank}: 3 steps, set_bucket_size, 3 steps")
+
+
+def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
+    for rank, out in enumerate(two_ranks):
+        (ddp, ddp_evals), (ours, our_evals) = out["eval_between_steps"]
+        assert_identical(ours, ddp, f"weights, sharded, rank {rank}")
+        assert_identical(our_evals, ddp_evals, f"evaluation outputs after each step, sharded, rank {rank}")
 
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
