@@ -64,9 +64,9 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     finishing = []
     finish = optimizer._finish
 
-    def timed_finish(bucket: int) -> None:
+    def timed_finish(buckets: list[int], module: str = "") -> None:
         start = time.perf_counter()
-        finish(bucket)
+        finish(buckets, module)
         finishing.append(time.perf_counter() - start)
 
     optimizer._finish = timed_finish

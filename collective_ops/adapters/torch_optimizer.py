@@ -154,9 +154,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._timed_step(None, None)
             return
         self._pending = PendingUpdates.start(len(manager.plan.buckets), self.param_groups)
-        for bucket in list(self._pending.buckets):
-            if manager.bucket_ready(bucket):
-                self._finish(bucket)
+        self._finish([bucket for bucket in self._pending.buckets if manager.bucket_ready(bucket)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the class's zero_grad; gradients of buckets whose update is still owed are cleared after it."""
@@ -186,9 +184,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def synchronize(self) -> None:
         """Finish every bucket in flight and apply every owed update (blocking)."""
         manager = self.model.manager
-        for bucket in range(len(manager.plan.buckets)):
-            if manager.deferred_pending or self._pending is not None:
-                self._finish(bucket)
+        if manager.deferred_pending or self._pending is not None:
+            self._finish(list(range(len(manager.plan.buckets))))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` on the averaged gradients (call between backward and step).
@@ -243,8 +240,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if indices is None:  # not seen in the first forward: at least its own parameters
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
         location = manager.plan.location
-        for bucket in sorted({location[i][0] for i in indices}):  # plan order: every rank finishes them alike
-            self._finish(bucket, type(module).__name__)
+        self._finish(sorted({location[i][0] for i in indices}), type(module).__name__)  # plan order, as every rank
 
     def _after_first_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._ran is None:
@@ -260,28 +256,33 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._needs[owner] = indices
 
     @torch.no_grad()
-    def _finish(self, bucket: int, module: str = "") -> None:
-        """Finish one bucket's reduction (if not yet) and apply its update (if owed); traced when tracing is on."""
+    def _finish(self, buckets: list[int], module: str = "") -> None:
+        """Finish these buckets' reductions (where not yet) and apply their owed updates in one call of the
+        class's step (its per-call cost paid once, not per bucket); traced when tracing is on."""
         manager = self.model.manager
         tracer = getattr(manager.observer, "bucket_update", None)
         step = manager.steps_synced
-        members = list(manager.plan.buckets[bucket].param_indices)
-        if manager.deferred_pending and not manager.bucket_finished(bucket):
-            start = time.perf_counter()
-            members = self.model.finish_bucket(bucket)
-            if tracer is not None and module:
-                tracer("forward wait", bucket, step, start, time.perf_counter(), module)
+        members = {}
+        for bucket in buckets:
+            members[bucket] = list(manager.plan.buckets[bucket].param_indices)
+            if manager.deferred_pending and not manager.bucket_finished(bucket):
+                start = time.perf_counter()
+                members[bucket] = self.model.finish_bucket(bucket)
+                if tracer is not None and module:
+                    tracer("forward wait", bucket, step, start, time.perf_counter(), module)
         pending = self._pending
-        if pending is None or not pending.take(bucket):
+        owed = [bucket for bucket in buckets if pending is not None and pending.take(bucket)]
+        if not owed:
             return
-        params = {id(self.model._params[i]) for i in members}
         start = time.perf_counter()
-        self._timed_step(params, pending.hyperparameters)
-        if tracer is not None:
-            tracer("update", bucket, step, start, time.perf_counter(), module)
-        if pending.clear_after is not None:
-            for i in members:
-                _clear(self.model._params[i], pending.clear_after)
+        self._timed_step({id(self.model._params[i]) for b in owed for i in members[b]}, pending.hyperparameters)
+        end = time.perf_counter()
+        for bucket in owed:
+            if tracer is not None:
+                tracer("update", bucket, step, start, end, module)
+            if pending.clear_after is not None:
+                for i in members[bucket]:
+                    _clear(self.model._params[i], pending.clear_after)
         if pending.finished:
             self._pending = None
 

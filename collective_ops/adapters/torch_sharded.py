@@ -207,9 +207,14 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         the all-gathers get depends on timing, never their order."""
         manager = self.model.manager
         stop = len(self._gather_order) if until is None else self._gather_order.index(until) + 1
-        for position, bucket in enumerate(self._gather_order):
-            if (block and position < stop) or not manager.deferred_pending or manager.bucket_ready(bucket):
-                self._update(bucket, module)
+        self._update(
+            [
+                bucket
+                for position, bucket in enumerate(self._gather_order)
+                if (block and position < stop) or not manager.deferred_pending or manager.bucket_ready(bucket)
+            ],
+            module,
+        )
         if self._steps_applied != self._reduction():
             return  # no step() for these gradients: parameters unchanged, nothing to gather
         while self._next_gather < len(self._gather_order):
@@ -222,32 +227,38 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._next_gather += 1
 
     @torch.no_grad()
-    def _update(self, bucket: int, module: str = "") -> None:
-        """Finish the bucket's reduction (if not yet) and apply its update (if owed)."""
+    def _update(self, buckets: list[int], module: str = "") -> None:
+        """Finish these buckets' reductions (where not yet) and apply their owed updates, in one call of
+        the class's step (its per-call cost paid once, not per bucket)."""
         manager = self.model.manager
         tracer = getattr(manager.observer, "bucket_update", None)
         step = manager.steps_synced
-        if manager.deferred_pending and not manager.bucket_finished(bucket):
-            start = time.perf_counter()
-            self.model.finish_bucket(bucket)
-            if tracer is not None and module:
-                tracer("forward wait", bucket, step, start, time.perf_counter(), module)
+        for bucket in buckets:
+            if manager.deferred_pending and not manager.bucket_finished(bucket):
+                start = time.perf_counter()
+                self.model.finish_bucket(bucket)
+                if tracer is not None and module:
+                    tracer("forward wait", bucket, step, start, time.perf_counter(), module)
         pending = self._pending
-        if pending is None or not pending.take(bucket):
+        owed = [bucket for bucket in buckets if pending is not None and pending.take(bucket)]
+        if not owed:
             return
         start = time.perf_counter()
-        self._bind_grads(bucket)
-        self._timed_step({id(t) for _, t in self._bucket_pieces[bucket]}, pending.hyperparameters)
-        shard = self._param_shard(bucket)
-        for piece, tensor in self._bucket_pieces[bucket]:
+        for bucket in owed:
+            self._bind_grads(bucket)
+        pieces = [(piece, tensor) for bucket in owed for piece, tensor in self._bucket_pieces[bucket]]
+        self._timed_step({id(tensor) for _, tensor in pieces}, pending.hyperparameters)
+        for piece, tensor in pieces:
             tensor.grad = None
-            if _is_master(piece, tensor, self._param_buffers):
-                shard.narrow(0, piece.shard_offset, piece.numel).copy_(tensor)  # fp32 master -> parameters
-        if tracer is not None:
-            tracer("update", bucket, step, start, time.perf_counter(), module)
-        if pending.clear_after is not None:
-            for index in manager.plan.buckets[bucket].param_indices:
-                _clear(self.model._params[index], pending.clear_after)
+            if _is_master(piece, tensor, self._param_buffers):  # fp32 master -> the parameters' shard
+                self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel).copy_(tensor)
+        end = time.perf_counter()
+        for bucket in owed:
+            if tracer is not None:
+                tracer("update", bucket, step, start, end, module)
+            if pending.clear_after is not None:
+                for index in manager.plan.buckets[bucket].param_indices:
+                    _clear(self.model._params[index], pending.clear_after)
         if pending.finished:
             self._pending = None
 
