@@ -82,9 +82,7 @@ def clipped_step(rank: int, model, optimizer) -> tuple[float, dict]:
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     optimizer.step()
-    # ours: the wrapper's state_dict, where owed updates (and all-gathers) land first
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    return float(norm), snapshot(inner)
+    return float(norm), snapshot(model.module)  # the inner module's own state_dict: owed updates land first
 
 
 def zero_grad_after_step(rank: int, build, make_optimizer, set_to_none: bool, steps: int = 6) -> tuple[dict, dict]:

@@ -11,7 +11,7 @@ hyperparameters in force at ``step()``: the same arithmetic as DDP + that optimi
 
 Everything that reads parameters or optimizer state sees them fully updated: the end of
 every forward (parameters it did not use), ``state_dict``, ``synchronize()``,
-``clip_grad_norm_`` and the wrapped model's ``state_dict``. A module whose forward reads
+``clip_grad_norm_``, the wrapped model's ``state_dict`` and its inner module's. A module whose forward reads
 another module's parameters (``MultiheadAttention`` reads ``out_proj.weight`` without calling
 ``out_proj``) is handled when it did so in the first forward, from which each module's reads
 are learnt; one that starts doing so later must call ``synchronize()`` first, or autograd
@@ -116,6 +116,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._needs: dict[nn.Module, list[int]] = {}
         self._hooks = [module.register_forward_pre_hook(self._before_forward_of) for module in model.module.modules()]
         self._hooks.append(model.module.register_forward_hook(self._after_first_forward))
+        # The inner module's own state_dict() (a checkpoint of model.module) sees every update too.
+        self._hooks.append(model.module.register_state_dict_pre_hook(self._before_state_dict))
 
     def _make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
@@ -241,6 +243,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
         location = manager.plan.location
         self._finish(sorted({location[i][0] for i in indices}), type(module).__name__)  # plan order, as every rank
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.in_flight:
+            self.synchronize()
 
     def _after_first_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._ran is None:
