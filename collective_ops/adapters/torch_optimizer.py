@@ -148,6 +148,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             return
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """Apply what has landed of the last backward's reductions; owe the rest."""
         if self._pending is not None:
             self.synchronize()  # a previous step() whose updates were never needed: owed first
         self.update_seconds = 0.0
@@ -268,12 +272,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         manager = self.model.manager
         tracer = getattr(manager.observer, "bucket_update", None)
         step = manager.steps_synced
-        members = {}
         for bucket in buckets:
-            members[bucket] = list(manager.plan.buckets[bucket].param_indices)
             if manager.deferred_pending and not manager.bucket_finished(bucket):
                 start = time.perf_counter()
-                members[bucket] = self.model.finish_bucket(bucket)
+                self.model.finish_bucket(bucket)
                 if tracer is not None and module:
                     tracer("forward wait", bucket, step, start, time.perf_counter(), module)
         pending = self._pending
@@ -281,16 +283,22 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not owed:
             return
         start = time.perf_counter()
-        self._timed_step({id(self.model._params[i]) for b in owed for i in members[b]}, pending.hyperparameters)
+        self._apply_updates(owed, pending.hyperparameters)
         end = time.perf_counter()
         for bucket in owed:
             if tracer is not None:
                 tracer("update", bucket, step, start, end, module)
             if pending.clear_after is not None:
-                for i in members[bucket]:
+                for i in manager.plan.buckets[bucket].param_indices:
                     _clear(self.model._params[i], pending.clear_after)
         if pending.finished:
             self._pending = None
+
+    def _apply_updates(self, buckets: list[int], hyperparameters: list[dict]) -> None:
+        """The class's step over these buckets' parameters."""
+        plan = self.model.manager.plan
+        params = {id(self.model._params[i]) for b in buckets for i in plan.buckets[b].param_indices}
+        self._timed_step(params, hyperparameters)
 
     def _timed_step(self, only: set[int] | None, hyperparameters: list[dict] | None) -> None:
         """The class's step over ``only`` (parameter ids; None: all) with ``hyperparameters`` (None: current)."""
@@ -347,9 +355,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self.schedule != "auto"
             or not self.overlap
             or manager.steps_synced < SCHEDULE_AFTER_STEPS
-            or manager.launch_order != tuple(range(len(manager.plan.buckets)))
-            or self.schedule_report is not None
-            and self._scheduled_plan == manager.plan.fingerprint()
+            or manager.launch_order != tuple(range(len(manager.plan.buckets)))  # planned already, or set by the user
+            or self._scheduled_plan == manager.plan.fingerprint()  # planned for this plan (as its own plan order)
             or len(stats.buckets) != len(manager.plan.buckets)
             or stats.backward_start is None
         ):

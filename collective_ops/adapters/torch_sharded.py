@@ -35,7 +35,7 @@ from ..bucketing.plan import BucketPlan
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel, view_like
-from .torch_optimizer import DistributedOptimizer, _clear
+from .torch_optimizer import DistributedOptimizer
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 MASTER_KEY = "master_param"  # fp32 master values of a low-precision parameter, in state_dict()
@@ -165,14 +165,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def in_flight(self) -> bool:
         return super().in_flight or bool(self._gathers)
 
-    @torch.no_grad()
-    def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
+    def _start_step(self) -> None:
         """Update each bucket's shard once its reduce-scatter lands and all-gather it; the rest as needed."""
-        if grad_scaler is not None:
-            self._scaled_step(grad_scaler)
-            return
-        if closure is not None:
-            raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
         if self._pending is not None or self._gathers:
             self.synchronize()  # a previous step's updates were never needed: owed first
         self.update_seconds = 0.0
@@ -207,7 +201,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         the all-gathers get depends on timing, never their order."""
         manager = self.model.manager
         stop = len(self._gather_order) if until is None else self._gather_order.index(until) + 1
-        self._update(
+        self._finish(
             [
                 bucket
                 for position, bucket in enumerate(self._gather_order)
@@ -226,41 +220,16 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             )
             self._next_gather += 1
 
-    @torch.no_grad()
-    def _update(self, buckets: list[int], module: str = "") -> None:
-        """Finish these buckets' reductions (where not yet) and apply their owed updates, in one call of
-        the class's step (its per-call cost paid once, not per bucket)."""
-        manager = self.model.manager
-        tracer = getattr(manager.observer, "bucket_update", None)
-        step = manager.steps_synced
+    def _apply_updates(self, buckets: list[int], hyperparameters: list[dict]) -> None:
+        """The class's step over these buckets' pieces; fp32 masters copied into the parameters' shards."""
         for bucket in buckets:
-            if manager.deferred_pending and not manager.bucket_finished(bucket):
-                start = time.perf_counter()
-                self.model.finish_bucket(bucket)
-                if tracer is not None and module:
-                    tracer("forward wait", bucket, step, start, time.perf_counter(), module)
-        pending = self._pending
-        owed = [bucket for bucket in buckets if pending is not None and pending.take(bucket)]
-        if not owed:
-            return
-        start = time.perf_counter()
-        for bucket in owed:
             self._bind_grads(bucket)
-        pieces = [(piece, tensor) for bucket in owed for piece, tensor in self._bucket_pieces[bucket]]
-        self._timed_step({id(tensor) for _, tensor in pieces}, pending.hyperparameters)
+        pieces = [(piece, tensor) for bucket in buckets for piece, tensor in self._bucket_pieces[bucket]]
+        self._timed_step({id(tensor) for _, tensor in pieces}, hyperparameters)
         for piece, tensor in pieces:
             tensor.grad = None
-            if _is_master(piece, tensor, self._param_buffers):  # fp32 master -> the parameters' shard
+            if _is_master(piece, tensor, self._param_buffers):
                 self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel).copy_(tensor)
-        end = time.perf_counter()
-        for bucket in owed:
-            if tracer is not None:
-                tracer("update", bucket, step, start, end, module)
-            if pending.clear_after is not None:
-                for index in manager.plan.buckets[bucket].param_indices:
-                    _clear(self.model._params[index], pending.clear_after)
-        if pending.finished:
-            self._pending = None
 
     def _bind_grads(self, bucket: int) -> None:
         """Each piece's ``.grad``: its part of the reduced shard (cast to the piece's dtype where it differs)."""
