@@ -58,7 +58,9 @@ def _setups(args, name: str, batches: list) -> dict:
         model, _ = build_model(name)
         wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
         optimizer = (
-            co.DistributedOptimizer(wrapped, cls, **kwargs) if distributed else cls(wrapped.parameters(), **kwargs)
+            co.DistributedOptimizer(wrapped, cls, schedule=args.schedule, **kwargs)
+            if distributed
+            else cls(wrapped.parameters(), **kwargs)
         )
         setups[label] = (wrapped, optimizer, batches)
     return setups
@@ -96,6 +98,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             "link_ms": link * 1e3 if link else None,
             "auto_plan": [ours.manager.plan.bucket_size_mb, ours.manager.plan.first_bucket_mb],
             "update_ms": setups["wrap auto + DistributedOptimizer"][1].update_seconds * 1e3,
+            "schedule": _schedule_summary(setups["wrap auto + DistributedOptimizer"][1]),
             "params_m": sum(p.numel() for p in ours.module.parameters()) / 1e6,
         }
         del setups
@@ -115,12 +118,27 @@ def _link_seconds(nbytes: int) -> float | None:
     return nbytes * 8 / rate_bits(rate) if rate else None
 
 
+def _schedule_summary(optimizer) -> dict | None:
+    """With schedule="auto": the planned order and the simulator's forward end for it and for plan order."""
+    report = optimizer.schedule_report
+    if not report:
+        return None
+    plain = max(report, key=lambda p: p.held_from)
+    return {
+        "order": list(optimizer.model.manager.launch_order),
+        "held_from": report[0].held_from,
+        "predicted_forward_end_ms": report[0].forward_end_s * 1e3,
+        "plan_order_forward_end_ms": plain.forward_end_s * 1e3,
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["transformer-5m"])
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     parser.add_argument("--compression", choices=["fp16"], default=None)
+    parser.add_argument("--schedule", choices=["plan", "auto"], default="plan", help="DistributedOptimizer's schedule")
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
     parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
     parser.add_argument("--json")
@@ -148,6 +166,13 @@ def main(argv=None) -> int:
             print(
                 f"    {key:<34} {value:>7.1f} ms  {value / default:.3f}x DDP default  "
                 f"{value / ms[best_key]:.3f}x best DDP ({best_key})  {value / bound:.2f}x max(compute, link)"
+            )
+        if r["schedule"]:
+            plan = r["schedule"]
+            print(
+                f"    schedule auto: order {plan['order']} (held from position {plan['held_from']}); simulated "
+                f"forward end {plan['predicted_forward_end_ms']:.1f} ms vs {plan['plan_order_forward_end_ms']:.1f} "
+                "ms in plan order"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))
