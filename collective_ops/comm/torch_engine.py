@@ -27,8 +27,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# Gloo moves a large buffer in one all-to-all or all-gather at half the link's rate (22 MB over the
-# emulated 1gbit link: 172 / 120 ms; in pieces of 1 MiB per rank: 96 / 95 ms, as its allreduce's 191).
+# Gloo moves a large buffer in one all-to-all or all-gather far below the link's rate (21.3 MiB over
+# the emulated 1gbit link: 168 / 105 ms; in pieces of 1 MiB per rank: 93 / 92 ms, against its allreduce's
+# 186: benchmarks/shard_collectives.py --link 1gbit --mib 21.3).
 _GLOO_SHARD_PIECE_BYTES = 1 << 20
 
 
@@ -261,10 +262,10 @@ class TorchEngine(Engine):
     def reduce_scatter_shard(self, buffer: torch.Tensor, async_op: bool = False, scratch: Any = None) -> Any:
         """The sum of every rank's ``buffer`` into this rank's shard of it.
 
-        Gloo's reduce-scatter moves the whole buffer (measured on the emulated 1gbit link, 4 MiB:
-        37.5 ms, as much as an allreduce's 35 ms), so on Gloo each shard is sent to its owner with
-        all-to-alls ((N-1)/N of the buffer, as a reduce-scatter should: 17.5 ms there), in pieces
-        of at most 1 MiB per rank (one 22 MB all-to-all took 172 ms, in 1 MiB pieces 96 ms), and
+        Gloo's reduce-scatter moves the whole buffer (emulated 1gbit link, 4 MiB: 32.9 ms, as much
+        as an allreduce's 34.6 ms; benchmarks/shard_collectives.py), so on Gloo each shard is sent to
+        its owner with all-to-alls ((N-1)/N of the buffer, as a reduce-scatter should: 17.5 ms there),
+        in pieces of at most 1 MiB per rank (21.3 MiB: 168 ms whole, 93 ms in pieces), and
         the N received parts are summed here, in rank order, received into ``scratch`` (a tensor
         like ``buffer``) where given. Other backends reduce-scatter in place.
         """
