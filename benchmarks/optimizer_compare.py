@@ -6,7 +6,9 @@
 In the same processes, alternating in blocks of steps (the order reversed every round):
 torch DDP with each ``bucket_cap_mb`` of the hand sweep {1, 2, 5, 10, 25, 50} and a plain
 optimizer; ``wrap(bucket_size_mb="auto")`` with a plain optimizer; and
-``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults. Same optimizer
+``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults (``--schedule plan
+auto`` adds the plan-order schedule, and prints the simulator's step for both beside the
+measured ones). Same optimizer
 class everywhere (SGD, or AdamW with ``--optimizer adamw``). With ``--compression fp16``
 the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Each
 DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
@@ -54,16 +56,21 @@ def _setups(args, name: str, batches: list) -> dict:
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         setups[f"DDP {mb:g} MiB"] = (ddp, cls(ddp.parameters(), **kwargs), batches)
-    for label, distributed in (("wrap auto", False), ("wrap auto + DistributedOptimizer", True)):
+    for label, schedule in (("wrap auto", None), *((_label(s), s) for s in args.schedule)):
         model, _ = build_model(name)
         wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
         optimizer = (
-            co.DistributedOptimizer(wrapped, cls, schedule=args.schedule, **kwargs)
-            if distributed
+            co.DistributedOptimizer(wrapped, cls, schedule=schedule, **kwargs)
+            if schedule
             else cls(wrapped.parameters(), **kwargs)
         )
         setups[label] = (wrapped, optimizer, batches)
     return setups
+
+
+def _label(schedule: str) -> str:
+    """The setup's name: the DistributedOptimizer's defaults (schedule="auto") unnamed, plan order named."""
+    return "wrap auto + DistributedOptimizer" + ("" if schedule == "auto" else " (plan order)")
 
 
 def _compute_alone(name: str, batches: list, steps: int = 4) -> float:
@@ -89,7 +96,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         compute = get_engine("torch").reduce_floats([_compute_alone(name, batches)], "max")[0]
         setups = _setups(args, name, batches)
         times = alternate_steps(setups, args.rounds, args.block)
-        ours = setups["wrap auto + DistributedOptimizer"][0]
+        ours = setups[_label(args.schedule[0])][0]
         grad_bytes = sum(p.numel() * p.element_size() for p in ours.module.parameters())
         link = _link_seconds(grad_bytes // (2 if args.compression else 1))
         results[name] = {
@@ -97,8 +104,8 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             "compute_alone_ms": compute * 1e3,
             "link_ms": link * 1e3 if link else None,
             "auto_plan": [ours.manager.plan.bucket_size_mb, ours.manager.plan.first_bucket_mb],
-            "update_ms": setups["wrap auto + DistributedOptimizer"][1].update_seconds * 1e3,
-            "schedule": _schedule_summary(setups["wrap auto + DistributedOptimizer"][1]),
+            "update_ms": setups[_label(args.schedule[0])][1].update_seconds * 1e3,
+            "schedule": _schedule_summary(setups[_label("auto")][1]) if "auto" in args.schedule else None,
             "params_m": sum(p.numel() for p in ours.module.parameters()) / 1e6,
         }
         del setups
@@ -119,16 +126,17 @@ def _link_seconds(nbytes: int) -> float | None:
 
 
 def _schedule_summary(optimizer) -> dict | None:
-    """With schedule="auto": the planned order and the simulator's forward end for it and for plan order."""
+    """With schedule="auto": the planned order and the simulator's step for it and for plan order."""
     report = optimizer.schedule_report
     if not report:
         return None
-    plain = max(report, key=lambda p: p.held_from)
+    plain = next(p for p in report if p.is_plan_order)
     return {
         "order": list(optimizer.model.manager.launch_order),
+        "deferred": report[0].deferred,
         "held_from": report[0].held_from,
-        "predicted_forward_end_ms": report[0].forward_end_s * 1e3,
-        "plan_order_forward_end_ms": plain.forward_end_s * 1e3,
+        "predicted_step_ms": report[0].step_s * 1e3,
+        "plan_order_step_ms": plain.step_s * 1e3,
     }
 
 
@@ -138,7 +146,13 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["transformer-5m"])
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     parser.add_argument("--compression", choices=["fp16"], default=None)
-    parser.add_argument("--schedule", choices=["plan", "auto"], default="plan", help="DistributedOptimizer's schedule")
+    parser.add_argument(
+        "--schedule",
+        nargs="+",
+        choices=["plan", "auto"],
+        default=["auto"],
+        help="DistributedOptimizer's schedule(s) (default auto, its own default): each one a setup of the race",
+    )
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
     parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
     parser.add_argument("--json")
@@ -169,10 +183,13 @@ def main(argv=None) -> int:
             )
         if r["schedule"]:
             plan = r["schedule"]
+            measured = ms[_label("auto")]
             print(
-                f"    schedule auto: order {plan['order']} (held from position {plan['held_from']}); simulated "
-                f"forward end {plan['predicted_forward_end_ms']:.1f} ms vs {plan['plan_order_forward_end_ms']:.1f} "
-                "ms in plan order"
+                f"    schedule auto: order {plan['order']} (first {plan['deferred']} and from position "
+                f"{plan['held_from']} held); simulated step {plan['predicted_step_ms']:.1f} ms "
+                f"({(plan['predicted_step_ms'] / measured - 1) * 100:+.1f}% of the measured {measured:.1f}), "
+                f"{plan['plan_order_step_ms']:.1f} ms in plan order"
+                + (f" (measured {ms[_label('plan')]:.1f})" if "plan" in args.schedule else "")
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))

@@ -47,8 +47,10 @@ def _train(
     return snapshot(model.module)
 
 
-def _pair(rank: int, build, opt_kind: str, *, find_unused: bool = False, **train_kwargs) -> tuple[dict, dict]:
-    """(DDP + optimizer, wrap + DistributedOptimizer) after the same training."""
+def _pair(
+    rank: int, build, opt_kind: str, *, find_unused: bool = False, wrap_kwargs=None, arrange=None, **train_kwargs
+) -> tuple[dict, dict]:
+    """(DDP + optimizer, wrap + DistributedOptimizer) after the same training; ``arrange(wrapped)`` before it."""
     import torch
 
     import collective_ops as co
@@ -57,8 +59,12 @@ def _pair(rank: int, build, opt_kind: str, *, find_unused: bool = False, **train
     ddp = torch.nn.parallel.DistributedDataParallel(build(), find_unused_parameters=find_unused)
     cls, kwargs = _make_optimizer(opt_kind)
     plain = cls(ddp.parameters(), **kwargs)
-    ours_model = co.wrap(build(), bucket_size_mb=0.004, first_bucket_mb=0.001, find_unused_parameters=find_unused)
+    ours_model = co.wrap(
+        build(), bucket_size_mb=0.004, first_bucket_mb=0.001, find_unused_parameters=find_unused, **(wrap_kwargs or {})
+    )
     ours = co.DistributedOptimizer(ours_model, cls, **kwargs)
+    if arrange is not None:
+        arrange(ours_model)
     results = []
     for model, optimizer in ((ddp, plain), (ours_model, ours)):
         scheduler = scheduler_of(optimizer) if scheduler_of else None
@@ -176,6 +182,23 @@ def optimizer_checks(rank: int, world: int) -> dict:
     )
     out["accumulation"] = _pair(rank, lambda: build("mlp"), "sgd", model_cls=MLP, accumulate=3, steps=6)
 
+    def held_one_at_a_time(wrapped) -> None:  # what schedule="auto" sets up: some buckets held, sent serially
+        from collective_ops.bucketing.schedule import held_order
+
+        count = len(wrapped.manager.plan.buckets)
+        order = held_order(count, count - 2, 2)
+        group = torch.distributed.new_group(backend="gloo")
+        wrapped.manager.set_launch_order(order, serial_from=count - 4, serial_group=group)
+
+    out["held_serial"] = _pair(
+        rank,
+        lambda: build("transformer"),
+        "sgd",
+        model_cls=TinyTransformer,
+        wrap_kwargs={"rebuild_buckets": False},
+        arrange=held_one_at_a_time,
+    )
+
     def unused_net():
         torch.manual_seed(0)
         return WithUnusedBranch()
@@ -262,7 +285,16 @@ def two_ranks() -> list[dict]:
     return run_ranks(2, optimizer_checks, timeout=300)
 
 
-CASES = ["transformer_sgd", "transformer_adamw", "cnn_sgd", "cnn_adamw", "scheduler", "accumulation", "unused"]
+CASES = [
+    "transformer_sgd",
+    "transformer_adamw",
+    "cnn_sgd",
+    "cnn_adamw",
+    "scheduler",
+    "accumulation",
+    "unused",
+    "held_serial",
+]
 
 
 @pytest.mark.parametrize("case", [*CASES, "out_of_order", "zero_grad_after_step_True", "zero_grad_after_step_False"])
@@ -290,7 +322,10 @@ def test_clip_grad_norm_matches_torch_on_averaged_gradients(two_ranks) -> None:
 def test_a_launch_order_is_planned_once_and_is_the_same_on_every_rank(two_ranks) -> None:
     orders = [out["schedule"][0] for out in two_ranks]
     assert orders[0] == orders[1] and sorted(orders[0]) == list(range(len(orders[0])))
-    assert all(out["schedule"][1] == len(orders[0]) + 1 for out in two_ranks)  # every held tail k = 0..n simulated
+    n = len(orders[0])
+    assert all(
+        out["schedule"][1] == (n + 1) * (n + 2) // 2 for out in two_ranks
+    )  # every (deferred, held_from) simulated
 
 
 def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collective_ops.bucketing.schedule import StepProfile, held_tail_order, plan_order, simulate_order
+from collective_ops.bucketing.schedule import StepProfile, held_order, held_tail_order, plan_order, simulate_order
 
 
 def test_held_tail_orders() -> None:
@@ -12,6 +12,14 @@ def test_held_tail_orders() -> None:
     assert held_tail_order(4, 1) == (0, 3, 2, 1) and held_tail_order(4, 0) == (3, 2, 1, 0)
     with pytest.raises(ValueError, match="between 0 and 4"):
         held_tail_order(4, 5)
+
+
+def test_held_orders_defer_the_first_ready_buckets_to_the_end() -> None:
+    assert held_order(4, 2, 1) == (1, 3, 2, 0) and held_order(4, 4, 0) == (0, 1, 2, 3)
+    assert held_order(4, 4, 2) == (2, 3, 1, 0) and held_order(4, 0, 0) == (3, 2, 1, 0)
+    assert held_order(4, 3, 1, needs=(3, 0, 1, 2)) == (1, 2, 3, 0)  # held ones in the forward's own order
+    with pytest.raises(ValueError, match="deferred <= held_from"):
+        held_order(4, 1, 2)
 
 
 def _profile(forward: float = 10.0) -> StepProfile:
@@ -29,10 +37,41 @@ def test_simulation_by_hand() -> None:
     assert simulate_order((0, 1, 3, 2), _profile(), cost) == (120.0, 40.0)
 
 
+def test_simulation_with_a_measured_forward_by_hand() -> None:
+    # the forward starts 5 ms after backward, needs 3 then 2 at once (0 ms apart), then 1 and 0; lead 7 ms
+    profile = StepProfile(
+        ready_s=[10.0, 20.0, 30.0, 40.0],
+        nbytes=[10, 10, 10, 10],
+        backward_end_s=40.0,
+        forward_s=[1.0, 4.0, 6.0, 0.0],
+        forward_order=[3, 2, 1, 0],
+        forward_start_s=45.0,
+        lead_s=7.0,
+    )
+    cost = lambda nbytes: 1.0 * nbytes  # noqa: E731
+    # done 0:20 1:30 2:40 3:50; clock 45 -> waits 5 for 3 -> 50, 2 done -> 56, 1 -> 60, 0 -> 61
+    assert simulate_order((0, 1, 2, 3), profile, cost) == (61.0, 5.0)
+    plain = next(p for p in plan_order(profile, cost) if p.is_plan_order)
+    assert plain.step_s == 68.0 and plain.deferred == 0
+
+
 def test_planner_holds_the_tail_when_the_link_is_the_bottleneck() -> None:
     best = plan_order(_profile(), lambda nbytes: 2.0 * nbytes)[0]
     assert best.order[-1] != 3 and best.forward_end_s < 130.0
-    assert best.order == held_tail_order(4, best.held_from)
+    assert best.order == held_order(4, best.held_from, best.deferred)
+
+
+def test_planner_defers_a_big_first_ready_bucket_the_forward_needs_last() -> None:
+    # bucket 0 (the output layer: ready first, needed last) is the largest and the link is backlogged:
+    # sent last, its transfer overlaps the forward of layers 3..1 (by hand: order 1, 2, 3, 0 ends the
+    # forward at 100; plan order at 111; the best order without deferring, 0, 1, 3, 2, at 101)
+    profile = StepProfile(
+        ready_s=[1.0, 15.0, 30.0, 40.0], nbytes=[25, 15, 15, 15], backward_end_s=40.0, forward_s=[10.0] * 4
+    )
+    ranked = plan_order(profile, lambda nbytes: 1.0 * nbytes)
+    best, plain = ranked[0], next(p for p in ranked if p.is_plan_order)
+    assert (best.order, best.forward_end_s, plain.forward_end_s) == ((1, 2, 3, 0), 100.0, 111.0)
+    assert min(p.forward_end_s for p in ranked if p.deferred == 0) == 101.0
 
 
 def test_planner_keeps_ready_order_when_communication_is_free() -> None:
@@ -43,3 +82,5 @@ def test_planner_keeps_ready_order_when_communication_is_free() -> None:
 def test_a_profile_must_describe_every_bucket() -> None:
     with pytest.raises(ValueError, match="every bucket"):
         plan_order(StepProfile([1.0], [1, 2], 1.0, [0.5]), lambda n: 0.0)
+    with pytest.raises(ValueError, match="not a permutation"):
+        plan_order(StepProfile([1.0, 2.0], [1, 2], 2.0, [0.5, 0.5], forward_order=[1, 1]), lambda n: 0.0)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
+from ..bucketing.hooks import allreduce_hook
 from ..bucketing.schedule import OrderPrediction, StepProfile, plan_order
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel
@@ -68,19 +69,25 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         schedule: str | None = None,
         **kwargs: Any,
     ) -> None:
-        # "plan" by default: on the one model measured (transformer-5m, emulated 1gbit) the planned order
-        # gained nothing (docs/distributed_optimizer.md); "auto" is there to try.
-        schedule = schedule or "plan"
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                f"DistributedOptimizer takes a model wrapped by collective_ops.wrap(), got {type(model).__name__}; "
+                "wrap it first: model = collective_ops.wrap(model)"
+            )
+        custom_hook = model.manager.comm_hook is not allreduce_hook and not model.compression
+        # "auto" by default (measured faster than plan order on the emulated link: docs/distributed_optimizer.md);
+        # "plan" where "auto" is not supported: shards (their all-gathers have an order of their own) and custom hooks
+        schedule = schedule or ("plan" if shard or custom_hook else "auto")
         if schedule == "auto" and shard:
             raise ValueError(
                 "schedule='auto' is not supported with shard=True yet (its all-gathers have an order of their own)"
             )
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(
-                f"DistributedOptimizer takes a model wrapped by collective_ops.wrap(), got {type(model).__name__}; "
-                "wrap it first: model = collective_ops.wrap(model)"
+        if schedule == "auto" and custom_hook:
+            raise ValueError(
+                "schedule='auto' reduces the buckets it holds back on a process group of its own, which a custom "
+                "comm_hook does not know of; use schedule='plan' with a custom comm_hook"
             )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(
@@ -92,7 +99,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.overlap = overlap
         self.schedule = schedule
         self.schedule_report: list[OrderPrediction] | None = None
-        self._scheduled_plan = ""  # fingerprint of the bucket plan the launch order was planned for
+        self._scheduled_plan: Any = None  # the bucket plan the launch order was planned for
+        self._held_group: Any = None
         groups = _as_groups(model.module.parameters() if params is None else params)
         owned = {id(p) for p in model.module.parameters()}
         for group in groups:
@@ -115,7 +123,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._ran: set[nn.Module] | None = set()
         self._needs: dict[nn.Module, list[int]] = {}
         self._hooks = [module.register_forward_pre_hook(self._before_forward_of) for module in model.module.modules()]
-        self._hooks.append(model.module.register_forward_hook(self._after_first_forward))
+        self._hooks.append(model.module.register_forward_hook(self._after_forward))
+        self._timeline = ForwardTimeline()  # the forward's use of buckets over time (schedule="auto" plans from it)
         # The inner module's own state_dict() (a checkpoint of model.module) sees every update too.
         self._hooks.append(model.module.register_state_dict_pre_hook(self._before_state_dict))
 
@@ -239,20 +248,34 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
         if self._ran is not None:
             self._ran.add(module)
-        if not self.in_flight:
+        timeline = self._timeline if self._plans_schedule() else None
+        if timeline is not None and module is self.model.module:
+            timeline.forward_started(follows_backward=self.in_flight)
+        if not (self.in_flight or timeline is not None):
             return
         manager = self.model.manager
         indices = self._needs.get(module)
         if indices is None:  # not seen in the first forward: at least its own parameters
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
         location = manager.plan.location
-        self._finish(sorted({location[i][0] for i in indices}), type(module).__name__)  # plan order, as every rank
+        buckets = sorted({location[i][0] for i in indices})  # plan order, as every rank
+        if timeline is not None:
+            timeline.needed(buckets)
+        if self.in_flight:
+            manager.poll_launches()  # held buckets whose turn has come, while this forward computes
+            self._finish(buckets, type(module).__name__)
+
+    def _plans_schedule(self) -> bool:
+        """True while the forward's use of buckets is being timed: schedule="auto", not yet planned for this plan."""
+        return self.schedule == "auto" and self.overlap and self._scheduled_plan is not self.model.manager.plan
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self.in_flight:
             self.synchronize()
 
-    def _after_first_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._plans_schedule():
+            self._timeline.forward_ended()
         if self._ran is None:
             return
         ran, self._ran = self._ran, None
@@ -276,8 +299,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             if manager.deferred_pending and not manager.bucket_finished(bucket):
                 start = time.perf_counter()
                 self.model.finish_bucket(bucket)
+                end = time.perf_counter()
+                self._timeline.waited(end - start)
                 if tracer is not None and module:
-                    tracer("forward wait", bucket, step, start, time.perf_counter(), module)
+                    tracer("forward wait", bucket, step, start, end, module)
         pending = self._pending
         owed = [bucket for bucket in buckets if pending is not None and pending.take(bucket)]
         if not owed:
@@ -344,40 +369,61 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def on_settle(self) -> None:
         """At the end of a forward, every rank at the same point: plan the launch order once per bucket plan.
 
-        With ``schedule="auto"``, from a profiled step of the current plan and the fitted α/β,
-        rank 0 simulates every held-tail order (:mod:`collective_ops.bucketing.schedule`) and
-        every rank adopts its choice: buckets the next forward needs first stop queueing
-        behind the rest.
+        With ``schedule="auto"``, from the last backward's bucket ready times, this forward's use
+        of the buckets and the fitted α/β, rank 0 simulates every candidate order
+        (:mod:`collective_ops.bucketing.schedule`) and every rank adopts its choice: buckets the
+        next forward needs first stop queueing behind the rest.
         """
         manager = self.model.manager
         stats = manager.last_stats
+        timeline = self._timeline
         if (
-            self.schedule != "auto"
-            or not self.overlap
+            not self._plans_schedule()
             or manager.steps_synced < SCHEDULE_AFTER_STEPS
-            or manager.launch_order != tuple(range(len(manager.plan.buckets)))  # planned already, or set by the user
-            or self._scheduled_plan == manager.plan.fingerprint()  # planned for this plan (as its own plan order)
+            or manager.launch_order != tuple(range(len(manager.plan.buckets)))  # set by the user
             or len(stats.buckets) != len(manager.plan.buckets)
             or stats.backward_start is None
+            or self.model._join_config.enable  # a joined rank shadows steps without forwards: plan outside join()
         ):
+            return
+        engine = self.model.engine
+        if not engine.broadcast_ints([int(timeline.complete())])[0]:  # rank 0's timeline decides, on every rank
             return
         from ..tuning import measure_alpha_beta
 
         cost = measure_alpha_beta()  # a collective: every rank is here
         wire = 0.5 if self.model.compression else 1.0
-        predictions = plan_order(_profile(manager, stats), lambda nbytes: cost.cost(int(nbytes * wire)))
-        order = self.model.engine.broadcast_ints(list(predictions[0].order))  # rank 0's plan, on every rank
-        manager.set_launch_order(order)
-        self.schedule_report, self._scheduled_plan = predictions, manager.plan.fingerprint()
-        plain = next(p for p in predictions if p.held_from >= len(order) - 1)
+        count = len(manager.plan.buckets)
+        predictions = None
+        if timeline.complete():
+            profile = timeline.profile(stats, [b.nbytes for b in manager.plan.buckets])
+            predictions = plan_order(profile, lambda nbytes: cost.cost(int(nbytes * wire)))
+        best = predictions[0] if predictions else None
+        mine = [*best.order, best.held_from - best.deferred] if best else [0] * (count + 1)
+        *order, held = engine.broadcast_ints(mine)  # rank 0's plan, on every rank
+        if held < count:
+            manager.set_launch_order(order, serial_from=held, serial_group=self._serial_group())
+        self.schedule_report, self._scheduled_plan = predictions, manager.plan
+        if not predictions:
+            return
+        plain = next(p for p in predictions if p.is_plan_order)
         logger.info(
-            "collective_ops: DistributedOptimizer launch order %s (buckets from position %d held and sent in forward "
-            "order); predicted forward end %.1f ms vs %.1f ms in plan order",
+            "collective_ops: DistributedOptimizer launch order %s (first %d and from position %d held, sent in forward "
+            "order); predicted step %.1f ms vs %.1f ms in plan order",
             order,
+            predictions[0].deferred,
             predictions[0].held_from,
-            predictions[0].forward_end_s * 1e3,
-            plain.forward_end_s * 1e3,
+            predictions[0].step_s * 1e3,
+            plain.step_s * 1e3,
         )
+
+    def _serial_group(self) -> Any:
+        """The process group the held buckets are reduced on, one at a time (made once; a collective)."""
+        if self._held_group is None:
+            import torch.distributed as dist
+
+            self._held_group = dist.new_group(backend=dist.get_backend())
+        return self._held_group
 
     def on_plan_change(self, plan: Any) -> None:
         """The model's buckets were replanned (first-step rebuild, auto-tune): nothing to move here."""
@@ -390,16 +436,72 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._hooks = []
 
 
-FORWARD_TO_BACKWARD = 0.5  # forward compute of a layer, as a share of its backward (about 1:2)
+class ForwardTimeline:
+    """When each forward first needs each bucket, on a clock of its compute (waits for reductions excluded).
 
+    With the previous forward's end and the last backward's timings, that is the planner's
+    :class:`StepProfile`: the simulated step then charges the forward what it really costs.
+    """
 
-def _profile(manager: Any, stats: Any) -> StepProfile:
-    """The last step of ``manager``'s plan as the planner's input: seconds from the start of backward."""
-    start, end = stats.backward_start, stats.finalize_start or stats.backward_start
-    ready = [(b.last_ready or end) - start for b in stats.buckets]
-    previous = [0.0, *ready[:-1]]
-    forward = [max(r - p, 0.0) * FORWARD_TO_BACKWARD for r, p in zip(ready, previous)]
-    return StepProfile(ready, [b.nbytes for b in manager.plan.buckets], end - start, forward)
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._waited = 0.0
+        self._need_s: dict[int, float] = {}
+        self._end_s: float | None = None  # compute from start to end
+        self._ended_at: float | None = None  # when the current forward ended (wall clock)
+        self._previous_end: float | None = None  # when the forward before it ended
+        self._follows_backward = False
+
+    def forward_started(self, follows_backward: bool) -> None:
+        """``follows_backward``: the last backward's reductions are still in flight, so nothing else (another
+        model's steps, a synchronize()) ran between them and this forward: its start is part of the step."""
+        self._previous_end, self._follows_backward = self._ended_at, follows_backward
+        self._start, self._waited, self._need_s, self._end_s, self._ended_at = time.perf_counter(), 0.0, {}, None, None
+
+    def needed(self, buckets: list[int]) -> None:
+        if self._start is None or self._end_s is not None:
+            return
+        now = time.perf_counter() - self._start - self._waited
+        for bucket in buckets:
+            self._need_s.setdefault(bucket, now)
+
+    def waited(self, seconds: float) -> None:
+        if self._start is not None and self._end_s is None:
+            self._waited += seconds
+
+    def forward_ended(self) -> None:
+        if self._start is not None and self._end_s is None:
+            self._ended_at = time.perf_counter()
+            self._end_s = self._ended_at - self._start - self._waited
+
+    def complete(self) -> bool:
+        """True when a whole forward, and the end of the one before it, were timed."""
+        return self._end_s is not None and self._previous_end is not None and bool(self._need_s)
+
+    def profile(self, stats: Any, nbytes: list[int]) -> StepProfile:
+        """The planner's input: the backward of ``stats`` (which ran between the two forwards) and this forward."""
+        origin = stats.backward_start
+        end = stats.finalize_start or origin
+        ready = [(b.last_ready or end) - origin for b in stats.buckets]
+        count = len(nbytes)
+        # buckets never needed (their parameters unused in this forward) are finished at its end
+        order = sorted(self._need_s, key=lambda b: (self._need_s[b], -b)) + sorted(
+            (b for b in range(count) if b not in self._need_s), reverse=True
+        )
+        marks = [self._need_s.get(b, self._end_s) for b in order] + [self._end_s]
+        forward = [0.0] * count
+        for position, bucket in enumerate(order):
+            forward[bucket] = max(marks[position + 1] - marks[position], 0.0)
+        return StepProfile(
+            ready_s=ready,
+            nbytes=nbytes,
+            backward_end_s=end - origin,
+            forward_s=forward,
+            forward_order=order,
+            # measured where nothing else ran since backward; else (a synchronize(), another model's steps) at its end
+            forward_start_s=self._start - origin if self._follows_backward else None,
+            lead_s=max(origin - self._previous_end, 0.0),
+        )
 
 
 def _as_groups(params: Any) -> list[dict[str, Any]]:

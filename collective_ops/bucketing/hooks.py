@@ -28,6 +28,9 @@ class BucketContext:
     # What "avg" divides by when not the world size: the ranks still active under join()
     # with divide_by_initial_world_size=False, as DDP.
     divisor: int | None = None
+    # The process group to reduce on (None: the engine's default): the launch schedule's own group for
+    # buckets launched one at a time (BucketManager.set_launch_order).
+    group: Any = None
 
     @property
     def world_size(self) -> int:
@@ -51,12 +54,12 @@ def allreduce_prescale(engine: BucketEngine, reduce_op: str, divisor: int | None
 def allreduce_hook(ctx: BucketContext) -> Handle:
     """The default: allreduce in the buffer's own precision, averaged as the framework's own reducer does."""
     if ctx.reduce_op == "avg" and ctx.world_size > 1 and getattr(ctx.engine, "average_after_sum", False):
-        handle = ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
+        handle = ctx.engine.allreduce(ctx.buffer, "sum", async_op=True, group=ctx.group)
         return ThenHandle(handle, lambda: ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size))
     factor = allreduce_prescale(ctx.engine, ctx.reduce_op, ctx.divisor)
     if factor is not None and not ctx.prescaled:
         ctx.engine.scale_(ctx.buffer, factor)
-    return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
+    return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True, group=ctx.group)
 
 
 def compression_hook(dtype: str) -> CommHook:
@@ -68,7 +71,7 @@ def compression_hook(dtype: str) -> CommHook:
         compressed = ctx.engine.cast(ctx.buffer, dtype)
         if ctx.reduce_op == "avg" and ctx.world_size > 1:
             ctx.engine.scale_(compressed, 1.0 / (ctx.divisor or ctx.world_size))
-        handle = ctx.engine.allreduce(compressed, "sum", async_op=True)
+        handle = ctx.engine.allreduce(compressed, "sum", async_op=True, group=ctx.group)
         return ThenHandle(handle, lambda: ctx.engine.copy_(ctx.buffer, compressed))
 
     hook.__name__ = f"{dtype}_compression_hook"

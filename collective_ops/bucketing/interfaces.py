@@ -82,8 +82,8 @@ class BucketEngine(Protocol):
         """``dst[:] = src`` (converting dtype if they differ)."""
 
     # -- collectives --------------------------------------------------------------
-    def allreduce(self, buffer: Any, op: str = "sum", async_op: bool = False) -> Handle | None:
-        """In-place allreduce of a flat buffer; a handle when ``async_op``."""
+    def allreduce(self, buffer: Any, op: str = "sum", async_op: bool = False, group: Any = None) -> Handle | None:
+        """In-place allreduce of a flat buffer; a handle when ``async_op``; on ``group`` (None: the default one)."""
 
     def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
         """``values`` of rank ``src`` on every rank (same length on every rank)."""

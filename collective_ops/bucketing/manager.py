@@ -134,6 +134,8 @@ class BucketManager:
     def _set_plan(self, plan: BucketPlan) -> None:
         self.plan = plan
         self._launch_order: tuple[int, ...] | None = None
+        self._serial_from: int | None = None  # launch positions from here on go one at a time
+        self._serial_group: Any = None
         self._param_names = [p.name for p in plan.params]
 
     def _new_buffer(self, bucket: BucketSpec) -> Any:
@@ -309,6 +311,34 @@ class BucketManager:
     def _launch_ready_buckets(self) -> None:
         order = self.launch_order
         while self._next_launch < len(order) and self._pending[order[self._next_launch]] == 0:
+            if self._behind_serial(self._next_launch):
+                return
+            self._launch(order[self._next_launch])
+            self._next_launch += 1
+
+    def _behind_serial(self, position: int) -> bool:
+        """True if ``position`` goes one at a time and the collective before it has not completed."""
+        if self._serial_from is None or position <= self._serial_from:
+            return False
+        handle = self._handles[self.launch_order[position - 1]]
+        return handle is not None and not handle.is_completed()
+
+    def poll_launches(self) -> None:
+        """Launch the serial buckets whose turn has come (their predecessor completed); cheap, call often."""
+        if self._deferred:
+            self._launch_ready_buckets()
+
+    def _launched(self, bucket_index: int) -> bool:
+        return self.launch_order.index(bucket_index) < self._next_launch
+
+    def _launch_through(self, bucket_index: int) -> None:
+        """Launch every bucket up to ``bucket_index`` in launch order, waiting out the serial ones' turns."""
+        order = self.launch_order
+        while not self._launched(bucket_index):
+            if self._pending[order[self._next_launch]]:
+                raise RuntimeError(f"bucket {order[self._next_launch]} is not full: it cannot be launched yet")
+            if self._behind_serial(self._next_launch):
+                wait_with_timeout(self._handles[order[self._next_launch - 1]], self.stall_timeout_s)
             self._launch(order[self._next_launch])
             self._next_launch += 1
 
@@ -317,21 +347,34 @@ class BucketManager:
         """The order buckets are launched in (each once it is full): plan order unless a schedule was set."""
         return self._launch_order if self._launch_order is not None else tuple(range(len(self.plan.buckets)))
 
-    def set_launch_order(self, order: Sequence[int] | None) -> None:
+    def set_launch_order(
+        self, order: Sequence[int] | None, serial_from: int | None = None, serial_group: Any = None
+    ) -> None:
         """Launch buckets in ``order`` (a permutation of the plan's buckets; None: plan order).
 
         Every rank must set the same order (decide on one rank and broadcast): collectives are
         matched by the order they are issued in. A later bucket waits for an earlier one in
         ``order`` even when it is full first: holding a bucket back is how a schedule gives
         the link to another. Reset to plan order whenever the plan changes.
+
+        ``serial_from``: from this position on, a bucket launches only once the collective
+        before it has completed (a transport that runs collectives concurrently would
+        otherwise split the link between them, and the one needed first would finish late).
+        Such launches happen whenever the caller polls (:meth:`poll_launches`) or waits for a
+        bucket, at times that differ between ranks, so they go to ``serial_group``: a process
+        group of their own, which no other collective can interleave with differently per rank.
         """
         if self.in_progress or self._deferred:
             raise RuntimeError("cannot change the launch order while a step's buckets are in flight")
+        count = len(self.plan.buckets)
         if order is not None:
             order = tuple(int(b) for b in order)
-            if sorted(order) != list(range(len(self.plan.buckets))):
-                raise ValueError(f"launch order {order} is not a permutation of the {len(self.plan.buckets)} buckets")
+            if sorted(order) != list(range(count)):
+                raise ValueError(f"launch order {order} is not a permutation of the {count} buckets")
+        if serial_from is not None and (serial_group is None or not 0 <= serial_from <= count):
+            raise ValueError(f"serial_from needs a position in 0..{count} and a serial_group of its own")
         self._launch_order = order
+        self._serial_from, self._serial_group = serial_from, serial_group
 
     def _launch(self, bucket_index: int) -> None:
         bucket = self.plan.buckets[bucket_index]
@@ -344,7 +387,16 @@ class BucketManager:
                 members.append(grad)
             self.buffers[bucket_index] = self.engine.pack(members)
         prescaled = bool(self._prescaled) and self._scale_the_rest(bucket_index)
-        ctx = BucketContext(bucket, self.buffers[bucket_index], self.engine, self.reduce_op, prescaled, self.divisor)
+        serial = self._serial_from is not None and self._next_launch >= self._serial_from
+        ctx = BucketContext(
+            bucket,
+            self.buffers[bucket_index],
+            self.engine,
+            self.reduce_op,
+            prescaled,
+            self.divisor,
+            group=self._serial_group if serial else None,
+        )
         self._stats.buckets[bucket_index].launched = time.perf_counter()
         self._handles[bucket_index] = self.comm_hook(ctx)
         self._stats.collectives += 1
@@ -439,6 +491,8 @@ class BucketManager:
 
     def bucket_ready(self, bucket_index: int) -> bool:
         """True if the bucket's collective has completed (finishing it would not block)."""
+        if not self._launched(bucket_index):
+            return False
         handle = self._handles[bucket_index]
         return self._done[bucket_index] or handle is None or handle.is_completed()
 
@@ -449,6 +503,8 @@ class BucketManager:
         """
         if self._done[bucket_index]:
             return
+        if not self._launched(bucket_index):
+            self._launch_through(bucket_index)  # a serial bucket whose turn had not come yet
         handle = self._handles[bucket_index]
         if handle is not None:
             try:

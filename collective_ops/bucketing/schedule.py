@@ -1,14 +1,20 @@
 """Launch-order planning for updates overlapped with the next forward (framework-free).
 
 Backward makes gradients ready in roughly the reverse of the order the next forward needs the
-parameters: the first layers' buckets (needed first) are ready last. Launched in ready order on
-one channel (collectives complete in the order they are issued), the bucket the forward needs
-first queues behind every other one. ByteScheduler's remedy, with a strict in-order launcher:
-send the first ``k`` buckets as they become ready (they overlap backward), then hold the rest
-until the last is ready and send them in the order the forward needs them. :func:`plan_order`
-simulates every ``k`` on one serial channel (``cost(nbytes)`` seconds per collective) and a
-forward that waits, bucket by bucket, for the ones it needs, and keeps the best; ``k = n`` is
-plain ready order. The result depends only on its inputs, so one rank plans and broadcasts.
+parameters: the first layers' buckets (needed first) are ready last, the last layers' (needed
+last) first. Launched in ready order on one channel (collectives complete in the order they are
+issued), the bucket the forward needs first queues behind every other one. ByteScheduler's
+remedy, within a strict in-order launcher: send the middle of the plan as it becomes ready (it
+overlaps backward), hold the rest until its turn in the forward's order. Here a candidate
+order is two cuts ``(deferred, held_from)``: plan positions ``deferred .. held_from-1`` go in
+ready order; the last ``n - held_from`` buckets (ready last, needed first) and the first
+``deferred`` ones (ready first, needed last: their transfer can overlap most of the forward)
+are held and sent in the forward's order. ``(0, n)`` is plain ready order.
+
+:func:`plan_order` simulates every candidate on one serial channel (``cost(nbytes)`` seconds
+per collective) and a forward that waits, bucket by bucket, for the ones it needs, and ranks
+them by the simulated step. The result depends only on its inputs, so one rank plans and
+broadcasts.
 """
 
 from __future__ import annotations
@@ -19,34 +25,72 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StepProfile:
-    """One step's timing per bucket (seconds from the start of backward), in plan order."""
+    """One step's timing per bucket, in plan order; times in seconds from the first gradient ready.
+
+    ``forward_order``: the buckets in the order the forward first needs them (default: reverse
+    plan order); ``forward_s[b]``: forward compute from bucket ``b``'s first need to the next
+    bucket's (waits excluded); ``forward_start_s``: when the next forward starts (default: at
+    the end of backward); ``lead_s``: the step's time outside this window, from a forward's
+    end to the next backward's first gradient (loss, the last layer's backward).
+    """
 
     ready_s: Sequence[float]  # when each bucket was full
     nbytes: Sequence[int]
     backward_end_s: float
-    forward_s: Sequence[float]  # forward compute spent on each bucket's parameters
+    forward_s: Sequence[float]
+    forward_order: Sequence[int] | None = None
+    forward_start_s: float | None = None
+    lead_s: float = 0.0
+
+    def needs(self) -> tuple[int, ...]:
+        """The buckets in the order the forward first needs them."""
+        count = len(self.ready_s)
+        return tuple(self.forward_order) if self.forward_order is not None else tuple(range(count - 1, -1, -1))
 
 
 @dataclass(frozen=True)
 class OrderPrediction:
     order: tuple[int, ...]
-    held_from: int  # k: buckets from this position on are held and sent in forward order
-    forward_end_s: float  # when the next forward ends, from the start of backward
+    held_from: int  # plan positions from here on are held and sent in forward order
+    forward_end_s: float  # when the next forward ends, from the first gradient ready
     forward_wait_s: float  # time that forward spent waiting for buckets
+    deferred: int = 0  # the first ``deferred`` plan positions are held too (sent last, needed last)
+    step_s: float = 0.0  # the predicted step: lead + forward end
+
+    @property
+    def is_plan_order(self) -> bool:
+        return self.order == tuple(range(len(self.order)))
+
+
+def held_order(
+    bucket_count: int, held_from: int, deferred: int = 0, needs: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """Plan positions ``deferred .. held_from-1`` in ready order, then every other bucket in ``needs`` order.
+
+    ``needs`` (the forward's order) defaults to reverse plan order: ``held_order(4, 2, 1)`` is
+    ``(1, 3, 2, 0)``.
+    """
+    if not 0 <= deferred <= held_from <= bucket_count:
+        raise ValueError(
+            f"need 0 <= deferred <= held_from <= {bucket_count}, got deferred={deferred}, held_from={held_from}"
+        )
+    needs = tuple(needs) if needs is not None else tuple(range(bucket_count - 1, -1, -1))
+    sent = tuple(range(deferred, held_from))
+    return sent + tuple(b for b in needs if not deferred <= b < held_from)
 
 
 def held_tail_order(bucket_count: int, k: int) -> tuple[int, ...]:
     """Buckets ``0..k-1`` in plan order, then ``n-1 .. k`` (the forward's order: last planned, first needed)."""
     if not 0 <= k <= bucket_count:
         raise ValueError(f"k must be between 0 and {bucket_count}, got {k}")
-    return tuple(range(k)) + tuple(range(bucket_count - 1, k - 1, -1))
+    return held_order(bucket_count, k)
 
 
 def simulate_order(order: Sequence[int], profile: StepProfile, cost: Callable[[int], float]) -> tuple[float, float]:
     """(forward end, forward wait) for buckets launched strictly in ``order`` on one serial channel.
 
     A bucket launches once it is full and every bucket before it in ``order`` has launched; the
-    forward starts at the end of backward and needs buckets from the last planned to the first.
+    forward starts at ``profile.forward_start_s`` and needs buckets in ``profile.needs()``.
     """
     done: dict[int, float] = {}
     launched = channel_free = 0.0
@@ -55,21 +99,25 @@ def simulate_order(order: Sequence[int], profile: StepProfile, cost: Callable[[i
         start = max(launched, channel_free)
         channel_free = start + cost(profile.nbytes[bucket])
         done[bucket] = channel_free
-    clock, waited = profile.backward_end_s, 0.0
-    for bucket in reversed(range(len(profile.ready_s))):
+    start = profile.backward_end_s if profile.forward_start_s is None else profile.forward_start_s
+    clock, waited = start, 0.0
+    for bucket in profile.needs():
         waited += max(0.0, done[bucket] - clock)
         clock = max(clock, done[bucket]) + profile.forward_s[bucket]
     return clock, waited
 
 
 def plan_order(profile: StepProfile, cost: Callable[[int], float]) -> list[OrderPrediction]:
-    """Every held-tail order, best first (ties keep more buckets in ready order)."""
+    """Every ``(deferred, held_from)`` order, best first (ties: the fewest buckets held)."""
     count = len(profile.ready_s)
     if not (len(profile.nbytes) == len(profile.forward_s) == count and count > 0):
         raise ValueError("a step profile needs ready time, bytes and forward time for every bucket")
+    if sorted(profile.needs()) != list(range(count)):
+        raise ValueError(f"forward_order {profile.forward_order} is not a permutation of the {count} buckets")
     out = []
-    for k in range(count + 1):
-        order = held_tail_order(count, k)
-        forward_end, waited = simulate_order(order, profile, cost)
-        out.append(OrderPrediction(order, k, forward_end, waited))
-    return sorted(out, key=lambda p: (round(p.forward_end_s, 6), -p.held_from))
+    for held_from in range(count + 1):
+        for deferred in range(held_from + 1):
+            order = held_order(count, held_from, deferred, profile.needs())
+            forward_end, waited = simulate_order(order, profile, cost)
+            out.append(OrderPrediction(order, held_from, forward_end, waited, deferred, profile.lead_s + forward_end))
+    return sorted(out, key=lambda p: (round(p.step_s, 6), p.deferred - p.held_from))
