@@ -84,3 +84,33 @@ def test_a_profile_must_describe_every_bucket() -> None:
         plan_order(StepProfile([1.0], [1, 2], 1.0, [0.5]), lambda n: 0.0)
     with pytest.raises(ValueError, match="not a permutation"):
         plan_order(StepProfile([1.0, 2.0], [1, 2], 2.0, [0.5, 0.5], forward_order=[1, 1]), lambda n: 0.0)
+
+
+def test_the_forward_timeline_pairs_a_backward_with_the_forward_around_it() -> None:
+    import time
+    from types import SimpleNamespace
+
+    from collective_ops.adapters.torch_optimizer import ForwardTimeline
+
+    timeline = ForwardTimeline()
+    timeline.forward_started(follows_backward=False)
+    timeline.needed([1])
+    timeline.forward_ended()
+    time.sleep(0.05)  # the end of this forward settling (a rebuild, an auto-tune): not the step's lead
+    timeline.settled()
+    time.sleep(0.01)  # loss and the last layer's backward: the lead
+    bucket = SimpleNamespace(last_ready=time.perf_counter())
+    stats = SimpleNamespace(backward_start=bucket.last_ready, finalize_start=bucket.last_ready, buckets=[bucket] * 2)
+    assert not timeline.complete(stats.backward_start)  # the forward timed so far ran before that backward
+    timeline.forward_started(follows_backward=True)
+    timeline.needed([1])
+    time.sleep(0.03)
+    timeline.waited(0.03)  # waiting for a reduction is not forward compute
+    time.sleep(0.02)
+    timeline.needed([0, 1])
+    timeline.forward_ended()
+    timeline.settled()
+    assert timeline.complete(stats.backward_start)
+    profile = timeline.profile(stats, [4, 4])
+    assert 0.01 <= profile.lead_s < 0.05
+    assert profile.forward_order == [1, 0] and 0.02 <= profile.forward_s[1] < 0.03 and profile.forward_start_s >= 0.0

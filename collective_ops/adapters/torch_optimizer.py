@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -377,6 +378,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         manager = self.model.manager
         stats = manager.last_stats
         timeline = self._timeline
+        if self._plans_schedule():
+            timeline.settled()
         if (
             not self._plans_schedule()
             or manager.steps_synced < SCHEDULE_AFTER_STEPS
@@ -387,7 +390,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         ):
             return
         engine = self.model.engine
-        if not engine.broadcast_ints([int(timeline.complete())])[0]:  # rank 0's timeline decides, on every rank
+        complete = timeline.complete(stats.backward_start)
+        if not engine.broadcast_ints([int(complete)])[0]:  # rank 0's timeline decides, on every rank
             return
         from ..tuning import measure_alpha_beta
 
@@ -395,7 +399,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         wire = 0.5 if self.model.compression else 1.0
         count = len(manager.plan.buckets)
         predictions = None
-        if timeline.complete():
+        if complete:
             profile = timeline.profile(stats, [b.nbytes for b in manager.plan.buckets])
             predictions = plan_order(profile, lambda nbytes: cost.cost(int(nbytes * wire)))
         best = predictions[0] if predictions else None
@@ -439,8 +443,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 class ForwardTimeline:
     """When each forward first needs each bucket, on a clock of its compute (waits for reductions excluded).
 
-    With the previous forward's end and the last backward's timings, that is the planner's
-    :class:`StepProfile`: the simulated step then charges the forward what it really costs.
+    With the end of the forward before the last backward and that backward's timings, that is
+    the planner's :class:`StepProfile`: the simulated step then charges the forward what it
+    really costs.
     """
 
     def __init__(self) -> None:
@@ -448,15 +453,15 @@ class ForwardTimeline:
         self._waited = 0.0
         self._need_s: dict[int, float] = {}
         self._end_s: float | None = None  # compute from start to end
-        self._ended_at: float | None = None  # when the current forward ended (wall clock)
-        self._previous_end: float | None = None  # when the forward before it ended
+        # when the latest forwards returned, with what their end settled (a rebuild, an auto-tune): wall clock
+        self._ends: deque[float] = deque(maxlen=4)
         self._follows_backward = False
 
     def forward_started(self, follows_backward: bool) -> None:
         """``follows_backward``: the last backward's reductions are still in flight, so nothing else (another
         model's steps, a synchronize()) ran between them and this forward: its start is part of the step."""
-        self._previous_end, self._follows_backward = self._ended_at, follows_backward
-        self._start, self._waited, self._need_s, self._end_s, self._ended_at = time.perf_counter(), 0.0, {}, None, None
+        self._follows_backward = follows_backward
+        self._start, self._waited, self._need_s, self._end_s = time.perf_counter(), 0.0, {}, None
 
     def needed(self, buckets: list[int]) -> None:
         if self._start is None or self._end_s is not None:
@@ -471,12 +476,21 @@ class ForwardTimeline:
 
     def forward_ended(self) -> None:
         if self._start is not None and self._end_s is None:
-            self._ended_at = time.perf_counter()
-            self._end_s = self._ended_at - self._start - self._waited
+            self._end_s = time.perf_counter() - self._start - self._waited
 
-    def complete(self) -> bool:
-        """True when a whole forward, and the end of the one before it, were timed."""
-        return self._end_s is not None and self._previous_end is not None and bool(self._need_s)
+    def settled(self) -> None:
+        """The end of a forward's settling: what follows until the next backward's first gradient is the lead."""
+        self._ends.append(time.perf_counter())
+
+    def complete(self, backward_start: float) -> bool:
+        """True when a whole forward was timed after the backward that started at ``backward_start``, and the
+        end of the forward before that backward is known."""
+        return (
+            self._end_s is not None
+            and bool(self._need_s)
+            and self._start > backward_start
+            and any(end <= backward_start for end in self._ends)
+        )
 
     def profile(self, stats: Any, nbytes: list[int]) -> StepProfile:
         """The planner's input: the backward of ``stats`` (which ran between the two forwards) and this forward."""
@@ -500,7 +514,7 @@ class ForwardTimeline:
             forward_order=order,
             # measured where nothing else ran since backward; else (a synchronize(), another model's steps) at its end
             forward_start_s=self._start - origin if self._follows_backward else None,
-            lead_s=max(origin - self._previous_end, 0.0),
+            lead_s=origin - max(end for end in self._ends if end <= origin),
         )
 
 
