@@ -104,6 +104,9 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             "compute_alone_ms": compute * 1e3,
             "link_ms": link * 1e3 if link else None,
             "auto_plan": [ours.manager.plan.bucket_size_mb, ours.manager.plan.first_bucket_mb],
+            "auto_overlapped_ms": {
+                f"{mb:g}/{first:g}": s * 1e3 for (mb, first), s in ours.auto_tune_overlapped.items()
+            },
             "update_ms": setups[_label(args.schedule[0])][1].update_seconds * 1e3,
             "schedule": _schedule_summary(setups[_label("auto")][1]) if "auto" in args.schedule else None,
             "params_m": sum(p.numel() for p in ours.module.parameters()) / 1e6,
@@ -176,6 +179,13 @@ def main(argv=None) -> int:
             + (f"link time of one step's gradients {r['link_ms']:.0f} ms, " if r["link_ms"] else "")
             + f"auto plan {r['auto_plan'][0]:g}/{r['auto_plan'][1]:g} MiB"
         )
+        if r["auto_overlapped_ms"]:
+            print(
+                "    DistributedOptimizer's bucket size, by the simulated overlapped step (MiB/first: ms): "
+                + ", ".join(
+                    f"{key} {ms:.1f}" for key, ms in sorted(r["auto_overlapped_ms"].items(), key=lambda kv: kv[1])
+                )
+            )
         for key, value in sorted(ms.items(), key=lambda kv: kv[1]):
             print(
                 f"    {key:<34} {value:>7.1f} ms  {value / default:.3f}x DDP default  "

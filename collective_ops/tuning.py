@@ -170,6 +170,16 @@ def predict(
     return sorted(out, key=lambda p: (p.step_s, p.collectives))
 
 
+def choose(
+    predictions: Sequence[Prediction], overlapped_s: dict[tuple[float, float], float] | None = None
+) -> Prediction:
+    """The candidate to set: the first of ``predictions`` (best first), or, where updates overlap the next
+    forward, the one whose simulated overlapped step (``overlapped_s``, by (size, first bucket)) is shortest."""
+    if not overlapped_s:
+        return predictions[0]
+    return min(predictions, key=lambda p: overlapped_s[(p.bucket_size_mb, p.first_bucket_mb)])
+
+
 def measure_alpha_beta(
     sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24), iters: int = 10
 ) -> CostModel:

@@ -259,6 +259,13 @@ def optimizer_checks(rank: int, world: int) -> dict:
     report = opt.schedule_report
     out["schedule"] = (list(model.manager.launch_order), None if report is None else len(report))
 
+    # bucket_size_mb="auto" with it: the size chosen by the simulated overlapped step
+    model = co.wrap(build("transformer"), bucket_size_mb="auto")
+    opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05)
+    _train(rank, model, opt, TinyTransformer, steps=5)
+    plan = model.manager.plan
+    out["auto_size"] = (dict(model.auto_tune_overlapped), (plan.bucket_size_mb, plan.first_bucket_mb))
+
     # bad input: each refused with what to do
     errors = {}
     stranger = torch.nn.Parameter(torch.zeros(3))
@@ -326,6 +333,13 @@ def test_a_launch_order_is_planned_once_and_is_the_same_on_every_rank(two_ranks)
     assert all(
         out["schedule"][1] == (n + 1) * (n + 2) // 2 for out in two_ranks
     )  # every (deferred, held_from) simulated
+
+
+def test_auto_bucket_size_is_chosen_by_the_overlapped_step(two_ranks) -> None:
+    steps, chosen = two_ranks[0]["auto_size"]
+    assert len(steps) >= 7  # every candidate size (and first bucket) simulated with its best launch order
+    assert chosen == min(steps, key=steps.get) or steps[chosen] == min(steps.values())
+    assert two_ranks[1]["auto_size"][1] == chosen  # rank 0's choice, on every rank
 
 
 def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:

@@ -304,3 +304,11 @@ def test_gradient_bucket_fuzz(engine, rows, cap_kib, data) -> None:
     specs = [ParamSpec(f"t{i}", t.numel(), str(t.dtype), "cpu", t.element_size()) for i, t in enumerate(tensors)]
     plan = plan_buckets(specs, cap_kib / 1024, cap_kib / 1024, order=range(len(specs)))
     assert bucket.num_collectives == len(plan.buckets)
+
+
+def test_only_a_backend_that_runs_collectives_side_by_side_needs_held_buckets_gated(engine) -> None:
+    # Gloo's two worker threads would split the link between held buckets; NCCL/HCCL run a communicator's
+    # collectives in issue order on one stream, so DistributedOptimizer sets no serial group there
+    assert engine.concurrent_collectives
+    for backend in ("nccl", "hccl"):
+        assert not TorchEngine(backend, torch.device("cpu"), owns_group=False).concurrent_collectives

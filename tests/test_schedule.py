@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from collective_ops.bucketing.schedule import StepProfile, held_order, held_tail_order, plan_order, simulate_order
+from collective_ops.bucketing.schedule import (
+    StepProfile,
+    held_order,
+    held_tail_order,
+    plan_order,
+    simulate_order,
+    step_profile,
+)
 
 
 def test_held_tail_orders() -> None:
@@ -99,8 +106,8 @@ def test_the_forward_timeline_pairs_a_backward_with_the_forward_around_it() -> N
     time.sleep(0.05)  # the end of this forward settling (a rebuild, an auto-tune): not the step's lead
     timeline.settled()
     time.sleep(0.01)  # loss and the last layer's backward: the lead
-    bucket = SimpleNamespace(last_ready=time.perf_counter())
-    stats = SimpleNamespace(backward_start=bucket.last_ready, finalize_start=bucket.last_ready, buckets=[bucket] * 2)
+    now = time.perf_counter()
+    stats = SimpleNamespace(backward_start=now, finalize_start=now, ready_times={0: now, 1: now})
     assert not timeline.complete(stats.backward_start)  # the forward timed so far ran before that backward
     timeline.forward_started(follows_backward=True)
     timeline.needed([1])
@@ -111,6 +118,25 @@ def test_the_forward_timeline_pairs_a_backward_with_the_forward_around_it() -> N
     timeline.forward_ended()
     timeline.settled()
     assert timeline.complete(stats.backward_start)
-    profile = timeline.profile(stats, [4, 4])
+    plan = SimpleNamespace(
+        buckets=[SimpleNamespace(param_indices=(0,), nbytes=4), SimpleNamespace(param_indices=(1,), nbytes=4)]
+    )
+    profile = timeline.profile(stats, plan)
     assert 0.01 <= profile.lead_s < 0.05
-    assert profile.forward_order == [1, 0] and 0.02 <= profile.forward_s[1] < 0.03 and profile.forward_start_s >= 0.0
+    assert (
+        list(profile.forward_order) == [1, 0] and 0.02 <= profile.forward_s[1] < 0.03 and profile.forward_start_s >= 0.0
+    )
+
+
+def test_a_step_profile_for_any_bucketing_from_per_parameter_times() -> None:
+    # 4 parameters: gradients ready at 1, 2, 3, 4 (parameter 3, the first layer, last); the forward
+    # needs 3 at 0, 2 at 5, 1 at 6, 0 at 9 and ends at 12
+    ready, need = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {3: 0.0, 2: 5.0, 1: 6.0, 0: 9.0}
+    two = step_profile([(0, 1), (2, 3)], [8, 8], ready, 4.0, need, 12.0, lead_s=1.0)
+    assert list(two.ready_s) == [2.0, 4.0] and list(two.forward_order) == [1, 0]
+    assert list(two.forward_s) == [6.0, 6.0] and two.lead_s == 1.0  # bucket 1 needed at 0, bucket 0 at 6
+    four = step_profile([(0,), (1,), (2,), (3,)], [4] * 4, ready, 4.0, need, 12.0)
+    assert list(four.forward_order) == [3, 2, 1, 0] and list(four.forward_s) == [3.0, 3.0, 1.0, 5.0]
+    # a parameter the forward never needed: its bucket is finished at the forward's end
+    unused = step_profile([(0,), (1,)], [4, 4], ready, 4.0, {1: 2.0}, 12.0)
+    assert list(unused.forward_order) == [1, 0] and list(unused.forward_s) == [0.0, 10.0]

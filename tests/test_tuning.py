@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from collective_ops.bucketing import ParamSpec, plan_buckets
-from collective_ops.tuning import CANDIDATES_MB, BackwardProfile, CostModel, predict, simulate
+from collective_ops.tuning import CANDIDATES_MB, BackwardProfile, CostModel, Prediction, choose, predict, simulate
 from tests.harness import run_ranks
 
 MIB = 2**20
@@ -233,3 +233,13 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
         [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(bad)], capture_output=True, text=True
     )
     assert result.returncode == 2 and "not a profile" in result.stderr
+
+
+def test_with_updates_overlapping_the_forward_the_overlapped_step_chooses() -> None:
+    def candidate(mb: float, step: float) -> Prediction:
+        return Prediction(mb, 0.25, step, 0.0, 0.0, 1, (), 0.0)
+
+    ranked = [candidate(2.0, 0.30), candidate(5.0, 0.31), candidate(1.0, 0.32)]  # backward-only, best first
+    assert choose(ranked) is ranked[0] and choose(ranked, {}) is ranked[0]
+    overlapped = {(2.0, 0.25): 0.29, (5.0, 0.25): 0.27, (1.0, 0.25): 0.27}
+    assert choose(ranked, overlapped) is ranked[1]  # shortest overlapped step; ties keep the backward-only rank

@@ -94,6 +94,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
         )
         self.auto_tune_report = None
+        # with a DistributedOptimizer planning its order: (size, first bucket) -> simulated overlapped step
+        self.auto_tune_overlapped: dict[tuple[float, float], float] = {}
 
         if not runtime.is_initialized("torch"):
             runtime.init(framework="torch")
@@ -318,7 +320,14 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _auto_tune(self) -> None:
         """Online mode: simulate every candidate on the step just profiled; rank 0's choice for all."""
-        from ..tuning import CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, BackwardProfile, measure_alpha_beta, predict
+        from ..tuning import (
+            CANDIDATES_MB,
+            FIRST_BUCKET_CANDIDATES_MB,
+            BackwardProfile,
+            choose,
+            measure_alpha_beta,
+            predict,
+        )
 
         self._auto_tune_at = None
         stats = self.manager.last_stats
@@ -329,7 +338,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         cost = measure_alpha_beta()  # every rank is here, at the end of the same step
         plan = self.manager.plan
         predictions = predict(plan.params, profile, cost, CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, plan.order)
-        best = predictions[0]
+        self.auto_tune_overlapped = self._overlapped_steps(predictions, cost)
+        best = choose(predictions, self.auto_tune_overlapped)  # with updates overlapping the forward: that step
         chosen = self.engine.broadcast_ints([round(best.bucket_size_mb * 1000), round(best.first_bucket_mb * 1000)])
         choice, first = chosen[0] / 1000, chosen[1] / 1000  # rank 0's, on every rank
         self.set_bucket_size(choice, first)
@@ -347,6 +357,28 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"{p.bucket_size_mb:g}/{p.first_bucket_mb:g}: {p.exposed_comm_s * 1e3:.1f} ms" for p in predictions
             ),
         )
+        if self.auto_tune_overlapped:
+            logger.info(
+                "collective_ops: chosen by the step simulated with updates overlapping the next forward: %s",
+                ", ".join(
+                    f"{mb:g}/{first:g}: {s * 1e3:.1f} ms" for (mb, first), s in self.auto_tune_overlapped.items()
+                ),
+            )
+
+    def _overlapped_steps(self, predictions: list, cost: Any) -> dict[tuple[float, float], float]:
+        """With a DistributedOptimizer planning its launch order: each candidate's simulated step with its
+        best order, keyed by (bucket_size_mb, first_bucket_mb); empty where it has no profile (local work)."""
+        predict_overlapped = getattr(self.optimizer, "predict_overlapped", None)
+        if predict_overlapped is None:
+            return {}
+        plan, steps = self.manager.plan, {}
+        for p in predictions:
+            candidate = plan_buckets(plan.params, p.bucket_size_mb, p.first_bucket_mb, order=plan.order)
+            result = predict_overlapped(candidate, cost)
+            if result is None:
+                return {}
+            steps[(p.bucket_size_mb, p.first_bucket_mb)] = result.step_s
+        return steps
 
     def set_bucket_size(self, bucket_size_mb: float, first_bucket_mb: float | None = None) -> None:
         """Replan with another bucket size between steps (every rank must call it with the same value)."""

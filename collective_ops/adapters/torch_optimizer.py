@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
 from ..bucketing.hooks import allreduce_hook
-from ..bucketing.schedule import OrderPrediction, StepProfile, plan_order
+from ..bucketing.schedule import OrderPrediction, StepProfile, plan_order, step_profile
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel
 
@@ -259,10 +259,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if indices is None:  # not seen in the first forward: at least its own parameters
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
         location = manager.plan.location
-        buckets = sorted({location[i][0] for i in indices})  # plan order, as every rank
         if timeline is not None:
-            timeline.needed(buckets)
+            timeline.needed(indices)
         if self.in_flight:
+            buckets = sorted({location[i][0] for i in indices})  # plan order, as every rank
             manager.poll_launches()  # held buckets whose turn has come, while this forward computes
             self._finish(buckets, type(module).__name__)
 
@@ -400,13 +400,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         count = len(manager.plan.buckets)
         predictions = None
         if complete:
-            profile = timeline.profile(stats, [b.nbytes for b in manager.plan.buckets])
-            predictions = plan_order(profile, lambda nbytes: cost.cost(int(nbytes * wire)))
+            predictions = plan_order(
+                timeline.profile(stats, manager.plan), lambda nbytes: cost.cost(int(nbytes * wire))
+            )
         best = predictions[0] if predictions else None
         mine = [*best.order, best.held_from - best.deferred] if best else [0] * (count + 1)
         *order, held = engine.broadcast_ints(mine)  # rank 0's plan, on every rank
-        if held < count:
+        if held < count and getattr(engine, "concurrent_collectives", True):
             manager.set_launch_order(order, serial_from=held, serial_group=self._serial_group())
+        elif held < count:  # collectives already run one at a time in issue order: no gating, no group
+            manager.set_launch_order(order)
         self.schedule_report, self._scheduled_plan = predictions, manager.plan
         if not predictions:
             return
@@ -420,6 +423,17 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             predictions[0].step_s * 1e3,
             plain.step_s * 1e3,
         )
+
+    def predict_overlapped(self, plan: Any, cost: Any) -> OrderPrediction | None:
+        """For ``bucket_size_mb="auto"``: the best launch order's simulated step were the model bucketed as
+        ``plan``, from the last backward and the forward after it; None where that profile is not at hand."""
+        stats = self.model.manager.last_stats
+        if not (self.schedule == "auto" and self.overlap and stats.backward_start is not None):
+            return None
+        if not self._timeline.complete(stats.backward_start):
+            return None
+        wire = 0.5 if self.model.compression else 1.0
+        return plan_order(self._timeline.profile(stats, plan), lambda nbytes: cost.cost(int(nbytes * wire)))[0]
 
     def _serial_group(self) -> Any:
         """The process group the held buckets are reduced on, one at a time (made once; a collective)."""
@@ -463,12 +477,13 @@ class ForwardTimeline:
         self._follows_backward = follows_backward
         self._start, self._waited, self._need_s, self._end_s = time.perf_counter(), 0.0, {}, None
 
-    def needed(self, buckets: list[int]) -> None:
+    def needed(self, params: list[int]) -> None:
+        """The forward is about to read these parameters (indices into the model's parameter list)."""
         if self._start is None or self._end_s is not None:
             return
         now = time.perf_counter() - self._start - self._waited
-        for bucket in buckets:
-            self._need_s.setdefault(bucket, now)
+        for index in params:
+            self._need_s.setdefault(index, now)
 
     def waited(self, seconds: float) -> None:
         if self._start is not None and self._end_s is None:
@@ -492,29 +507,21 @@ class ForwardTimeline:
             and any(end <= backward_start for end in self._ends)
         )
 
-    def profile(self, stats: Any, nbytes: list[int]) -> StepProfile:
-        """The planner's input: the backward of ``stats`` (which ran between the two forwards) and this forward."""
+    def profile(self, stats: Any, plan: Any) -> StepProfile:
+        """The planner's input for ``plan`` (the current bucket plan, or a candidate): the backward of ``stats``
+        (which ran before this forward) and this forward."""
         origin = stats.backward_start
         end = stats.finalize_start or origin
-        ready = [(b.last_ready or end) - origin for b in stats.buckets]
-        count = len(nbytes)
-        # buckets never needed (their parameters unused in this forward) are finished at its end
-        order = sorted(self._need_s, key=lambda b: (self._need_s[b], -b)) + sorted(
-            (b for b in range(count) if b not in self._need_s), reverse=True
-        )
-        marks = [self._need_s.get(b, self._end_s) for b in order] + [self._end_s]
-        forward = [0.0] * count
-        for position, bucket in enumerate(order):
-            forward[bucket] = max(marks[position + 1] - marks[position], 0.0)
-        return StepProfile(
-            ready_s=ready,
-            nbytes=nbytes,
-            backward_end_s=end - origin,
-            forward_s=forward,
-            forward_order=order,
+        return step_profile(
+            [bucket.param_indices for bucket in plan.buckets],
+            [bucket.nbytes for bucket in plan.buckets],
+            {i: t - origin for i, t in stats.ready_times.items()},
+            end - origin,
+            self._need_s,
+            self._end_s,
             # measured where nothing else ran since backward; else (a synchronize(), another model's steps) at its end
-            forward_start_s=self._start - origin if self._follows_backward else None,
-            lead_s=origin - max(end for end in self._ends if end <= origin),
+            self._start - origin if self._follows_backward else None,
+            origin - max(end for end in self._ends if end <= origin),
         )
 
 

@@ -19,7 +19,7 @@ broadcasts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -60,6 +60,39 @@ class OrderPrediction:
     @property
     def is_plan_order(self) -> bool:
         return self.order == tuple(range(len(self.order)))
+
+
+def step_profile(
+    buckets: Sequence[Sequence[int]],
+    nbytes: Sequence[int],
+    ready_s: Mapping[int, float],
+    backward_end_s: float,
+    need_s: Mapping[int, float],
+    forward_end_s: float,
+    forward_start_s: float | None = None,
+    lead_s: float = 0.0,
+) -> StepProfile:
+    """A :class:`StepProfile` for any bucketing of the same step, from per-parameter times.
+
+    ``buckets``: each bucket's parameter indices, in plan order; ``ready_s``: when each
+    parameter's gradient was ready; ``need_s``: when the forward first needed each parameter
+    (on a clock of forward compute that ends at ``forward_end_s``). A bucket is ready with its
+    last gradient and needed with its first parameter; buckets the forward never needed are
+    finished at its end. So a tuner can weigh candidate bucket sizes by the overlapped step.
+    """
+    count = len(buckets)
+    ready = [max((ready_s.get(i, backward_end_s) for i in members), default=backward_end_s) for members in buckets]
+    need = {}
+    for bucket, members in enumerate(buckets):
+        times = [need_s[i] for i in members if i in need_s]
+        if times:
+            need[bucket] = min(times)
+    order = sorted(need, key=lambda b: (need[b], -b)) + [b for b in range(count - 1, -1, -1) if b not in need]
+    marks = [need.get(b, forward_end_s) for b in order] + [forward_end_s]
+    forward = [0.0] * count
+    for position, bucket in enumerate(order):
+        forward[bucket] = max(marks[position + 1] - marks[position], 0.0)
+    return StepProfile(ready, list(nbytes), backward_end_s, forward, order, forward_start_s, lead_s)
 
 
 def held_order(
@@ -107,16 +140,22 @@ def simulate_order(order: Sequence[int], profile: StepProfile, cost: Callable[[i
     return clock, waited
 
 
-def plan_order(profile: StepProfile, cost: Callable[[int], float]) -> list[OrderPrediction]:
-    """Every ``(deferred, held_from)`` order, best first (ties: the fewest buckets held)."""
+def plan_order(profile: StepProfile, cost: Callable[[int], float], max_cuts: int = 48) -> list[OrderPrediction]:
+    """Every ``(deferred, held_from)`` order, best first (ties: the fewest buckets held).
+
+    With more than ``max_cuts`` buckets the cuts are taken on an even grid of about
+    ``max_cuts`` positions (the candidates grow with its square, each simulated in O(n)).
+    """
     count = len(profile.ready_s)
     if not (len(profile.nbytes) == len(profile.forward_s) == count and count > 0):
         raise ValueError("a step profile needs ready time, bytes and forward time for every bucket")
     if sorted(profile.needs()) != list(range(count)):
         raise ValueError(f"forward_order {profile.forward_order} is not a permutation of the {count} buckets")
+    stride = -(-count // max_cuts)
+    cuts = sorted(set(range(0, count + 1, stride)) | {count})
     out = []
-    for held_from in range(count + 1):
-        for deferred in range(held_from + 1):
+    for held_from in cuts:
+        for deferred in (cut for cut in cuts if cut <= held_from):
             order = held_order(count, held_from, deferred, profile.needs())
             forward_end, waited = simulate_order(order, profile, cost)
             out.append(OrderPrediction(order, held_from, forward_end, waited, deferred, profile.lead_s + forward_end))
