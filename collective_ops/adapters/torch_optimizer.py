@@ -45,6 +45,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     ``DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)``; ``params``
     (default: the model's parameters) may be parameter groups, as for the class itself.
     ``overlap=False`` finishes every bucket in backward, as a plain optimizer sees it.
+    ``schedule``: ``"auto"`` (the default; ``"plan"`` with ``shard=True`` or a custom comm hook)
+    plans the launch order once per bucket plan from a measured step, holding back the buckets
+    the next forward needs first and those it needs last (and, with ``bucket_size_mb="auto"``,
+    the bucket size by the same simulated step); ``"plan"`` launches in plan order.
     """
 
     shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
