@@ -10,6 +10,9 @@ Checks:
   CNN, transformer; gradient views keep channels_last), primitives on CUDA tensors vs numpy;
 - ``nccl1``: world size 1 on NCCL: the same equality, primitives, ``bench.run_sweep``,
   ``co.tune`` and ``wrap(bucket_size_mb="auto")`` (every bookkeeping collective on the GPU);
+- in both: ``DistributedOptimizer`` (its default ``schedule="auto"`` plans a launch order after
+  step 3) and ``shard=True`` (reduce-scatter and all-gather: NCCL's own in place) against DDP +
+  the same SGD after 6 steps;
 - ``collective-ops bench --backend nccl`` (CLI, #wrong must be 0);
 - ``benchmarks/ddp_compare.py --backend nccl --world 1`` (step time and peak memory vs DDP).
 """
@@ -76,6 +79,40 @@ def equality_checks(rank: int, device: str) -> dict:
         )
         results[name] = {"differ": differ, "layouts_kept": layouts_kept}
     return results
+
+
+def optimizer_checks(rank: int, device: str) -> dict:
+    """DistributedOptimizer, unsharded (default schedule) and sharded, vs DDP + SGD: the tensors that differ."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import TinyTransformer, build, rank_batch
+
+    batches = [tuple(t.to(device) for t in rank_batch(TinyTransformer, step, rank)) for step in range(6)]
+
+    def train(model, optimizer) -> dict:
+        for x, y in batches:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if hasattr(optimizer, "synchronize"):
+            optimizer.synchronize()
+        module = getattr(model, "module", model)
+        return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build("transformer").to(device))
+    reference = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+    out = {}
+    for label, options in (("DistributedOptimizer", {}), ("DistributedOptimizer(shard=True)", {"shard": True})):
+        wrapped = co.wrap(build("transformer").to(device), bucket_size_mb=0.004, first_bucket_mb=0.001)
+        optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=0.05, momentum=0.9, **options)
+        ours = train(wrapped, optimizer)
+        out[label] = {
+            "differ": [k for k in reference if not np.array_equal(reference[k], ours[k])],
+            "order": "planned" if getattr(optimizer, "schedule_report", None) else "plan order",
+        }
+    return out
 
 
 def primitive_checks(rank: int, world: int, device: str) -> dict:
@@ -170,6 +207,7 @@ def rank_main(rank: int, world: int, port: int, backend: str, device: str, queue
     out: dict = {}
     _guarded(out, "equality", lambda: equality_checks(rank, device))
     _guarded(out, "primitives", lambda: primitive_checks(rank, world, device))
+    _guarded(out, "optimizers", lambda: optimizer_checks(rank, device))
     if backend != "gloo" or device == "cpu":
         _guarded(out, "paths", lambda: accelerator_paths(device))
     co.barrier()
@@ -192,6 +230,15 @@ def _group_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
     prims = out["primitives"]
     wrong = prims.get("wrong", [prims.get("crash", "")])
     rows.append((f"{label}: primitives vs numpy", "ok" if not wrong else "FAIL", "; ".join(wrong)[:200] or "8 checks"))
+    optimizers = out["optimizers"]
+    if "crash" in optimizers:
+        rows.append(
+            (f"{label}: DistributedOptimizer == DDP + SGD", "FAIL", optimizers["crash"].strip().splitlines()[-1])
+        )
+    else:
+        for name, r in optimizers.items():
+            detail = "bit-identical after 6 steps" if not r["differ"] else f"differ: {r['differ'][:4]}"
+            rows.append((f"{label}: {name} == DDP + SGD", "FAIL" if r["differ"] else "ok", f"{detail} ({r['order']})"))
     if "paths" in out:
         paths = out["paths"]
         if "crash" in paths:
