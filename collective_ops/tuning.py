@@ -190,7 +190,9 @@ def measure_alpha_beta(
     """
     from .bench import run_sweep
 
-    rows = run_sweep("allreduce", list(sizes), warmup=2, iters=iters, impls=("raw",), progress=False, rounds=1)
+    rows = run_sweep(
+        "allreduce", list(sizes), warmup=2, iters=iters, impls=("raw",), progress=False, rounds=1, check=False
+    )
     fitted = CostModel.fit([r.bytes for r in rows], [r.time_us * 1e-6 for r in rows])
     queued = _back_to_back_seconds(count=8, nbytes=1 << 20)
     alpha_queued = (queued - fitted.alpha - 8 * fitted.beta * (1 << 20)) / 7

@@ -52,6 +52,9 @@ def sweep_checks(rank: int, world: int) -> dict:
         for reduce_op in ("max", "min", "prod"):
             rows = bench.run_sweep(op, [64], reduce_op=reduce_op, warmup=0, iters=1, rounds=1, progress=False)
             out[f"{op}/{reduce_op}"] = [(r.wrong, r.redop, r.world) for r in rows]
+    # the tuner's sweep: times only (no run on known data), marked as not checked
+    unchecked = bench.run_sweep("allreduce", [64], warmup=0, iters=1, rounds=1, progress=False, check=False)
+    out["unchecked"] = [r.wrong for r in unchecked]
     # a corrupted result must be counted as wrong
     import torch
 
@@ -74,6 +77,7 @@ def test_tiny_sweep_on_real_ranks() -> None:
             assert rows[0][1] == rows[1][1] <= 64 and rows[2][1] == rows[3][1] <= 4096  # divisible by the world
             assert all(wrong == 0 and timed and bw for _, _, wrong, timed, bw in rows), (op, rows)
         assert out["corrupt_wrong"] == 1
+        assert out["unchecked"] == [-1, -1]
         for op in ("allreduce", "reduce_scatter"):
             for reduce_op in ("max", "min", "prod"):
                 assert out[f"{op}/{reduce_op}"] == [(0, reduce_op, world)] * 2, (op, reduce_op)
