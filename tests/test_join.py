@@ -12,7 +12,13 @@ BATCHES = {0: 5, 1: 7, 2: 9}
 
 
 def _uneven(
-    rank: int, model, use_join_class: bool = False, model_cls=None, divide: bool = True, distributed: bool = False
+    rank: int,
+    model,
+    use_join_class: bool = False,
+    model_cls=None,
+    divide: bool = True,
+    distributed: bool = False,
+    arrange=None,
 ) -> dict:
     import torch
     from torch.distributed.algorithms import Join
@@ -23,6 +29,8 @@ def _uneven(
     model_cls = model_cls or MLP
     if distributed:  # updates overlapped with the next forward
         optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+        if arrange is not None:
+            arrange(model)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if use_join_class:  # as DDP-style code lists its joinables: the model, and the optimizer when it is one
@@ -61,6 +69,20 @@ def join_checks(rank: int, world: int) -> dict:
             rank, co.wrap(build("mlp"), bucket_size_mb=0.01), True, distributed=True
         ),
     }
+
+    def held_one_at_a_time(wrapped) -> None:  # a planned order: held buckets sent serially on their own group
+        from collective_ops.bucketing.schedule import held_order
+
+        count = len(wrapped.manager.plan.buckets)
+        group = torch.distributed.new_group(backend="gloo")
+        wrapped.manager.set_launch_order(held_order(count, count - 1, 1), serial_from=count - 2, serial_group=group)
+
+    out["ours_distributed_held"] = _uneven(
+        rank,
+        co.wrap(build("mlp"), bucket_size_mb=0.01, rebuild_buckets=False),
+        distributed=True,
+        arrange=held_one_at_a_time,
+    )
     model = co.wrap(build("mlp"))
     co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)
     sharded = co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True)
@@ -79,6 +101,7 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
             ("ours_active_join_class", "ddp_active"),
             ("ours_distributed", "ddp"),
             ("ours_distributed_join_class", "ddp"),
+            ("ours_distributed_held", "ddp"),
         ):
             if world == 2:
                 assert_identical(out[ours], out[ddp], f"{ours} vs DDP join, rank {rank}")

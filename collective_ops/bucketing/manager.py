@@ -136,6 +136,10 @@ class BucketManager:
         self._launch_order: tuple[int, ...] | None = None
         self._serial_from: int | None = None  # launch positions from here on go one at a time
         self._serial_group: Any = None
+        # False: serial buckets launch as soon as they are full, like the rest (still on their group). For
+        # programs that differ per rank (join(): a joined rank shadows steps), where a rank waiting for a
+        # held bucket's turn could wait on a peer that first waits for it in another collective.
+        self.hold_serial = True
         self._param_names = [p.name for p in plan.params]
 
     def _new_buffer(self, bucket: BucketSpec) -> Any:
@@ -318,7 +322,7 @@ class BucketManager:
 
     def _behind_serial(self, position: int) -> bool:
         """True if ``position`` goes one at a time and the collective before it has not completed."""
-        if self._serial_from is None or position <= self._serial_from:
+        if self._serial_from is None or not self.hold_serial or position <= self._serial_from:
             return False
         handle = self._handles[self.launch_order[position - 1]]
         return handle is not None and not handle.is_completed()
