@@ -7,7 +7,7 @@ In the same processes, alternating in blocks of steps (the order reversed every 
 torch DDP with each ``bucket_cap_mb`` of the hand sweep {1, 2, 5, 10, 25, 50} and a plain
 optimizer; ``wrap(bucket_size_mb="auto")`` with a plain optimizer; and
 ``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults (``--schedule plan
-auto`` adds the plan-order schedule, and prints the simulator's step for both beside the
+auto`` adds ``schedule="auto"``, and prints the simulator's step for both orders beside the
 measured ones). Same optimizer
 class everywhere (SGD, or AdamW with ``--optimizer adamw``). With ``--compression fp16``
 the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Each
@@ -69,8 +69,8 @@ def _setups(args, name: str, batches: list) -> dict:
 
 
 def _label(schedule: str) -> str:
-    """The setup's name: the DistributedOptimizer's defaults (schedule="auto") unnamed, plan order named."""
-    return "wrap auto + DistributedOptimizer" + ("" if schedule == "auto" else " (plan order)")
+    """The setup's name: the DistributedOptimizer's defaults (schedule="plan") unnamed, the planned order named."""
+    return "wrap auto + DistributedOptimizer" + ("" if schedule == "plan" else " (schedule auto)")
 
 
 def _compute_alone(name: str, batches: list, steps: int = 4) -> float:
@@ -153,8 +153,8 @@ def main(argv=None) -> int:
         "--schedule",
         nargs="+",
         choices=["plan", "auto"],
-        default=["auto"],
-        help="DistributedOptimizer's schedule(s) (default auto, its own default): each one a setup of the race",
+        default=["plan"],
+        help="DistributedOptimizer's schedule(s) (default plan, its own default): each one a setup of the race",
     )
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
     parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")

@@ -261,7 +261,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
 
     # bucket_size_mb="auto" with it: the size chosen by the simulated overlapped step
     model = co.wrap(build("transformer"), bucket_size_mb="auto")
-    opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05)
+    opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, schedule="auto")
     _train(rank, model, opt, TinyTransformer, steps=5)
     plan = model.manager.plan
     out["auto_size"] = (dict(model.auto_tune_overlapped), (plan.bucket_size_mb, plan.first_bucket_mb))

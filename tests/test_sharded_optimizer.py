@@ -100,6 +100,35 @@ def _interleaved_user_collectives(rank: int) -> tuple[dict, dict]:
     return results[0], results[1]
 
 
+def _rank0_checkpoints(rank: int) -> list[dict]:
+    """Rank 0 alone reads model.module.state_dict() after every step (a checkpoint, as DDP code writes it);
+    the other rank goes on to its next forward, whose buffer broadcast (BatchNorm) waits for rank 0.
+    DDP + SGD, then DistributedOptimizer unsharded and sharded: the same weights, and no hang."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import SmallCNN, build, rank_batch
+
+    setups = [torch.nn.parallel.DistributedDataParallel(build("cnn"))]
+    setups += [co.wrap(build("cnn"), bucket_size_mb=0.001, first_bucket_mb=0.0005) for _ in range(2)]
+    results = []
+    for kind, model in zip(("ddp", "unsharded", "sharded"), setups):
+        if kind == "ddp":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        else:
+            optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9, shard=kind == "sharded")
+        for step in range(6):
+            x, y = rank_batch(SmallCNN, step, rank)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if rank == 0:
+                model.module.state_dict()
+        results.append(snapshot(model.module if kind == "ddp" else model))
+    return results
+
+
 def _replanned_mid_training(rank: int) -> tuple[dict, dict]:
     """A new bucket size after 3 AdamW steps: the shards are laid out anew with their state moved."""
     import torch
@@ -182,6 +211,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
     out["interleaved"] = _interleaved_user_collectives(rank)
+    out["rank0_checkpoints"] = _rank0_checkpoints(rank)
     out["replanned"] = _replanned_mid_training(rank)
 
     # the full state: equal to the unsharded optimizer's after the same training, and it round-trips
@@ -351,6 +381,14 @@ def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None
     for rank, out in enumerate(two_ranks):
         ddp, ours = out["interleaved"]
         assert_identical(ours, ddp, f"rank {rank}")
+
+
+def test_a_checkpoint_on_rank_0_alone_after_step_neither_hangs_nor_differs(two_ranks) -> None:
+    """Before step() waited for the reduce-scatters and launched every all-gather, this hung (sharded)."""
+    for rank, out in enumerate(two_ranks):
+        ddp, unsharded, sharded = out["rank0_checkpoints"]
+        assert_identical(unsharded, ddp, f"unsharded, rank {rank}")
+        assert_identical(sharded, ddp, f"sharded, rank {rank}")
 
 
 def test_layout_identical_on_every_rank_and_padding_small(two_ranks) -> None:

@@ -45,10 +45,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     ``DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)``; ``params``
     (default: the model's parameters) may be parameter groups, as for the class itself.
     ``overlap=False`` finishes every bucket in backward, as a plain optimizer sees it.
-    ``schedule``: ``"auto"`` (the default; ``"plan"`` with ``shard=True`` or a custom comm hook)
-    plans the launch order once per bucket plan from a measured step, holding back the buckets
-    the next forward needs first and those it needs last (and, with ``bucket_size_mb="auto"``,
-    the bucket size by the same simulated step); ``"plan"`` launches in plan order.
+    ``schedule``: ``"plan"`` (the default) launches in plan order; ``"auto"`` plans the launch
+    order once per bucket plan from a measured step, holding back the buckets the next forward
+    needs first and those it needs last until that forward (and, with ``bucket_size_mb="auto"``,
+    the bucket size by the same simulated step). With ``"auto"``, code that runs on some ranks
+    only between ``step()`` and the next forward and reads parameters (rank 0 saving a
+    checkpoint) must follow ``opt.synchronize()`` on every rank: a held bucket is launched
+    by each rank's own next forward.
     """
 
     shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
@@ -80,9 +83,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 "wrap it first: model = collective_ops.wrap(model)"
             )
         custom_hook = model.manager.comm_hook is not allreduce_hook and not model.compression
-        # "auto" by default (measured faster than plan order on the emulated link: docs/distributed_optimizer.md);
-        # "plan" where "auto" is not supported: shards (their all-gathers have an order of their own) and custom hooks
-        schedule = schedule or ("plan" if shard or custom_hook else "auto")
+        # "plan" by default: every collective of a step is launched by the end of backward on every rank, so code
+        # that runs on some ranks only after step() (rank 0 saving model.module.state_dict()) can wait for any of
+        # them. "auto" holds buckets until the next forward launches them (0-6% faster on the emulated link), and
+        # then every rank must reach that forward or opt.synchronize() first (docs/distributed_optimizer.md).
+        schedule = schedule or "plan"
         if schedule == "auto" and shard:
             raise ValueError(
                 "schedule='auto' is not supported with shard=True yet (its all-gathers have an order of their own)"

@@ -179,7 +179,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._pending = PendingUpdates.start(len(self.model.manager.plan.buckets), self.param_groups)
         self._next_gather = 0
         if self.overlap:
-            self._advance(block=False)
+            # Every reduce-scatter waited for and every all-gather launched before step() returns, so code that
+            # runs on some ranks only next (rank 0 saving model.module.state_dict()) waits only for collectives
+            # every rank has issued; launched later, at each rank's own next forward, they hung there.
+            self._advance(block=True)
         else:
             self.synchronize()
 
