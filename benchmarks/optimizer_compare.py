@@ -8,7 +8,7 @@ torch DDP with each ``bucket_cap_mb`` of the hand sweep {1, 2, 5, 10, 25, 50} an
 optimizer; ``wrap(bucket_size_mb="auto")`` with a plain optimizer; and
 ``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults (``--schedule plan
 auto`` adds ``schedule="auto"``, and prints the simulator's step for both orders beside the
-measured ones). Same optimizer
+measured ones; ``--shard`` adds ``shard=True``). Same optimizer
 class everywhere (SGD, or AdamW with ``--optimizer adamw``). With ``--compression fp16``
 the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Each
 DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
@@ -35,6 +35,7 @@ from benchmarks.common import run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step  # noqa: E402
 
 DDP_SWEEP_MB = (1, 2, 5, 10, 25, 50)
+SHARDED = "wrap auto + DistributedOptimizer(shard=True)"
 
 
 def _optimizer(args):
@@ -65,6 +66,10 @@ def _setups(args, name: str, batches: list) -> dict:
             else cls(wrapped.parameters(), **kwargs)
         )
         setups[label] = (wrapped, optimizer, batches)
+    if args.shard:
+        model, _ = build_model(name)
+        wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
+        setups[SHARDED] = (wrapped, co.DistributedOptimizer(wrapped, cls, shard=True, **kwargs), batches)
     return setups
 
 
@@ -156,6 +161,7 @@ def main(argv=None) -> int:
         default=["plan"],
         help="DistributedOptimizer's schedule(s) (default plan, its own default): each one a setup of the race",
     )
+    parser.add_argument("--shard", action="store_true", help="also race DistributedOptimizer(shard=True)")
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
     parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
     parser.add_argument("--json")
