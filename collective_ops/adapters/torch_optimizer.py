@@ -386,9 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """
         manager = self.model.manager
         stats = manager.last_stats
-        timeline = self._timeline
         if self._plans_schedule():
-            timeline.settled()
+            self._timeline.settled()
         if (
             not self._plans_schedule()
             or manager.steps_synced < SCHEDULE_AFTER_STEPS
@@ -398,7 +397,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             or self.model._join_config.enable  # a joined rank shadows steps without forwards: plan outside join()
         ):
             return
-        engine = self.model.engine
+        self._plan_launch_order(stats)
+
+    def _plan_launch_order(self, stats: Any) -> None:
+        """Rank 0's simulated best order (where its timeline is complete), set on every rank."""
+        manager, engine, timeline = self.model.manager, self.model.engine, self._timeline
         complete = timeline.complete(stats.backward_start)
         if not engine.broadcast_ints([int(complete)])[0]:  # rank 0's timeline decides, on every rank
             return
@@ -420,18 +423,17 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         elif held < count:  # collectives already run one at a time in issue order: no gating, no group
             manager.set_launch_order(order)
         self.schedule_report, self._scheduled_plan = predictions, manager.plan
-        if not predictions:
-            return
-        plain = next(p for p in predictions if p.is_plan_order)
-        logger.info(
-            "collective_ops: DistributedOptimizer launch order %s (first %d and from position %d held, sent in forward "
-            "order); predicted step %.1f ms vs %.1f ms in plan order",
-            order,
-            predictions[0].deferred,
-            predictions[0].held_from,
-            predictions[0].step_s * 1e3,
-            plain.step_s * 1e3,
-        )
+        if predictions:
+            plain = next(p for p in predictions if p.is_plan_order)
+            logger.info(
+                "collective_ops: DistributedOptimizer launch order %s (first %d and from position %d held, sent in "
+                "forward order); predicted step %.1f ms vs %.1f ms in plan order",
+                order,
+                best.deferred,
+                best.held_from,
+                best.step_s * 1e3,
+                plain.step_s * 1e3,
+            )
 
     def predict_overlapped(self, plan: Any, cost: Any) -> OrderPrediction | None:
         """For ``bucket_size_mb="auto"``: the best launch order's simulated step were the model bucketed as
