@@ -7,7 +7,6 @@ import pytest
 from collective_ops.bucketing.schedule import (
     StepProfile,
     held_order,
-    held_tail_order,
     plan_order,
     simulate_order,
     step_profile,
@@ -15,10 +14,10 @@ from collective_ops.bucketing.schedule import (
 
 
 def test_held_tail_orders() -> None:
-    assert held_tail_order(4, 4) == (0, 1, 2, 3) and held_tail_order(4, 3) == (0, 1, 2, 3)
-    assert held_tail_order(4, 1) == (0, 3, 2, 1) and held_tail_order(4, 0) == (3, 2, 1, 0)
-    with pytest.raises(ValueError, match="between 0 and 4"):
-        held_tail_order(4, 5)
+    assert held_order(4, 4) == (0, 1, 2, 3) and held_order(4, 3) == (0, 1, 2, 3)
+    assert held_order(4, 1) == (0, 3, 2, 1) and held_order(4, 0) == (3, 2, 1, 0)
+    with pytest.raises(ValueError, match="held_from <= 4"):
+        held_order(4, 5)
 
 
 def test_held_orders_defer_the_first_ready_buckets_to_the_end() -> None:

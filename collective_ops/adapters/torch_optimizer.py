@@ -267,10 +267,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         indices = self._needs.get(module)
         if indices is None:  # not seen in the first forward: at least its own parameters
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
-        location = manager.plan.location
         if timeline is not None:
             timeline.needed(indices)
         if self.in_flight:
+            location = manager.plan.location
             buckets = sorted({location[i][0] for i in indices})  # plan order, as every rank
             manager.poll_launches()  # held buckets whose turn has come, while this forward computes
             self._finish(buckets, type(module).__name__)
@@ -386,10 +386,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """
         manager = self.model.manager
         stats = manager.last_stats
-        if self._plans_schedule():
+        planning = self._plans_schedule()
+        if planning:
             self._timeline.settled()
         if (
-            not self._plans_schedule()
+            not planning
             or manager.steps_synced < SCHEDULE_AFTER_STEPS
             or manager.launch_order != tuple(range(len(manager.plan.buckets)))  # set by the user
             or len(stats.buckets) != len(manager.plan.buckets)
@@ -408,13 +409,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         from ..tuning import measure_alpha_beta
 
         cost = measure_alpha_beta()  # a collective: every rank is here
-        wire = 0.5 if self.model.compression else 1.0
         count = len(manager.plan.buckets)
-        predictions = None
-        if complete:
-            predictions = plan_order(
-                timeline.profile(stats, manager.plan), lambda nbytes: cost.cost(int(nbytes * wire))
-            )
+        predictions = self._ranked_orders(stats, manager.plan, cost) if complete else None
         best = predictions[0] if predictions else None
         mine = [*best.order, best.held_from - best.deferred] if best else [0] * (count + 1)
         *order, held = engine.broadcast_ints(mine)  # rank 0's plan, on every rank
@@ -443,8 +439,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             return None
         if not self._timeline.complete(stats.backward_start):
             return None
-        wire = 0.5 if self.model.compression else 1.0
-        return plan_order(self._timeline.profile(stats, plan), lambda nbytes: cost.cost(int(nbytes * wire)))[0]
+        return self._ranked_orders(stats, plan, cost)[0]
+
+    def _ranked_orders(self, stats: Any, plan: Any, cost: Any) -> list[OrderPrediction]:
+        """Every candidate launch order of ``plan``, simulated from the timed step, best first."""
+        wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
+        return plan_order(self._timeline.profile(stats, plan), lambda nbytes: cost.cost(int(nbytes * wire)))
 
     def _serial_group(self) -> Any:
         """The process group the held buckets are reduced on, one at a time (made once; a collective)."""

@@ -134,6 +134,7 @@ class BucketManager:
     def _set_plan(self, plan: BucketPlan) -> None:
         self.plan = plan
         self._launch_order: tuple[int, ...] | None = None
+        self._launch_position: dict[int, int] | None = None  # bucket -> its place in _launch_order
         self._serial_from: int | None = None  # launch positions from here on go one at a time
         self._serial_group: Any = None
         # False: serial buckets launch as soon as they are full, like the rest (still on their group). For
@@ -333,7 +334,8 @@ class BucketManager:
             self._launch_ready_buckets()
 
     def _launched(self, bucket_index: int) -> bool:
-        return self.launch_order.index(bucket_index) < self._next_launch
+        position = bucket_index if self._launch_position is None else self._launch_position[bucket_index]
+        return position < self._next_launch
 
     def _launch_through(self, bucket_index: int) -> None:
         """Launch every bucket up to ``bucket_index`` in launch order, waiting out the serial ones' turns."""
@@ -378,6 +380,7 @@ class BucketManager:
         if serial_from is not None and (serial_group is None or not 0 <= serial_from <= count):
             raise ValueError(f"serial_from needs a position in 0..{count} and a serial_group of its own")
         self._launch_order = order
+        self._launch_position = None if order is None else {bucket: i for i, bucket in enumerate(order)}
         self._serial_from, self._serial_group = serial_from, serial_group
 
     def _launch(self, bucket_index: int) -> None:

@@ -112,13 +112,6 @@ def held_order(
     return sent + tuple(b for b in needs if not deferred <= b < held_from)
 
 
-def held_tail_order(bucket_count: int, k: int) -> tuple[int, ...]:
-    """Buckets ``0..k-1`` in plan order, then ``n-1 .. k`` (the forward's order: last planned, first needed)."""
-    if not 0 <= k <= bucket_count:
-        raise ValueError(f"k must be between 0 and {bucket_count}, got {k}")
-    return held_order(bucket_count, k)
-
-
 def simulate_order(order: Sequence[int], profile: StepProfile, cost: Callable[[int], float]) -> tuple[float, float]:
     """(forward end, forward wait) for buckets launched strictly in ``order`` on one serial channel.
 

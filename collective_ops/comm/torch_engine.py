@@ -302,12 +302,9 @@ class TorchEngine(Engine):
 
     def all_gather_shard(self, buffer: torch.Tensor, async_op: bool = False, group: Any = None) -> Any:
         """Every rank's shard of ``buffer`` into ``buffer`` (on Gloo in pieces of at most 1 MiB per rank)."""
-        if self.backend != "gloo":
-            work = _all_gather_single(buffer, self.shard_of(buffer), group=group, async_op=True)
-            return finish(ThenHandle(work, lambda: buffer), async_op)
         shard = self.shard_of(buffer)
-        chunks = self._shard_chunks(buffer)
-        if len(chunks) == 1:
+        chunks = self._shard_chunks(buffer) if self.backend == "gloo" else []
+        if len(chunks) <= 1:  # one call: other backends, or a shard that is a single piece
             work = _all_gather_single(buffer, shard, group=group, async_op=True)
             return finish(ThenHandle(work, lambda: buffer), async_op)
         works = []
