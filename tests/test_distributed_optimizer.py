@@ -91,17 +91,44 @@ def clipped_step(rank: int, model, optimizer) -> tuple[float, dict]:
     return float(norm), snapshot(model.module)  # the inner module's own state_dict: owed updates land first
 
 
+def _ddp_or_ours(ours: bool, build, make_optimizer) -> tuple:
+    """(model, optimizer): ``wrap`` + ``make_optimizer(model)``, or the reference, torch DDP + AdamW."""
+    import torch
+
+    import collective_ops as co
+
+    if ours:
+        model = co.wrap(build(), bucket_size_mb=0.004)
+        return model, make_optimizer(model)
+    model = torch.nn.parallel.DistributedDataParallel(build())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def assert_evaluations_equal_ddp(results: list[dict], label: str) -> None:
+    """The ``eval_between_steps`` results of every rank: weights and evaluation outputs as DDP's."""
+    for rank, out in enumerate(results):
+        (ddp, ddp_evals), (ours, our_evals) = out["eval_between_steps"]
+        assert_identical(ours, ddp, f"weights, {label}rank {rank}")
+        assert_identical(our_evals, ddp_evals, f"evaluation outputs after each step, {label}rank {rank}")
+
+
+def assert_scaled_training_equals_ddp(results: list[dict], label: str) -> None:
+    """The ``scaled_training`` results of every rank: one overflow (scale halved once), weights as DDP's."""
+    for rank, out in enumerate(results):
+        (ddp, ddp_scale), (ours, our_scale) = out["grad_scaler"]
+        assert ddp_scale == our_scale == 2.0**9  # one overflow: halved once
+        assert_identical(ours, ddp, f"GradScaler loop, {label}rank {rank}")
+
+
 def zero_grad_after_step(rank: int, build, make_optimizer, set_to_none: bool, steps: int = 6) -> tuple[dict, dict]:
     """(DDP, ours) with the loop ordered backward, step, zero_grad: zero_grad comes while updates are owed."""
     import torch
 
-    import collective_ops as co
     from tests.models import MLP, rank_batch
 
     results = []
     for ours in (False, True):
-        model = co.wrap(build(), bucket_size_mb=0.004) if ours else torch.nn.parallel.DistributedDataParallel(build())
-        optimizer = make_optimizer(model) if ours else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -115,13 +142,11 @@ def eval_between_steps(rank: int, build, make_optimizer, steps: int = 5) -> tupl
     """(DDP, ours) evaluating under model.eval() and no_grad after every step: the evaluation sees updated weights."""
     import torch
 
-    import collective_ops as co
     from tests.models import MLP, rank_batch
 
     results = []
     for ours in (False, True):
-        model = co.wrap(build(), bucket_size_mb=0.004) if ours else torch.nn.parallel.DistributedDataParallel(build())
-        optimizer = make_optimizer(model) if ours else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
         evaluations = []
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
@@ -142,13 +167,11 @@ def scaled_training(rank: int, build, make_optimizer, steps: int = 6) -> tuple[t
 
     import torch
 
-    import collective_ops as co
     from tests.models import MLP, rank_batch
 
     results = []
     for ours in (False, True):
-        model = co.wrap(build(), bucket_size_mb=0.004) if ours else torch.nn.parallel.DistributedDataParallel(build())
-        optimizer = make_optimizer(model) if ours else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
@@ -343,17 +366,11 @@ def test_auto_bucket_size_is_chosen_by_the_overlapped_step(two_ranks) -> None:
 
 
 def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
-    for rank, out in enumerate(two_ranks):
-        (ddp, ddp_evals), (ours, our_evals) = out["eval_between_steps"]
-        assert_identical(ours, ddp, f"weights, rank {rank}")
-        assert_identical(our_evals, ddp_evals, f"evaluation outputs after each step, rank {rank}")
+    assert_evaluations_equal_ddp(two_ranks, "")
 
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
-    for rank, out in enumerate(two_ranks):
-        (ddp, ddp_scale), (ours, our_scale) = out["grad_scaler"]
-        assert ddp_scale == our_scale == 2.0**9  # one overflow: halved once
-        assert_identical(ours, ddp, f"GradScaler loop, rank {rank}")
+    assert_scaled_training_equals_ddp(two_ranks, "")
 
 
 def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:

@@ -19,6 +19,8 @@ from tests.test_distributed_optimizer import (
     STEPS,
     _make_optimizer,
     _train,
+    assert_evaluations_equal_ddp,
+    assert_scaled_training_equals_ddp,
     clipped_step,
     eval_between_steps,
     scaled_training,
@@ -363,17 +365,11 @@ def test_replanned_buckets_move_the_sharded_state(two_ranks) -> None:
 
 
 def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
-    for rank, out in enumerate(two_ranks):
-        (ddp, ddp_evals), (ours, our_evals) = out["eval_between_steps"]
-        assert_identical(ours, ddp, f"weights, sharded, rank {rank}")
-        assert_identical(our_evals, ddp_evals, f"evaluation outputs after each step, sharded, rank {rank}")
+    assert_evaluations_equal_ddp(two_ranks, "sharded, ")
 
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
-    for rank, out in enumerate(two_ranks):
-        (ddp, ddp_scale), (ours, our_scale) = out["grad_scaler"]
-        assert ddp_scale == our_scale == 2.0**9
-        assert_identical(ours, ddp, f"GradScaler loop, sharded, rank {rank}")
+    assert_scaled_training_equals_ddp(two_ranks, "sharded, ")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:
