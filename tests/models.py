@@ -96,7 +96,26 @@ class Reordered(nn.Module):
     batch = MLP.batch
 
 
-MODELS = {"mlp": MLP, "cnn": SmallCNN, "transformer": TinyTransformer}
+class UntiedLM(nn.Module):
+    """An embedding of its own (not tied): a batch looks up ~20 of its 200 rows, so its gradient is row-sparse."""
+
+    vocab = 200
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(self.vocab, 16)
+        self.mix = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.embed(tokens))).mean(1))
+
+    @staticmethod
+    def batch(gen: torch.Generator, n: int = 4, low: int = 0, high: int = vocab) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(low, high, (n, 5), generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+MODELS = {"mlp": MLP, "cnn": SmallCNN, "transformer": TinyTransformer, "untied-lm": UntiedLM}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

@@ -127,6 +127,42 @@ def test_fingerprint_differs_when_plans_differ() -> None:
     )
 
 
+def test_row_sparse_tables_get_buckets_of_their_own() -> None:
+    dense = [ParamSpec(f"layer{i}", MIB // 4, "float32", "cpu", 4) for i in range(4)]  # 1 MiB each
+    table = ParamSpec("embed", 1000 * 16, "float32", "cpu", 4, rows=1000)
+    params = [dense[0], table, *dense[1:]]
+    plan = plan_buckets(params, bucket_size_mb=2, first_bucket_mb=2)
+    groups = [[params[i].name for i in b.param_indices] for b in plan.buckets]
+    # the dense buckets close as they would without the table; the table is alone, in its ready position
+    assert groups == [["layer3", "layer2"], ["layer1", "layer0"], ["embed"]]
+    plain = plan_buckets([*params[:1], ParamSpec("embed", 1000 * 16, "float32", "cpu", 4), *params[2:]], 2, 2)
+    assert plain.fingerprint() != plan.fingerprint(), "ranks that disagree on a table must not agree on the plan"
+    with pytest.raises(ValueError, match="rows=3 does not divide"):
+        plan_buckets([ParamSpec("bad", 10, "float32", "cpu", 4, rows=3)])
+
+
+def test_row_sparse_reduction_gives_up_after_dense_unions_in_a_row() -> None:
+    from collective_ops.bucketing import RowSparseReduction
+
+    plan = plan_buckets(
+        [ParamSpec("embed", 100 * 4, "float32", "cpu", 4, rows=100), ParamSpec("w", 8, "float32", "cpu", 4)]
+    )
+    reduction = RowSparseReduction(mask_group="group", max_density=0.5, give_up_after=2)
+    bucket = next(b.index for b in plan.buckets if b.param_indices == (0,))
+    table = reduction.for_bucket(plan, bucket)
+    assert (table.rows, table.cols, table.max_rows, table.mask_group) == (100, 4, 50, "group")
+    assert reduction.for_bucket(plan, 1 - bucket) is None, "a dense parameter's bucket is reduced densely"
+    table.record(80)
+    table.record(10)  # a sparse step resets the streak
+    table.record(51)
+    assert reduction.for_bucket(plan, bucket) is not None
+    table.record(100)
+    assert reduction.given_up("embed") and reduction.for_bucket(plan, bucket) is None
+    assert reduction.last_density["embed"] == 1.0
+    with pytest.raises(ValueError, match="max_density"):
+        RowSparseReduction(mask_group=None, max_density=0)
+
+
 def test_core_imports_no_framework() -> None:
     code = (
         "import sys, collective_ops, collective_ops.bucketing; "

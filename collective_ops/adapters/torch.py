@@ -10,6 +10,7 @@ against the current stream (NCCL, HCCL), so the same code runs on CPU, GPU and N
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -27,6 +28,7 @@ from ..bucketing import (
     BucketPlan,
     CommHook,
     ParamSpec,
+    RowSparseReduction,
     fused_collective,
     plan_buckets,
     validate_bucket_mb,
@@ -66,6 +68,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_finite: bool = False,
         trace: bool | None = None,
         auto_tune_step: int = 2,
+        row_sparse_embeddings: bool | str = "auto",
     ) -> None:
         super().__init__()
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
@@ -115,7 +118,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         # requires_grad of every parameter at wrap time: the plan depends on it (checked each step)
         self._requires_grad = [p.requires_grad for p in module.parameters()]
 
-        specs = [ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size()) for n, p in named]
+        tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine)
+        specs = [
+            ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=tables.get(n, 0))
+            for n, p in named
+        ]
         plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
         self._verify_and_broadcast(plan)
         self.manager = BucketManager(
@@ -128,6 +135,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             on_rebuild=self._on_rebuild,
             observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
         )
+        if tables:  # the masks' own group: made on every rank alike (the tables are in the checked plan)
+            self.manager.row_sparse = RowSparseReduction(self.engine.new_group())
         self._views: list[torch.Tensor] = []
         self._make_views()
         self._finalize_queued = False
@@ -620,6 +629,31 @@ def view_like(p: torch.Tensor, buffer: torch.Tensor, offset: int) -> torch.Tenso
     """A view of ``buffer`` from ``offset`` shaped as ``p``, with ``p``'s strides where ``p`` is dense."""
     strides = torch.empty_like(p, device="meta").stride()
     return buffer.as_strided(p.shape, strides, buffer.storage_offset() + offset)
+
+
+def _row_sparse_tables(
+    module: nn.Module, named: list[tuple[str, torch.Tensor]], option: bool | str, engine: TorchEngine
+) -> dict[str, int]:
+    """name -> row count of the embedding tables whose gradients are reduced by rows (bucketing/row_sparse.py).
+
+    ``"auto"``: the weights of ``nn.Embedding``/``nn.EmbeddingBag`` modules (``sparse=False``) on the CPU that no
+    other module shares (a tied weight also gets the output layer's dense gradient); ``True``: on any
+    device (not yet run on an accelerator; finding the rows synchronises the device); ``False``: none.
+    """
+    if option not in (True, False, "auto"):
+        raise ValueError(f"row_sparse_embeddings must be True, False or 'auto', got {option!r}")
+    if option is False or engine.world_size == 1:
+        return {}
+    owners = collections.Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    names = {id(p): n for n, p in named}
+    tables = {}
+    for sub in module.modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and not sub.sparse:
+            weight = sub.weight
+            shared = owners[id(weight)] > 1
+            if id(weight) in names and not shared and (option is True or weight.device.type == "cpu"):
+                tables[names[id(weight)]] = weight.shape[0]
+    return tables
 
 
 def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:

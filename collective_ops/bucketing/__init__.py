@@ -9,6 +9,7 @@ from .hooks import BucketContext, CommHook, allreduce_hook, compression_hook, ho
 from .interfaces import BucketEngine, CompletedHandle, Handle, ThenHandle
 from .manager import BucketManager, BucketTiming, CommHookError, CommunicationError, StallError, StepStats
 from .plan import MIB, BucketPlan, BucketSpec, ParamSpec, complete_order, plan_buckets, validate_bucket_mb
+from .row_sparse import RowSparseBucket, RowSparseReduction
 
 __all__ = [
     "MIB",
@@ -26,6 +27,8 @@ __all__ = [
     "GradientBucket",
     "Handle",
     "ParamSpec",
+    "RowSparseBucket",
+    "RowSparseReduction",
     "StepStats",
     "ThenHandle",
     "allreduce_hook",

@@ -14,6 +14,7 @@ from typing import Any
 
 from .interfaces import BucketEngine, Handle, ThenHandle
 from .plan import BucketSpec
+from .row_sparse import RowSparseBucket
 
 
 @dataclass
@@ -31,6 +32,8 @@ class BucketContext:
     # The process group to reduce on (None: the engine's default): the launch schedule's own group for
     # buckets launched one at a time (BucketManager.set_launch_order).
     group: Any = None
+    # A bucket that is one row-sparse table (bucketing/row_sparse.py): the default hook reduces its rows.
+    row_sparse: RowSparseBucket | None = None
 
     @property
     def world_size(self) -> int:
@@ -57,9 +60,24 @@ def allreduce_hook(ctx: BucketContext) -> Handle:
         handle = ctx.engine.allreduce(ctx.buffer, "sum", async_op=True, group=ctx.group)
         return ThenHandle(handle, lambda: ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size))
     factor = allreduce_prescale(ctx.engine, ctx.reduce_op, ctx.divisor)
+    if ctx.row_sparse is not None:
+        handle = _allreduce_rows(ctx, None if ctx.prescaled else factor)
+        if handle is not None:
+            return handle
     if factor is not None and not ctx.prescaled:
         ctx.engine.scale_(ctx.buffer, factor)
     return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True, group=ctx.group)
+
+
+def _allreduce_rows(ctx: BucketContext, factor: float | None) -> Handle | None:
+    """The union of the ranks' non-zero rows allreduced (scaled by ``factor`` first), or None where the
+    union is too dense to pay: the caller then allreduces the whole bucket."""
+    table = ctx.row_sparse
+    union = ctx.engine.nonzero_rows_union(ctx.buffer, table.rows, table.cols, group=table.mask_group)
+    table.record(len(union))
+    if len(union) > table.max_rows:
+        return None
+    return ctx.engine.allreduce_rows(ctx.buffer, table.rows, table.cols, union, factor, group=ctx.group)
 
 
 def compression_hook(dtype: str) -> CommHook:

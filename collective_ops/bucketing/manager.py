@@ -19,6 +19,7 @@ from typing import Any
 from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale
 from .interfaces import BucketEngine, Handle, env_seconds, wait_with_timeout
 from .plan import BucketPlan, BucketSpec, complete_order, plan_buckets
+from .row_sparse import RowSparseReduction
 from .shard import padded_numel
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,8 @@ class BucketManager:
         self.totals = {"collectives": 0, "bytes": 0, "steps": 0, "exposed_comm_s": 0.0}
         # Buffers are padded to a multiple of this (the world size when they are reduce-scattered).
         self.pad_multiple = 1
+        # Row-sparse tables reduced by rows (set by the adapter where the engine can): RowSparseReduction.
+        self.row_sparse: RowSparseReduction | None = None
         self._set_plan(plan)
         self.buffers = [self._new_buffer(b) for b in plan.buckets]
         self._reset_iteration()
@@ -403,6 +406,7 @@ class BucketManager:
             prescaled,
             self.divisor,
             group=self._serial_group if serial else None,
+            row_sparse=None if self.row_sparse is None else self.row_sparse.for_bucket(self.plan, bucket_index),
         )
         self._stats.buckets[bucket_index].launched = time.perf_counter()
         self._handles[bucket_index] = self.comm_hook(ctx)

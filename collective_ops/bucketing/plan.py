@@ -26,6 +26,9 @@ class ParamSpec:
     dtype: str
     device: str
     itemsize: int
+    # The row count of a table whose gradient may be row-sparse (an embedding): such a parameter gets a
+    # bucket of its own, reduced by rows (bucketing/row_sparse.py). 0: a dense gradient.
+    rows: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +80,7 @@ class BucketPlan:
         rank 0's ``cuda:0``, and the plans must hash alike.
         """
         payload = {
-            "params": [[p.name, p.numel, p.dtype, device_type(p.device), p.itemsize] for p in self.params],
+            "params": [[p.name, p.numel, p.dtype, device_type(p.device), p.itemsize, p.rows] for p in self.params],
             "buckets": [list(b.param_indices) for b in self.buckets],
         }
         return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
@@ -152,6 +155,8 @@ def plan_buckets(
     for p in params:
         if p.numel < 0 or p.itemsize <= 0:
             raise ValueError(f"parameter {p.name!r} has numel={p.numel}, itemsize={p.itemsize}")
+        if p.rows < 0 or (p.rows and p.numel % p.rows):
+            raise ValueError(f"parameter {p.name!r}: rows={p.rows} does not divide numel={p.numel}")
     order = list(range(len(params)))[::-1] if order is None else complete_order(order, len(params))
     if len(order) != len(params):
         raise ValueError("order must list every parameter exactly once")
@@ -172,6 +177,9 @@ def plan_buckets(
 
     for index in order:
         p = params[index]
+        if p.rows:
+            groups.append([index])
+            continue
         key = (p.dtype, p.device)
         cap = first_cap if closed_per_key.get(key, 0) == 0 else bucket_cap
         if open_buckets.get(key) and open_bytes[key] + p.nbytes > cap:

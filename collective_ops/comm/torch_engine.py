@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..bucketing.interfaces import ThenHandle, call_with_deadline
+from ..bucketing.interfaces import CompletedHandle, ThenHandle, call_with_deadline
 from ..ops import parse_reduce_op
 from .base import Engine, finish
 
@@ -264,6 +264,35 @@ class TorchEngine(Engine):
     def shard_of(self, buffer: torch.Tensor) -> torch.Tensor:
         shard = buffer.numel() // self._world_size
         return buffer.narrow(0, self._rank * shard, shard)
+
+    def new_group(self) -> Any:
+        """A process group of all ranks of its own, on this engine's backend (a collective: every rank calls it)."""
+        return dist.new_group(backend=dist.get_backend())
+
+    def nonzero_rows_union(self, buffer: torch.Tensor, rows: int, cols: int, group: Any = None) -> torch.Tensor:
+        """The indices of the rows of ``buffer`` (a ``rows`` x ``cols`` table) non-zero on any rank (blocking)."""
+        mask = buffer[: rows * cols].view(rows, cols).ne(0).any(dim=1)  # NaN != 0: a NaN row is sent
+        masks = torch.empty(self._world_size * rows, dtype=torch.uint8, device=buffer.device)
+        _all_gather_single(masks, mask.to(torch.uint8), group=group)
+        return masks.view(self._world_size, rows).any(dim=0).nonzero().squeeze(1)
+
+    def allreduce_rows(
+        self, buffer: torch.Tensor, rows: int, cols: int, union: torch.Tensor, factor: float | None, group: Any = None
+    ) -> Any:
+        """Sum only the rows ``union`` of ``buffer`` (a table; every other row is zero on every rank) into it."""
+        table = buffer[: rows * cols].view(rows, cols)
+        if union.numel() == 0:
+            return CompletedHandle(buffer)
+        packed = table.index_select(0, union)
+        if factor is not None:
+            packed.mul_(factor)
+        work = dist.all_reduce(packed, group=group, async_op=True)
+
+        def unpack() -> torch.Tensor:
+            table.index_copy_(0, union, packed)
+            return buffer
+
+        return ThenHandle(work, unpack)
 
     def reduce_scatter_shard(self, buffer: torch.Tensor, async_op: bool = False, scratch: Any = None) -> Any:
         """The sum of every rank's ``buffer`` into this rank's shard of it.

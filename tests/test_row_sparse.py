@@ -1,0 +1,130 @@
+"""Row-sparse embedding gradients (bucketing/row_sparse.py): only the looked-up rows go on the wire,
+and training stays bit-equal to torch DDP at 2 ranks. One 2-rank group runs every check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+from tests.reference import snapshot
+
+STEPS = 6
+
+
+def _batches(rank: int, dense: bool = False, disjoint: bool = False) -> list:
+    import torch
+
+    from tests.models import UntiedLM
+
+    out = []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        if dense:  # every row looked up: the union is the whole table
+            tokens = torch.randperm(UntiedLM.vocab, generator=gen).view(40, 5)
+            out.append((tokens, torch.randint(0, 10, (40,), generator=gen)))
+        elif disjoint:  # rank 0 looks up rows 0-99 only, rank 1 rows 100-199 only
+            out.append(UntiedLM.batch(gen, low=100 * rank, high=100 * rank + 100))
+        else:
+            out.append(UntiedLM.batch(gen))
+    return out
+
+
+def _train(model, optimizer, batches: list, set_to_none: bool = True) -> None:
+    import torch
+
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss.backward()
+        optimizer.step()
+
+
+def _pair(
+    rank: int, optimizer: str, batches: list, distributed_optimizer: bool = False, set_to_none: bool = True, **options
+) -> dict:
+    """DDP + the optimizer against wrap (+ the optimizer, or DistributedOptimizer) from the same start."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import UntiedLM
+
+    cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer]
+    settings = {"lr": 0.1, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-2, "weight_decay": 0.01}
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(UntiedLM())
+    _train(ddp, cls(ddp.parameters(), **settings), batches, set_to_none)
+    torch.manual_seed(0)
+    ours = co.wrap(UntiedLM(), bucket_size_mb=0.01, first_bucket_mb=0.005, **options)
+    opt = (
+        co.DistributedOptimizer(ours, cls, **settings) if distributed_optimizer else cls(ours.parameters(), **settings)
+    )
+    _train(ours, opt, batches, set_to_none)
+    getattr(opt, "synchronize", lambda: None)()
+    sparse = ours.manager.row_sparse
+    return {
+        "ddp": snapshot(ddp.module),
+        "ours": snapshot(ours.module),
+        "density": None if sparse is None else dict(sparse.last_density),
+        "given_up": None if sparse is None else sparse.given_up("embed.weight"),
+        "embed_alone": any(b.param_indices == (0,) for b in ours.manager.plan.buckets),
+    }
+
+
+def row_sparse_checks(rank: int, world: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import TinyTransformer
+
+    out = {
+        "sgd": _pair(rank, "sgd", _batches(rank)),
+        "adamw": _pair(rank, "adamw", _batches(rank)),
+        # gradients kept between steps (zero_grad(set_to_none=False)): accumulated in the bucket, scaled by the hook
+        "kept_grads": _pair(rank, "sgd", _batches(rank), set_to_none=False),
+        "disjoint": _pair(rank, "adamw", _batches(rank, disjoint=True)),
+        "distributed_optimizer": _pair(rank, "adamw", _batches(rank), distributed_optimizer=True),
+        "dense": _pair(rank, "sgd", _batches(rank, dense=True)),
+        "off": _pair(rank, "sgd", _batches(rank), row_sparse_embeddings=False),
+    }
+    out["tied"] = co.wrap(TinyTransformer()).manager.row_sparse is None  # the output layer's gradient is dense
+    try:
+        co.wrap(torch.nn.Embedding(10, 2), row_sparse_embeddings="yes")
+    except ValueError as exc:
+        out["bad_option"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(2, row_sparse_checks, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["sgd", "adamw", "kept_grads", "disjoint", "distributed_optimizer", "dense", "off"])
+def test_training_is_bit_equal_to_ddp(results: list[dict], case: str) -> None:
+    for rank, out in enumerate(results):
+        entry = out[case]
+        assert entry["ddp"].keys() == entry["ours"].keys()
+        for name, expected in entry["ddp"].items():
+            np.testing.assert_array_equal(entry["ours"][name], expected, err_msg=f"{case} rank {rank} {name}")
+
+
+@pytest.mark.parametrize("case", ["sgd", "adamw", "kept_grads", "disjoint", "distributed_optimizer"])
+def test_only_the_looked_up_rows_are_reduced(results: list[dict], case: str) -> None:
+    densities = [out[case]["density"]["embed.weight"] for out in results]
+    assert len(set(densities)) == 1, f"ranks disagree on the union: {densities}"
+    assert 0 < densities[0] <= 0.5, densities  # ~2 x 20 of 200 rows
+    assert all(out[case]["embed_alone"] for out in results), "the embedding must be a bucket of its own"
+
+
+def test_a_dense_union_falls_back_and_stops_trying(results: list[dict]) -> None:
+    for out in results:
+        assert out["dense"]["density"]["embed.weight"] == 1.0
+        assert out["dense"]["given_up"] is True
+
+
+def test_off_tied_and_bad_option(results: list[dict]) -> None:
+    for out in results:
+        assert out["off"]["density"] is None
+        assert out["tied"] is True
+        assert "row_sparse_embeddings must be True, False or 'auto'" in out["bad_option"]
