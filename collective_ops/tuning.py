@@ -23,11 +23,12 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .bucketing import BucketPlan, ParamSpec, plan_buckets
+from .bucketing.row_sparse import wire_nbytes
 
 logger = logging.getLogger("collective_ops")
 
@@ -91,6 +92,8 @@ class BackwardProfile:
     ready_s: dict[int, float]  # parameter index -> seconds after step start
     backward_end_s: float  # when backward (and so the last gradient) ended
     step_compute_s: float  # forward + backward + optimizer, without exposed communication
+    # parameter index -> share of its bytes its bucket sends (row-sparse tables, bucketing/row_sparse.py)
+    wire_share: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.ready_s:
@@ -123,7 +126,7 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, conten
     for bucket in plan.buckets:
         ready = max((profile.ready_s.get(i, profile.backward_end_s) for i in bucket.param_indices), default=0.0)
         start = max(ready, channel_free)
-        duration = cost.cost(bucket.nbytes, queued=bool(finishes) and ready < channel_free)
+        duration = cost.cost(wire_nbytes(bucket, profile.wire_share), queued=bool(finishes) and ready < channel_free)
         channel_free = start + duration
         finishes.append(channel_free)
         comm += duration
@@ -219,12 +222,14 @@ def _back_to_back_seconds(count: int, nbytes: int, repeats: int = 3) -> float:
     return engine.reduce_floats([float(np.median(times[1:]))], "max")[0]
 
 
-def profile_from_stats(stats, step_start: float, step_end: float) -> BackwardProfile:
+def profile_from_stats(
+    stats, step_start: float, step_end: float, wire_share: dict[int, float] | None = None
+) -> BackwardProfile:
     """A :class:`BackwardProfile` from the bucket manager's stats of one step."""
     backward_end = stats.finalize_start if stats.finalize_start is not None else step_end
     ready = {i: t - step_start for i, t in stats.ready_times.items()}
     compute = (step_end - step_start) - stats.exposed_comm_s
-    return BackwardProfile(ready, backward_end - step_start, max(compute, 0.0))
+    return BackwardProfile(ready, backward_end - step_start, max(compute, 0.0), dict(wire_share or {}))
 
 
 def _median_profile(model, step_fn: Callable[[], None], steps: int) -> BackwardProfile:
@@ -232,7 +237,8 @@ def _median_profile(model, step_fn: Callable[[], None], steps: int) -> BackwardP
     for _ in range(steps):
         start = time.perf_counter()
         step_fn()
-        profiles.append(profile_from_stats(model.manager.last_stats, start, time.perf_counter()))
+        shares = model.manager.wire_shares()
+        profiles.append(profile_from_stats(model.manager.last_stats, start, time.perf_counter(), shares))
     return sorted(profiles, key=lambda p: p.step_compute_s)[len(profiles) // 2]
 
 

@@ -68,6 +68,9 @@ def _pair(
         "density": None if sparse is None else dict(sparse.last_density),
         "given_up": None if sparse is None else sparse.given_up("embed.weight"),
         "embed_alone": any(b.param_indices == (0,) for b in ours.manager.plan.buckets),
+        "bytes_per_step": ours.comm_stats()["bytes_per_step"],
+        "dense_bytes": sum(p.numel() * 4 for p in ours.parameters()),
+        "wire_shares": ours.manager.wire_shares(),
     }
 
 
@@ -114,7 +117,12 @@ def test_only_the_looked_up_rows_are_reduced(results: list[dict], case: str) -> 
     densities = [out[case]["density"]["embed.weight"] for out in results]
     assert len(set(densities)) == 1, f"ranks disagree on the union: {densities}"
     assert 0 < densities[0] <= 0.5, densities  # ~2 x 20 of 200 rows
-    assert all(out[case]["embed_alone"] for out in results), "the embedding must be a bucket of its own"
+    for out in results:
+        entry = out[case]
+        assert entry["embed_alone"], "the embedding must be a bucket of its own"
+        assert entry["wire_shares"] == {0: densities[0]}, "the tuner's simulator sees the share sent"
+        table = 200 * 16 * 4
+        assert entry["bytes_per_step"] == entry["dense_bytes"] - table + int(table * densities[0])
 
 
 def test_a_dense_union_falls_back_and_stops_trying(results: list[dict]) -> None:

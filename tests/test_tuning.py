@@ -51,6 +51,15 @@ def test_communication_bound_queues() -> None:
     assert p.exposed_comm_s == pytest.approx(2.8)
 
 
+def test_a_row_sparse_table_costs_the_share_of_its_bytes_it_sends() -> None:
+    table = ParamSpec("embed", MIB // 4, "float32", "cpu", 4, rows=1024)  # 1 MiB, a bucket of its own
+    plan = plan_buckets([table, *specs(1)], bucket_size_mb=100, first_bucket_mb=100)
+    cost = CostModel(0.0, 1.0 / MIB)  # 1 s per MiB
+    dense = simulate(plan, BackwardProfile({0: 1.0, 1: 1.0}, 1.0, 1.0), cost)
+    sparse = simulate(plan, BackwardProfile({0: 1.0, 1: 1.0}, 1.0, 1.0, wire_share={0: 0.25}), cost)
+    assert dense.comm_s == pytest.approx(2.0) and sparse.comm_s == pytest.approx(1.25)
+
+
 def test_a_queued_collective_pays_only_the_queued_latency() -> None:
     # all three ready at once: the first pays alpha, the two launched behind it alpha_queued
     plan = plan_buckets(specs(3), bucket_size_mb=1, first_bucket_mb=1)

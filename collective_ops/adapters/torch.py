@@ -342,7 +342,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         stats = self.manager.last_stats
         start = stats.backward_start or 0.0
         profile = BackwardProfile(
-            {i: t - start for i, t in stats.ready_times.items()}, (stats.finalize_start or start) - start, 0.0
+            {i: t - start for i, t in stats.ready_times.items()},
+            (stats.finalize_start or start) - start,
+            0.0,
+            self.manager.wire_shares(),
         )
         cost = measure_alpha_beta()  # every rank is here, at the end of the same step
         plan = self.manager.plan

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
 from ..bucketing.hooks import allreduce_hook
+from ..bucketing.row_sparse import wire_nbytes
 from ..bucketing.schedule import OrderPrediction, StepProfile, plan_order, step_profile
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel
@@ -444,7 +445,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def _ranked_orders(self, stats: Any, plan: Any, cost: Any) -> list[OrderPrediction]:
         """Every candidate launch order of ``plan``, simulated from the timed step, best first."""
         wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
-        return plan_order(self._timeline.profile(stats, plan), lambda nbytes: cost.cost(int(nbytes * wire)))
+        profile = self._timeline.profile(stats, plan, self.model.manager.wire_shares(plan))
+        return plan_order(profile, lambda nbytes: cost.cost(int(nbytes * wire)))
 
     def _serial_group(self) -> Any:
         """The process group the held buckets are reduced on, one at a time (made once; a collective)."""
@@ -518,14 +520,15 @@ class ForwardTimeline:
             and any(end <= backward_start for end in self._ends)
         )
 
-    def profile(self, stats: Any, plan: Any) -> StepProfile:
+    def profile(self, stats: Any, plan: Any, shares: dict[int, float] | None = None) -> StepProfile:
         """The planner's input for ``plan`` (the current bucket plan, or a candidate): the backward of ``stats``
-        (which ran before this forward) and this forward."""
+        (which ran before this forward) and this forward; ``shares``: the row-sparse tables' sent share."""
+        shares = shares or {}
         origin = stats.backward_start
         end = stats.finalize_start or origin
         return step_profile(
             [bucket.param_indices for bucket in plan.buckets],
-            [bucket.nbytes for bucket in plan.buckets],
+            [wire_nbytes(bucket, shares) for bucket in plan.buckets],
             {i: t - origin for i, t in stats.ready_times.items()},
             end - origin,
             self._need_s,

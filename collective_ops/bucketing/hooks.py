@@ -74,8 +74,7 @@ def _allreduce_rows(ctx: BucketContext, factor: float | None) -> Handle | None:
     union is too dense to pay: the caller then allreduces the whole bucket."""
     table = ctx.row_sparse
     union = ctx.engine.nonzero_rows_union(ctx.buffer, table.rows, table.cols, group=table.mask_group)
-    table.record(len(union))
-    if len(union) > table.max_rows:
+    if not table.record(len(union)):
         return None
     return ctx.engine.allreduce_rows(ctx.buffer, table.rows, table.cols, union, factor, group=ctx.group)
 

@@ -146,6 +146,10 @@ class BucketManager:
         self.hold_serial = True
         self._param_names = [p.name for p in plan.params]
 
+    def wire_shares(self, plan: BucketPlan | None = None) -> dict[int, float]:
+        """parameter index -> the share of its bytes its bucket sends (row-sparse tables; the rest send all)."""
+        return {} if self.row_sparse is None else self.row_sparse.shares(plan or self.plan)
+
     def _new_buffer(self, bucket: BucketSpec) -> Any:
         numel = bucket.numel if self.pad_multiple == 1 else padded_numel(bucket.numel, self.pad_multiple)
         return self.engine.zeros(numel, bucket.dtype, bucket.device)
@@ -411,7 +415,8 @@ class BucketManager:
         self._stats.buckets[bucket_index].launched = time.perf_counter()
         self._handles[bucket_index] = self.comm_hook(ctx)
         self._stats.collectives += 1
-        self._stats.bytes_communicated += bucket.nbytes
+        share = 1.0 if ctx.row_sparse is None else ctx.row_sparse.sent_share()
+        self._stats.bytes_communicated += int(bucket.nbytes * share)
         if self.observer is not None:
             self.observer.bucket_launched(self, bucket_index)
 
