@@ -53,12 +53,18 @@ def _pair(
     settings = {"lr": 0.1, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-2, "weight_decay": 0.01}
     torch.manual_seed(0)
     ddp = torch.nn.parallel.DistributedDataParallel(UntiedLM())
+    if options.get("compression") == "fp16":  # DDP's own fp16 hook is the reference
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        ddp.register_comm_hook(None, fp16_compress_hook)
     _train(ddp, cls(ddp.parameters(), **settings), batches, set_to_none)
     torch.manual_seed(0)
     ours = co.wrap(UntiedLM(), bucket_size_mb=0.01, first_bucket_mb=0.005, **options)
-    opt = (
-        co.DistributedOptimizer(ours, cls, **settings) if distributed_optimizer else cls(ours.parameters(), **settings)
-    )
+    if distributed_optimizer:  # True, "auto" (its held launch schedule) or "shard" (reduce-scatters: dense)
+        extra = {"schedule": "auto"} if distributed_optimizer == "auto" else {"shard": distributed_optimizer == "shard"}
+        opt = co.DistributedOptimizer(ours, cls, **settings, **extra)
+    else:
+        opt = cls(ours.parameters(), **settings)
     _train(ours, opt, batches, set_to_none)
     getattr(opt, "synchronize", lambda: None)()
     sparse = ours.manager.row_sparse
@@ -87,6 +93,9 @@ def row_sparse_checks(rank: int, world: int) -> dict:
         "kept_grads": _pair(rank, "sgd", _batches(rank), set_to_none=False),
         "disjoint": _pair(rank, "adamw", _batches(rank, disjoint=True)),
         "distributed_optimizer": _pair(rank, "adamw", _batches(rank), distributed_optimizer=True),
+        "fp16": _pair(rank, "sgd", _batches(rank), compression="fp16"),
+        "held_schedule": _pair(rank, "sgd", _batches(rank), distributed_optimizer="auto"),
+        "sharded": _pair(rank, "adamw", _batches(rank), distributed_optimizer="shard"),
         "dense": _pair(rank, "sgd", _batches(rank, dense=True)),
         "off": _pair(rank, "sgd", _batches(rank), row_sparse_embeddings=False),
     }
@@ -103,7 +112,13 @@ def results() -> list[dict]:
     return run_ranks(2, row_sparse_checks, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["sgd", "adamw", "kept_grads", "disjoint", "distributed_optimizer", "dense", "off"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        *("sgd", "adamw", "kept_grads", "disjoint", "fp16", "distributed_optimizer", "held_schedule", "sharded"),
+        *("dense", "off"),
+    ],
+)
 def test_training_is_bit_equal_to_ddp(results: list[dict], case: str) -> None:
     for rank, out in enumerate(results):
         entry = out[case]
@@ -112,7 +127,9 @@ def test_training_is_bit_equal_to_ddp(results: list[dict], case: str) -> None:
             np.testing.assert_array_equal(entry["ours"][name], expected, err_msg=f"{case} rank {rank} {name}")
 
 
-@pytest.mark.parametrize("case", ["sgd", "adamw", "kept_grads", "disjoint", "distributed_optimizer"])
+@pytest.mark.parametrize(
+    "case", ["sgd", "adamw", "kept_grads", "disjoint", "fp16", "distributed_optimizer", "held_schedule"]
+)
 def test_only_the_looked_up_rows_are_reduced(results: list[dict], case: str) -> None:
     densities = [out[case]["density"]["embed.weight"] for out in results]
     assert len(set(densities)) == 1, f"ranks disagree on the union: {densities}"
@@ -134,5 +151,6 @@ def test_a_dense_union_falls_back_and_stops_trying(results: list[dict]) -> None:
 def test_off_tied_and_bad_option(results: list[dict]) -> None:
     for out in results:
         assert out["off"]["density"] is None
+        assert out["sharded"]["density"] is None, "reduce-scattered buckets are reduced whole"
         assert out["tied"] is True
         assert "row_sparse_embeddings must be True, False or 'auto'" in out["bad_option"]

@@ -29,6 +29,7 @@ from ..bucketing import (
     CommHook,
     ParamSpec,
     RowSparseReduction,
+    allreduce_hook,
     fused_collective,
     plan_buckets,
     validate_bucket_mb,
@@ -118,7 +119,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         # requires_grad of every parameter at wrap time: the plan depends on it (checked each step)
         self._requires_grad = [p.requires_grad for p in module.parameters()]
 
-        tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine)
+        # the built-in reductions send rows (a custom comm_hook reduces the whole bucket)
+        builtin = hook is allreduce_hook or compression is not None
+        tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine) if builtin else {}
         specs = [
             ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=tables.get(n, 0))
             for n, p in named

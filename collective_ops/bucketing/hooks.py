@@ -69,14 +69,16 @@ def allreduce_hook(ctx: BucketContext) -> Handle:
     return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True, group=ctx.group)
 
 
-def _allreduce_rows(ctx: BucketContext, factor: float | None) -> Handle | None:
-    """The union of the ranks' non-zero rows allreduced (scaled by ``factor`` first), or None where the
-    union is too dense to pay: the caller then allreduces the whole bucket."""
+def _allreduce_rows(ctx: BucketContext, factor: float | None, wire_dtype: str | None = None) -> Handle | None:
+    """The union of the ranks' non-zero rows allreduced (sent as ``wire_dtype``, scaled by ``factor``), or
+    None where the union is too dense to pay: the caller then reduces the whole bucket."""
     table = ctx.row_sparse
     union = ctx.engine.nonzero_rows_union(ctx.buffer, table.rows, table.cols, group=table.mask_group)
     if not table.record(len(union)):
         return None
-    return ctx.engine.allreduce_rows(ctx.buffer, table.rows, table.cols, union, factor, group=ctx.group)
+    return ctx.engine.allreduce_rows(
+        ctx.buffer, table.rows, table.cols, union, factor, group=ctx.group, wire_dtype=wire_dtype
+    )
 
 
 def compression_hook(dtype: str) -> CommHook:
@@ -85,6 +87,11 @@ def compression_hook(dtype: str) -> CommHook:
     def hook(ctx: BucketContext) -> Handle:
         if ctx.bucket.dtype == dtype:
             return allreduce_hook(ctx)
+        if ctx.row_sparse is not None:  # the rows cast, then scaled, as the whole bucket would be
+            factor = 1.0 / (ctx.divisor or ctx.world_size) if ctx.reduce_op == "avg" and ctx.world_size > 1 else None
+            handle = _allreduce_rows(ctx, factor, wire_dtype=dtype)
+            if handle is not None:
+                return handle
         compressed = ctx.engine.cast(ctx.buffer, dtype)
         if ctx.reduce_op == "avg" and ctx.world_size > 1:
             ctx.engine.scale_(compressed, 1.0 / (ctx.divisor or ctx.world_size))

@@ -163,6 +163,8 @@ class BucketManager:
         if self.in_progress or self._deferred:
             raise RuntimeError("cannot change the comm hook while a step's buckets are in flight")
         self.comm_hook = hook
+        if hook is not allreduce_hook:
+            self.row_sparse = None  # only the built-in hooks reduce by rows: the tables now go dense
         self._prescale_on_copy = prescale_on_copy
         self.set_divisor(self.divisor)
 

@@ -277,19 +277,29 @@ class TorchEngine(Engine):
         return masks.view(self._world_size, rows).any(dim=0).nonzero().squeeze(1)
 
     def allreduce_rows(
-        self, buffer: torch.Tensor, rows: int, cols: int, union: torch.Tensor, factor: float | None, group: Any = None
+        self,
+        buffer: torch.Tensor,
+        rows: int,
+        cols: int,
+        union: torch.Tensor,
+        factor: float | None,
+        group: Any = None,
+        wire_dtype: str | None = None,
     ) -> Any:
-        """Sum only the rows ``union`` of ``buffer`` (a table; every other row is zero on every rank) into it."""
+        """Sum only the rows ``union`` of ``buffer`` (a table; every other row is zero on every rank) into it,
+        scaled by ``factor`` first, sent as ``wire_dtype`` where given (then cast back)."""
         table = buffer[: rows * cols].view(rows, cols)
         if union.numel() == 0:
             return CompletedHandle(buffer)
         packed = table.index_select(0, union)
+        if wire_dtype is not None:
+            packed = packed.to(getattr(torch, wire_dtype))
         if factor is not None:
             packed.mul_(factor)
         work = dist.all_reduce(packed, group=group, async_op=True)
 
         def unpack() -> torch.Tensor:
-            table.index_copy_(0, union, packed)
+            table.index_copy_(0, union, packed.to(table.dtype))
             return buffer
 
         return ThenHandle(work, unpack)
