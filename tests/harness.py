@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -36,6 +37,7 @@ def _entry(
 
         collective_ops.init("gloo", rank=rank, world_size=world_size, master_port=port, timeout=60)
         value = fn(rank, world_size, *args)
+        pickle.dumps(value)  # a value the queue cannot send fails here, reported, not as a timeout
         if clean_exit:
             collective_ops.barrier()
             collective_ops.shutdown()

@@ -84,7 +84,8 @@ def row_sparse_checks(rank: int, world: int) -> dict:
     import torch
 
     import collective_ops as co
-    from tests.models import TinyTransformer
+    from collective_ops.bucketing import allreduce_hook
+    from tests.models import TinyTransformer, UntiedLM
 
     out = {
         "sgd": _pair(rank, "sgd", _batches(rank)),
@@ -96,6 +97,8 @@ def row_sparse_checks(rank: int, world: int) -> dict:
         "fp16": _pair(rank, "sgd", _batches(rank), compression="fp16"),
         "held_schedule": _pair(rank, "sgd", _batches(rank), distributed_optimizer="auto"),
         "sharded": _pair(rank, "adamw", _batches(rank), distributed_optimizer="shard"),
+        # a custom comm_hook reduces whole buckets: no row-sparse reduction, no mask group
+        "custom_hook": co.wrap(UntiedLM(), comm_hook=lambda ctx: allreduce_hook(ctx)).manager.row_sparse is None,
         "dense": _pair(rank, "sgd", _batches(rank, dense=True)),
         "off": _pair(rank, "sgd", _batches(rank), row_sparse_embeddings=False),
     }
@@ -128,7 +131,7 @@ def test_training_is_bit_equal_to_ddp(results: list[dict], case: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["sgd", "adamw", "kept_grads", "disjoint", "fp16", "distributed_optimizer", "held_schedule"]
+    "case", ["sgd", "adamw", "kept_grads", "disjoint", "fp16", "distributed_optimizer", "held_schedule", "sharded"]
 )
 def test_only_the_looked_up_rows_are_reduced(results: list[dict], case: str) -> None:
     densities = [out[case]["density"]["embed.weight"] for out in results]
@@ -150,7 +153,6 @@ def test_a_dense_union_falls_back_and_stops_trying(results: list[dict]) -> None:
 
 def test_off_tied_and_bad_option(results: list[dict]) -> None:
     for out in results:
-        assert out["off"]["density"] is None
-        assert out["sharded"]["density"] is None, "reduce-scattered buckets are reduced whole"
+        assert out["off"]["density"] is None and out["custom_hook"] is True
         assert out["tied"] is True
         assert "row_sparse_embeddings must be True, False or 'auto'" in out["bad_option"]

@@ -29,11 +29,11 @@ from ..bucketing import (
     CommHook,
     ParamSpec,
     RowSparseReduction,
-    allreduce_hook,
     fused_collective,
     plan_buckets,
     validate_bucket_mb,
 )
+from ..bucketing.hooks import reduces_rows
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, plan_entry
 from ._options import resolve_options
@@ -120,8 +120,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._requires_grad = [p.requires_grad for p in module.parameters()]
 
         # the built-in reductions send rows (a custom comm_hook reduces the whole bucket)
-        builtin = hook is allreduce_hook or compression is not None
-        tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine) if builtin else {}
+        tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine) if reduces_rows(hook) else {}
         specs = [
             ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=tables.get(n, 0))
             for n, p in named

@@ -54,6 +54,11 @@ def allreduce_prescale(engine: BucketEngine, reduce_op: str, divisor: int | None
     return None
 
 
+def reduces_rows(hook: CommHook) -> bool:
+    """True for the built-in hooks that reduce a row-sparse table by its rows (``ctx.row_sparse``)."""
+    return hook is allreduce_hook or bool(getattr(hook, "reduces_rows", False))
+
+
 def allreduce_hook(ctx: BucketContext) -> Handle:
     """The default: allreduce in the buffer's own precision, averaged as the framework's own reducer does."""
     if ctx.reduce_op == "avg" and ctx.world_size > 1 and getattr(ctx.engine, "average_after_sum", False):
@@ -99,6 +104,7 @@ def compression_hook(dtype: str) -> CommHook:
         return ThenHandle(handle, lambda: ctx.engine.copy_(ctx.buffer, compressed))
 
     hook.__name__ = f"{dtype}_compression_hook"
+    hook.reduces_rows = True
     return hook
 
 
@@ -126,6 +132,10 @@ def reduce_scatter_hook(wire_dtype: str | None = None, keep: Callable[[int, Any]
         engine = ctx.engine
         factor = allreduce_prescale(engine, ctx.reduce_op, ctx.divisor)
         if wire_dtype is None or wire_dtype == ctx.bucket.dtype:
+            if ctx.row_sparse is not None:  # the union's rows allreduced: every shard of the table is then reduced
+                handle = _allreduce_rows(ctx, None if ctx.prescaled else factor)
+                if handle is not None:
+                    return handle
             if factor is not None and not ctx.prescaled:
                 engine.scale_(ctx.buffer, factor)
             return engine.reduce_scatter_shard(ctx.buffer, async_op=True, scratch=scratch_for(ctx, ctx.buffer))
@@ -138,6 +148,7 @@ def reduce_scatter_hook(wire_dtype: str | None = None, keep: Callable[[int, Any]
         return ThenHandle(handle, lambda: keep(ctx.bucket.index, engine.shard_of(wire)))
 
     hook.__name__ = f"reduce_scatter_hook_{wire_dtype or 'native'}"
+    hook.reduces_rows = wire_dtype is None  # a row-sparse table's rows in its own dtype (BucketManager.row_sparse)
     return hook
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale
+from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale, reduces_rows
 from .interfaces import BucketEngine, Handle, env_seconds, wait_with_timeout
 from .plan import BucketPlan, BucketSpec, complete_order, plan_buckets
 from .row_sparse import RowSparseReduction
@@ -163,8 +163,8 @@ class BucketManager:
         if self.in_progress or self._deferred:
             raise RuntimeError("cannot change the comm hook while a step's buckets are in flight")
         self.comm_hook = hook
-        if hook is not allreduce_hook:
-            self.row_sparse = None  # only the built-in hooks reduce by rows: the tables now go dense
+        if not reduces_rows(hook):
+            self.row_sparse = None  # a custom hook reduces the whole bucket: the tables now go dense
         self._prescale_on_copy = prescale_on_copy
         self.set_divisor(self.divisor)
 
