@@ -670,8 +670,8 @@ def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
             raise ValueError(
                 f"{module_name or 'the model'} is an {type(sub).__name__}(sparse=True): its gradient is sparse, and "
-                "collective_ops reduces dense gradients only. Build it with sparse=False (DDP also averages "
-                "embeddings densely), or freeze it (requires_grad=False)."
+                "collective_ops reduces dense gradients only. Build it with sparse=False (collective_ops then sends "
+                "only the rows the ranks looked up: row_sparse_embeddings), or freeze it (requires_grad=False)."
             )
     devices = sorted({str(p.device) for _, p in named})
     if len(devices) > 1:
