@@ -12,7 +12,9 @@ import datetime
 import importlib.util
 import logging
 import os
+import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,6 +272,35 @@ def _bind_device(torch: Any, backend: str, device_id: int | None) -> Any:
     return torch.device(device_type, index)
 
 
+# Bound methods (held weakly) that finish the collectives an object left in flight: a DistributedOptimizer's
+# step returns before its buckets land. Run before any process group is destroyed: a Gloo work still running
+# when the interpreter finalizes is freed on Gloo's worker thread, which then needs the GIL and aborts the
+# process ("terminate called without an active exception").
+_in_flight_finishers: list[weakref.WeakMethod] = []
+EXIT_FINISH_TIMEOUT_S = 10.0  # at exit without shutdown(), a peer may be gone: wait this long at most
+
+
+def finish_in_flight_before_leaving(method: Any) -> None:
+    """Have ``shutdown()`` (and the exit hook) call ``method`` first: it finishes work left in flight."""
+    _in_flight_finishers.append(weakref.WeakMethod(method))
+
+
+def _finish_in_flight(timeout: float | None) -> list[BaseException]:
+    from .bucketing.interfaces import call_with_deadline
+
+    finishers = [ref() for ref in _in_flight_finishers]
+    _in_flight_finishers.clear()
+    errors: list[BaseException] = []
+    for finish in finishers:
+        if finish is None:
+            continue
+        try:
+            call_with_deadline(finish, timeout, "finishing the collectives left in flight (is a peer rank gone?)")
+        except Exception as exc:
+            errors.append(exc)
+    return errors
+
+
 def _leave_at_exit() -> None:
     """A script that never called shutdown(): destroy the process group this library created, at exit.
 
@@ -281,6 +312,7 @@ def _leave_at_exit() -> None:
     engine = _engines.get("torch")
     if engine is None or not getattr(engine, "owns_group", False):
         return
+    _finish_in_flight(EXIT_FINISH_TIMEOUT_S)
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -388,11 +420,15 @@ def shutdown(timeout: float | None = None) -> None:
     from .bucketing.manager import stall_timeout_from_env
 
     timeout = stall_timeout_from_env() if timeout is None else timeout
+    started = time.monotonic()
+    # Half the time for work left in flight (a DistributedOptimizer's last step), the rest for the groups.
+    errors: list[BaseException] = _finish_in_flight(None if timeout is None else timeout / 2) if _engines else []
+    if timeout is not None:
+        timeout = max(timeout - (time.monotonic() - started), 0.1)
     engines = list(_engines.values())
     _engines.clear()
     _contexts.clear()
     _engine_by_type.clear()
-    errors: list[BaseException] = []
     if tracing.get_tracer() is not None and engines:
         try:  # collective: merges all ranks' events on rank 0 (each rank's own file is written at exit otherwise)
             call_with_deadline(

@@ -46,13 +46,17 @@ def _entry(
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180, env: dict | None = None) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; the per-rank return values."""
+def run_ranks(
+    world_size: int, fn: Callable, *args: Any, timeout: float = 180, env: dict | None = None, clean_exit: bool = True
+) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; the per-rank return values.
+
+    ``clean_exit=False`` for a ``fn`` that calls ``collective_ops.shutdown()`` itself."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}), daemon=True)
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}, clean_exit), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

@@ -139,6 +139,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         if tables:  # the masks' own group: made on every rank alike (the tables are in the checked plan)
             self.manager.row_sparse = RowSparseReduction(self.engine.new_group())
+            runtime.finish_in_flight_before_leaving(self._let_go_of_groups)
         self._views: list[torch.Tensor] = []
         self._make_views()
         self._finalize_queued = False
@@ -264,6 +265,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self.manager.deferred_pending:
             self._after_step()
             self._settle()
+
+    def _let_go_of_groups(self) -> None:
+        """co.shutdown(): the masks' group let go of, so that destroying it joins its worker threads now."""
+        self.manager.row_sparse = None
 
     def _after_step(self) -> None:
         """Once every bucket of a synchronised step is finished (local work only)."""

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
+from .. import runtime
 from ..bucketing.hooks import allreduce_hook
 from ..bucketing.row_sparse import wire_nbytes
 from ..bucketing.schedule import OrderPrediction, StepProfile, plan_order, step_profile
@@ -112,6 +113,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.schedule_report: list[OrderPrediction] | None = None
         self._scheduled_plan: Any = None  # the bucket plan the launch order was planned for
         self._held_group: Any = None
+        runtime.finish_in_flight_before_leaving(self._finish_before_leaving)
         groups = _as_groups(model.module.parameters() if params is None else params)
         owned = {id(p) for p in model.module.parameters()}
         for group in groups:
@@ -212,6 +214,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         manager = self.model.manager
         if manager.deferred_pending or self._pending is not None:
             self._finish(list(range(len(manager.plan.buckets))))
+
+    def _finish_before_leaving(self) -> None:
+        """co.shutdown(): the last step's reductions (and all-gathers) finished before the groups go, and the
+        groups of its own let go of, so that destroying them joins their worker threads while Python is alive."""
+        if self.in_flight:
+            self.synchronize()
+        self._held_group = None
+        if not self.model.manager.in_progress:
+            self.model.manager.set_launch_order(None)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` on the averaged gradients (call between backward and step).

@@ -191,6 +191,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         manager = self.model.manager
         return manager.steps_synced + (1 if manager.deferred_pending else 0)
 
+    def _finish_before_leaving(self) -> None:
+        super()._finish_before_leaving()
+        self._gather_group = None
+
     def synchronize(self) -> None:
         """Finish every reduction, apply every owed update, finish every all-gather (blocking)."""
         self._advance(block=True)
