@@ -92,14 +92,14 @@ def compression_hook(dtype: str) -> CommHook:
     def hook(ctx: BucketContext) -> Handle:
         if ctx.bucket.dtype == dtype:
             return allreduce_hook(ctx)
-        if ctx.row_sparse is not None:  # the rows cast, then scaled, as the whole bucket would be
-            factor = 1.0 / (ctx.divisor or ctx.world_size) if ctx.reduce_op == "avg" and ctx.world_size > 1 else None
+        factor = 1.0 / (ctx.divisor or ctx.world_size) if ctx.reduce_op == "avg" and ctx.world_size > 1 else None
+        if ctx.row_sparse is not None:  # the rows cast, then scaled, as the whole bucket is below
             handle = _allreduce_rows(ctx, factor, wire_dtype=dtype)
             if handle is not None:
                 return handle
         compressed = ctx.engine.cast(ctx.buffer, dtype)
-        if ctx.reduce_op == "avg" and ctx.world_size > 1:
-            ctx.engine.scale_(compressed, 1.0 / (ctx.divisor or ctx.world_size))
+        if factor is not None:
+            ctx.engine.scale_(compressed, factor)
         handle = ctx.engine.allreduce(compressed, "sum", async_op=True, group=ctx.group)
         return ThenHandle(handle, lambda: ctx.engine.copy_(ctx.buffer, compressed))
 

@@ -99,6 +99,26 @@ class BucketEngine(Protocol):
     def all_gather_shard(self, buffer: Any, async_op: bool = False, group: Any = None) -> Handle | None:
         """Every rank's shard of ``buffer`` into ``buffer`` on every rank (over ``group``: default, all)."""
 
+    # Optional, for row-sparse tables (row_sparse.py; an adapter enables them only where its engine has these):
+    def new_group(self) -> Any:
+        """A process group of all ranks of its own (a collective: every rank calls it)."""
+
+    def nonzero_rows_union(self, buffer: Any, rows: int, cols: int, group: Any = None) -> Any:
+        """The indices of the rows of ``buffer`` (a ``rows`` x ``cols`` table) non-zero on any rank (blocking)."""
+
+    def allreduce_rows(
+        self,
+        buffer: Any,
+        rows: int,
+        cols: int,
+        union: Any,
+        factor: float | None,
+        group: Any = None,
+        wire_dtype: str | None = None,
+    ) -> Handle | None:
+        """Sum only the rows ``union`` of the table in ``buffer`` into it (scaled by ``factor``, sent as
+        ``wire_dtype``); every other row is zero on every rank."""
+
 
 class CompletedHandle:
     """A handle for work that finished synchronously."""
