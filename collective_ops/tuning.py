@@ -400,14 +400,15 @@ def save_profile(
         step_fn()
         start = time.perf_counter()
         step_fn()
-        profile = profile_from_stats(manager.last_stats, start, time.perf_counter())
+        profile = profile_from_stats(manager.last_stats, start, time.perf_counter(), manager.wire_shares())
     if manager.engine.rank == 0:
         payload = {
-            "params": [[p.name, p.numel, p.dtype, p.device, p.itemsize] for p in manager.plan.params],
+            "params": [[p.name, p.numel, p.dtype, p.device, p.itemsize, p.rows] for p in manager.plan.params],
             "order": list(manager.plan.order),
             "ready_s": {str(k): v for k, v in profile.ready_s.items()},
             "backward_end_s": profile.backward_end_s,
             "step_compute_s": profile.step_compute_s,
+            "wire_share": {str(k): v for k, v in profile.wire_share.items()},
             "first_bucket_mb": manager.plan.first_bucket_mb,
             "contention": contention,
             "where": where,
@@ -447,6 +448,7 @@ def load_profile(path: str) -> SavedProfile:
             {int(k): float(v) for k, v in data["ready_s"].items()},
             float(data["backward_end_s"]),
             float(data["step_compute_s"]),
+            {int(k): float(v) for k, v in data.get("wire_share", {}).items()},  # absent in older profiles
         )
         fitted = data.get("cost")
         cost = None

@@ -60,6 +60,20 @@ def test_a_row_sparse_table_costs_the_share_of_its_bytes_it_sends() -> None:
     assert dense.comm_s == pytest.approx(2.0) and sparse.comm_s == pytest.approx(1.25)
 
 
+def test_a_saved_profile_keeps_the_row_sparse_tables_and_their_share(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from collective_ops.tuning import load_profile, save_profile
+
+    params = [ParamSpec("embed", MIB // 4, "float32", "cpu", 4, rows=1024), *specs(2)]
+    plan = plan_buckets(params, bucket_size_mb=100, first_bucket_mb=100)
+    manager = SimpleNamespace(plan=plan, engine=SimpleNamespace(rank=0, world_size=2))
+    profile = BackwardProfile({0: 1.0, 1: 0.5, 2: 0.2}, 1.0, 2.0, wire_share={0: 0.25})
+    save_profile(SimpleNamespace(manager=manager), lambda: None, str(tmp_path / "p.json"), profile=profile)
+    saved = load_profile(str(tmp_path / "p.json"))
+    assert saved.specs == params and saved.profile == profile  # collective-ops tune plans and charges the same
+
+
 def test_a_queued_collective_pays_only_the_queued_latency() -> None:
     # all three ready at once: the first pays alpha, the two launched behind it alpha_queued
     plan = plan_buckets(specs(3), bucket_size_mb=1, first_bucket_mb=1)
