@@ -282,6 +282,7 @@ EXIT_FINISH_TIMEOUT_S = 10.0  # at exit without shutdown(), a peer may be gone: 
 
 def finish_in_flight_before_leaving(method: Any) -> None:
     """Have ``shutdown()`` (and the exit hook) call ``method`` first: it finishes work left in flight."""
+    _in_flight_finishers[:] = [ref for ref in _in_flight_finishers if ref() is not None]  # objects since deleted
     _in_flight_finishers.append(weakref.WeakMethod(method))
 
 
