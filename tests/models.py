@@ -115,6 +115,13 @@ class UntiedLM(nn.Module):
         return torch.randint(low, high, (n, 5), generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
 
+class UnusedTableLM(UntiedLM):
+    """UntiedLM whose forward never looks its table up: a row-sparse table with no rows (find_unused_parameters)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(tokens.float().unsqueeze(-1).expand(-1, -1, 16))).mean(1))
+
+
 MODELS = {"mlp": MLP, "cnn": SmallCNN, "transformer": TinyTransformer, "untied-lm": UntiedLM}
 
 

@@ -41,25 +41,32 @@ def _train(model, optimizer, batches: list, set_to_none: bool = True) -> None:
 
 
 def _pair(
-    rank: int, optimizer: str, batches: list, distributed_optimizer: bool = False, set_to_none: bool = True, **options
+    rank: int,
+    optimizer: str,
+    batches: list,
+    distributed_optimizer: bool = False,
+    set_to_none: bool = True,
+    model: str = "UntiedLM",
+    **options,
 ) -> dict:
     """DDP + the optimizer against wrap (+ the optimizer, or DistributedOptimizer) from the same start."""
     import torch
 
     import collective_ops as co
-    from tests.models import UntiedLM
+    from tests import models
 
     cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer]
     settings = {"lr": 0.1, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-2, "weight_decay": 0.01}
     torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(UntiedLM())
+    unused = {"find_unused_parameters": options.get("find_unused_parameters", False)}
+    ddp = torch.nn.parallel.DistributedDataParallel(getattr(models, model)(), **unused)
     if options.get("compression") == "fp16":  # DDP's own fp16 hook is the reference
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
         ddp.register_comm_hook(None, fp16_compress_hook)
     _train(ddp, cls(ddp.parameters(), **settings), batches, set_to_none)
     torch.manual_seed(0)
-    ours = co.wrap(UntiedLM(), bucket_size_mb=0.01, first_bucket_mb=0.005, **options)
+    ours = co.wrap(getattr(models, model)(), bucket_size_mb=0.01, first_bucket_mb=0.005, **options)
     if distributed_optimizer:  # True, "auto" (its held launch schedule) or "shard" (reduce-scatters: dense)
         extra = {"schedule": "auto"} if distributed_optimizer == "auto" else {"shard": distributed_optimizer == "shard"}
         opt = co.DistributedOptimizer(ours, cls, **settings, **extra)
@@ -100,6 +107,8 @@ def row_sparse_checks(rank: int, world: int) -> dict:
         # a custom comm_hook reduces whole buckets: no row-sparse reduction, no mask group
         "custom_hook": co.wrap(UntiedLM(), comm_hook=lambda ctx: allreduce_hook(ctx)).manager.row_sparse is None,
         "dense": _pair(rank, "sgd", _batches(rank, dense=True)),
+        # a table no rank looked up: an empty union, nothing sent for it
+        "unused": _pair(rank, "sgd", _batches(rank), model="UnusedTableLM", find_unused_parameters=True),
         "off": _pair(rank, "sgd", _batches(rank), row_sparse_embeddings=False),
     }
     out["tied"] = co.wrap(TinyTransformer()).manager.row_sparse is None  # the output layer's gradient is dense
@@ -119,7 +128,7 @@ def results() -> list[dict]:
     "case",
     [
         *("sgd", "adamw", "kept_grads", "disjoint", "fp16", "distributed_optimizer", "held_schedule", "sharded"),
-        *("dense", "off"),
+        *("dense", "unused", "off"),
     ],
 )
 def test_training_is_bit_equal_to_ddp(results: list[dict], case: str) -> None:
@@ -143,6 +152,13 @@ def test_only_the_looked_up_rows_are_reduced(results: list[dict], case: str) -> 
         assert entry["wire_shares"] == {0: densities[0]}, "the tuner's simulator sees the share sent"
         table = 200 * 16 * 4
         assert entry["bytes_per_step"] == entry["dense_bytes"] - table + int(table * densities[0])
+
+
+def test_a_table_no_rank_looked_up_sends_nothing(results: list[dict]) -> None:
+    for out in results:
+        entry = out["unused"]
+        assert entry["density"] == {"embed.weight": 0.0}
+        assert entry["bytes_per_step"] == entry["dense_bytes"] - 200 * 16 * 4
 
 
 def test_a_dense_union_falls_back_and_stops_trying(results: list[dict]) -> None:
