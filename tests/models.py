@@ -122,6 +122,25 @@ class UnusedTableLM(UntiedLM):
         return self.out(torch.tanh(self.mix(tokens.float().unsqueeze(-1).expand(-1, -1, 16))).mean(1))
 
 
+class PaddedLM(UntiedLM):
+    """UntiedLM whose table has ``padding_idx=0``: row 0 is looked up, yet its gradient is always zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(self.vocab, 16, padding_idx=0)
+
+
+class PeekingLM(UntiedLM):
+    """UntiedLM that, for a batch starting with its last token, also reads its table's row 0 outside the module:
+    a gradient row no lookup recorded (the batches never look row 0 up)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        if int(tokens[0, 0]) == self.vocab - 1:
+            out = out + self.embed.weight[0, : out.shape[1]]
+        return out
+
+
 MODELS = {"mlp": MLP, "cnn": SmallCNN, "transformer": TinyTransformer, "untied-lm": UntiedLM}
 
 

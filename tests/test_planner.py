@@ -163,6 +163,38 @@ def test_row_sparse_reduction_gives_up_after_dense_unions_in_a_row() -> None:
         RowSparseReduction(mask_group=None, max_density=0)
 
 
+def test_row_exchanges_start_for_the_tables_whose_lookups_are_trusted() -> None:
+    from collective_ops.bucketing import RowSparseReduction
+
+    class Engine:
+        def rows_union(self, mask, group):
+            return ("union of", mask, group)
+
+    class LookedUp:
+        def __init__(self, name):
+            self.name, self.taken = name, 0
+
+        def take(self):
+            self.taken += 1
+            return f"{self.name} mask {self.taken}"
+
+    specs = [ParamSpec(n, 100 * 4, "float32", "cpu", 4, rows=100) for n in ("a", "b", "c")]
+    plan = plan_buckets(specs, bucket_size_mb=0.001, first_bucket_mb=0.001)
+    reduction = RowSparseReduction(mask_group="masks", give_up_after=1)
+    reduction.lookups = {n: LookedUp(n) for n in ("a", "b", "c")}
+    reduction.untrusted.add("b")
+    reduction.record("c", 1.0, sparse=False)  # given up
+    reduction.start_exchanges(Engine())
+    assert sorted(reduction.exchanges) == ["a"]
+    bucket = next(b.index for b in plan.buckets if b.param_indices == (0,))
+    table = reduction.for_bucket(plan, bucket)
+    assert table.exchange.union == ("union of", "a mask 1", "masks") and table.exchange.local == "a mask 1"
+    assert reduction.exchanges == {}, "an exchange is handed to one reduction only"
+    table.distrust_lookups()
+    reduction.start_exchanges(Engine())
+    assert reduction.exchanges == {} and reduction.untrusted == {"a", "b"}
+
+
 def test_core_imports_no_framework() -> None:
     code = (
         "import sys, collective_ops, collective_ops.bucketing; "

@@ -12,7 +12,7 @@ from tests.reference import snapshot
 STEPS = 6
 
 
-def _batches(rank: int, dense: bool = False, disjoint: bool = False) -> list:
+def _batches(rank: int, dense: bool = False, disjoint: bool = False, peek: bool = False, padded: bool = False) -> list:
     import torch
 
     from tests.models import UntiedLM
@@ -25,6 +25,14 @@ def _batches(rank: int, dense: bool = False, disjoint: bool = False) -> list:
             out.append((tokens, torch.randint(0, 10, (40,), generator=gen)))
         elif disjoint:  # rank 0 looks up rows 0-99 only, rank 1 rows 100-199 only
             out.append(UntiedLM.batch(gen, low=100 * rank, high=100 * rank + 100))
+        elif peek:  # PeekingLM: rank 1's batches start with the last token (row 0 read: rank 0's shard), rank 0's never
+            tokens, labels = UntiedLM.batch(gen, low=1, high=UntiedLM.vocab - 1)
+            tokens[0, 0] = UntiedLM.vocab - 1 if rank == 1 else tokens[0, 0]
+            out.append((tokens, labels))
+        elif padded:  # PaddedLM: every batch looks up the padding row 0
+            tokens, labels = UntiedLM.batch(gen)
+            tokens[0, 0] = 0
+            out.append((tokens, labels))
         else:
             out.append(UntiedLM.batch(gen))
     return out
@@ -80,6 +88,7 @@ def _pair(
         "ours": snapshot(ours.module),
         "density": None if sparse is None else dict(sparse.last_density),
         "given_up": None if sparse is None else sparse.given_up("embed.weight"),
+        "untrusted": None if sparse is None else sorted(sparse.untrusted),
         "embed_alone": any(b.param_indices == (0,) for b in ours.manager.plan.buckets),
         "bytes_per_step": ours.comm_stats()["bytes_per_step"],
         "dense_bytes": sum(p.numel() * 4 for p in ours.parameters()),
@@ -110,6 +119,14 @@ def row_sparse_checks(rank: int, world: int) -> dict:
         # a table no rank looked up: an empty union, nothing sent for it
         "unused": _pair(rank, "sgd", _batches(rank), model="UnusedTableLM", find_unused_parameters=True),
         "off": _pair(rank, "sgd", _batches(rank), row_sparse_embeddings=False),
+        # the union from the forwards' lookups: the padding row (zero gradient) is in it, and sent
+        "padded": _pair(rank, "sgd", _batches(rank, padded=True), model="PaddedLM"),
+        # rank 1's gradient has a row no forward looked up: every rank reduces that step densely
+        "peeking": _pair(rank, "adamw", _batches(rank, peek=True), model="PeekingLM"),
+        "peeking_fp16": _pair(rank, "sgd", _batches(rank, peek=True), model="PeekingLM", compression="fp16"),
+        "peeking_sharded": _pair(
+            rank, "sgd", _batches(rank, peek=True), distributed_optimizer="shard", model="PeekingLM"
+        ),
     }
     out["tied"] = co.wrap(TinyTransformer()).manager.row_sparse is None  # the output layer's gradient is dense
     try:
@@ -128,7 +145,7 @@ def results() -> list[dict]:
     "case",
     [
         *("sgd", "adamw", "kept_grads", "disjoint", "fp16", "distributed_optimizer", "held_schedule", "sharded"),
-        *("dense", "unused", "off"),
+        *("dense", "unused", "off", "padded", "peeking", "peeking_fp16", "peeking_sharded"),
     ],
 )
 def test_training_is_bit_equal_to_ddp(results: list[dict], case: str) -> None:
@@ -172,3 +189,35 @@ def test_off_tied_and_bad_option(results: list[dict]) -> None:
         assert out["off"]["density"] is None and out["custom_hook"] is True
         assert out["tied"] is True
         assert "row_sparse_embeddings must be True, False or 'auto'" in out["bad_option"]
+
+
+def test_the_union_is_the_rows_the_forwards_looked_up(results: list[dict]) -> None:
+    """Found from the lookups (started with backward), not the gradient: the padding row, zero, is in it."""
+    import torch
+
+    last = [_batches(rank, padded=True)[-1][0] for rank in range(2)]
+    looked_up = torch.cat([tokens.reshape(-1) for tokens in last]).unique().numel()
+    for out in results:
+        assert out["padded"]["density"] == {"embed.weight": looked_up / 200}
+        for case in ("sgd", "adamw", "fp16", "distributed_optimizer", "sharded", "padded"):
+            assert out[case]["untrusted"] == [], case
+
+
+@pytest.mark.parametrize("case", ["peeking", "peeking_fp16", "peeking_sharded"])
+def test_a_gradient_row_no_forward_looked_up_is_caught_on_every_rank(results: list[dict], case: str) -> None:
+    """Rank 1 reads a row outside the module: both ranks reduce that step densely (bit-equal: above), then find
+    the rows from the gradient."""
+    for out in results:
+        assert out[case]["untrusted"] == ["embed.weight"]
+        assert 0 < out[case]["density"]["embed.weight"] <= 0.5
+
+
+def test_a_row_counts_as_sent_when_any_element_is_non_zero_or_nan() -> None:
+    import torch
+
+    from collective_ops.comm.torch_engine import _nonzero_rows
+
+    table = torch.zeros(6, 3)
+    table[1, 2], table[2, 0], table[3, 1], table[4, 0], table[5, 2] = -1e-30, float("nan"), -float("inf"), -0.0, 5
+    rows = _nonzero_rows(table.view(-1), 6, 3)
+    assert rows.dtype == torch.bool and rows.tolist() == [False, True, True, True, False, True]

@@ -122,7 +122,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # the built-in reductions send rows (a custom comm_hook reduces the whole bucket)
         tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine) if reduces_rows(hook) else {}
         specs = [
-            ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=tables.get(n, 0))
+            ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=_rows(tables.get(n)))
             for n, p in named
         ]
         plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
@@ -152,6 +152,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(_weak_hook(this, i)) for i, p in enumerate(self._params)
         ]
+        if tables:  # each forward's looked-up rows recorded, so the masks need not wait for the gradient
+            self._hook_handles += _record_lookups(tables, self.manager.row_sparse)
         weakref.finalize(self, _remove_all, self._hook_handles)
         _LIVE_WRAPPERS[module] = this
         if os.environ.get("COLLECTIVE_OPS_LOG_PLAN") or logger.isEnabledFor(logging.DEBUG):
@@ -643,8 +645,8 @@ def view_like(p: torch.Tensor, buffer: torch.Tensor, offset: int) -> torch.Tenso
 
 def _row_sparse_tables(
     module: nn.Module, named: list[tuple[str, torch.Tensor]], option: bool | str, engine: TorchEngine
-) -> dict[str, int]:
-    """name -> row count of the embedding tables whose gradients are reduced by rows (bucketing/row_sparse.py).
+) -> dict[str, nn.Module]:
+    """name -> embedding module, for the tables whose gradients are reduced by rows (bucketing/row_sparse.py).
 
     ``"auto"``: the weights of ``nn.Embedding``/``nn.EmbeddingBag`` modules (``sparse=False``) on the CPU that no
     other module shares (a tied weight also gets the output layer's dense gradient); ``True``: on any
@@ -662,8 +664,40 @@ def _row_sparse_tables(
             weight = sub.weight
             shared = owners[id(weight)] > 1
             if id(weight) in names and not shared and (option is True or weight.device.type == "cpu"):
-                tables[names[id(weight)]] = weight.shape[0]
+                tables[names[id(weight)]] = sub
     return tables
+
+
+def _rows(table: nn.Module | None) -> int:
+    return 0 if table is None else table.weight.shape[0]
+
+
+class _LookedUpRows:
+    """The rows of one embedding table its forwards looked up since the last exchange (row_sparse.LookedUpRows).
+
+    Recorded after the module ran (its indices are checked by then), only where a gradient can follow.
+    """
+
+    def __init__(self, table: nn.Module) -> None:
+        self._mask = torch.zeros(table.weight.shape[0], dtype=torch.bool, device=table.weight.device)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        indices = kwargs.get("input", args[0] if args else None)
+        if isinstance(indices, torch.Tensor) and torch.is_grad_enabled() and module.weight.requires_grad:
+            self._mask.index_fill_(0, indices.reshape(-1), True)
+
+    def take(self) -> torch.Tensor:
+        taken, self._mask = self._mask, torch.zeros_like(self._mask)
+        return taken
+
+
+def _record_lookups(tables: dict[str, nn.Module], reduction: RowSparseReduction) -> list:
+    """A forward hook on each table's module feeding ``reduction.lookups``; the hooks' handles."""
+    handles = []
+    for name, table in tables.items():
+        looked_up = reduction.lookups[name] = _LookedUpRows(table)
+        handles.append(table.register_forward_hook(looked_up, with_kwargs=True))
+    return handles
 
 
 def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:

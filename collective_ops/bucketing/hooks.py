@@ -77,12 +77,37 @@ def allreduce_hook(ctx: BucketContext) -> Handle:
 def _allreduce_rows(ctx: BucketContext, factor: float | None, wire_dtype: str | None = None) -> Handle | None:
     """The union of the ranks' non-zero rows allreduced (sent as ``wire_dtype``, scaled by ``factor``), or
     None where the union is too dense to pay: the caller then reduces the whole bucket."""
-    table = ctx.row_sparse
-    union = ctx.engine.nonzero_rows_union(ctx.buffer, table.rows, table.cols, group=table.mask_group)
+    table, engine = ctx.row_sparse, ctx.engine
+    if table.exchange is None:
+        union = engine.nonzero_rows_union(ctx.buffer, table.rows, table.cols, group=table.mask_group)
+        outside = None
+    else:  # the looked-up rows, all-gathered while backward ran; this rank's gradient checked against its own
+        union = table.exchange.union.wait()
+        outside = engine.rows_outside(ctx.buffer, table.rows, table.cols, table.exchange.local)
     if not table.record(len(union)):
         return None
-    return ctx.engine.allreduce_rows(
-        ctx.buffer, table.rows, table.cols, union, factor, group=ctx.group, wire_dtype=wire_dtype
+
+    def densely() -> Any:
+        """Some rank's gradient had rows outside the union (every rank saw it in the sum): the whole bucket."""
+        table.distrust_lookups()
+        wire = ctx.buffer if wire_dtype is None else engine.cast(ctx.buffer, wire_dtype)
+        if factor is not None:
+            engine.scale_(wire, factor)
+        engine.allreduce(wire, "sum", group=table.mask_group)  # the group every rank's next collective is on
+        if wire is not ctx.buffer:
+            engine.copy_(ctx.buffer, wire)
+        return ctx.buffer
+
+    return engine.allreduce_rows(
+        ctx.buffer,
+        table.rows,
+        table.cols,
+        union,
+        factor,
+        group=ctx.group,
+        wire_dtype=wire_dtype,
+        outside=outside,
+        if_outside=densely,
     )
 
 

@@ -106,6 +106,12 @@ class BucketEngine(Protocol):
     def nonzero_rows_union(self, buffer: Any, rows: int, cols: int, group: Any = None) -> Any:
         """The indices of the rows of ``buffer`` (a ``rows`` x ``cols`` table) non-zero on any rank (blocking)."""
 
+    def rows_union(self, mask: Any, group: Any = None) -> Handle:
+        """Every rank's boolean ``mask`` of rows all-gathered (async); waiting gives the union's row indices."""
+
+    def rows_outside(self, buffer: Any, rows: int, cols: int, mask: Any) -> bool:
+        """True if the table in ``buffer`` has a non-zero row that ``mask`` leaves out."""
+
     def allreduce_rows(
         self,
         buffer: Any,
@@ -115,9 +121,13 @@ class BucketEngine(Protocol):
         factor: float | None,
         group: Any = None,
         wire_dtype: str | None = None,
+        outside: bool | None = None,
+        if_outside: Callable[[], Any] | None = None,
     ) -> Handle | None:
         """Sum only the rows ``union`` of the table in ``buffer`` into it (scaled by ``factor``, sent as
-        ``wire_dtype``); every other row is zero on every rank."""
+        ``wire_dtype``); every other row is zero on every rank. With ``outside`` (this rank's gradient has
+        rows outside the union) one more element carries it in the sum: where any rank's was True, waiting
+        calls ``if_outside()`` instead of writing the rows back."""
 
 
 class CompletedHandle:

@@ -208,6 +208,7 @@ class BucketManager:
         self._deferred = False
         self._used_map: tuple[Any, Handle] | None = None
         self._next_launch = 0
+        self._rows_exchanged = False
         self._stats = StepStats(step=self.steps_synced, buckets=[BucketTiming() for _ in buckets])
 
     @property
@@ -298,6 +299,7 @@ class BucketManager:
                 self._copy_targets[index] = grad
         if not self._marked:
             self._stats.backward_start = now
+            self._start_row_exchanges()
         self._marked.add(index)
         if not used:
             self._not_used.add(index)
@@ -392,7 +394,15 @@ class BucketManager:
         self._launch_position = None if order is None else {bucket: i for i, bucket in enumerate(order)}
         self._serial_from, self._serial_group = serial_from, serial_group
 
+    def _start_row_exchanges(self) -> None:
+        """Once per synchronised step, on every rank (its first gradient, or its first launch where a rank that
+        computed none takes part): the row-sparse tables' looked-up rows start on their way."""
+        if self.row_sparse is not None and not self._rows_exchanged:
+            self.row_sparse.start_exchanges(self.engine)
+        self._rows_exchanged = True
+
     def _launch(self, bucket_index: int) -> None:
+        self._start_row_exchanges()
         bucket = self.plan.buckets[bucket_index]
         if self._assembles and any(i in self._staged for i in bucket.param_indices):
             members = []
