@@ -158,3 +158,20 @@ def test_cli_version_and_help_texts() -> None:
         [sys.executable, "-m", "collective_ops.cli", "bench", "--help"], capture_output=True, text=True
     ).stdout
     assert "powers of 1024" in helptext and "(default: 60)" in helptext and "(default: 64M)" in helptext
+
+
+def test_race_step_times_are_the_slowest_ranks_progress() -> None:
+    """Two ranks that take one wait each in different steps: each step counts it once, not both."""
+    from benchmarks.ddp_compare import slowest_rank_steps
+
+    class TwoRanks:  # elementwise max over rank 0 (these) and rank 1 (its waits one step later)
+        def reduce_floats(self, values, op):
+            assert op == "max"
+            peer = [0.25, 0.35, 0.25, 0.25, 0.35, 0.25]  # cumulative per block of 3: 0.25 0.6 0.85
+            peer_elapsed = [sum(peer[b : b + j + 1]) for b in (0, 3) for j in range(3)]
+            return [max(a, b) for a, b in zip(values, peer_elapsed)]
+
+    ours = [0.35, 0.25, 0.25, 0.35, 0.25, 0.25]
+    steps = slowest_rank_steps(ours, 3, TwoRanks())
+    assert sum(steps[:3]) == pytest.approx(0.85) and sum(steps[3:]) == pytest.approx(0.85)
+    assert sorted(round(s, 6) for s in steps) == [0.25, 0.25, 0.25, 0.25, 0.35, 0.35]
