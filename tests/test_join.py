@@ -52,7 +52,7 @@ def join_checks(rank: int, world: int) -> dict:
     from torch.distributed.algorithms import Join
 
     import collective_ops as co
-    from tests.models import SmallCNN, build
+    from tests.models import SmallCNN, UntiedLM, build
 
     out = {
         "ddp": _uneven(rank, torch.nn.parallel.DistributedDataParallel(build("mlp"))),
@@ -67,6 +67,12 @@ def join_checks(rank: int, world: int) -> dict:
         "ours_distributed": _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), distributed=True),
         "ours_distributed_join_class": _uneven(
             rank, co.wrap(build("mlp"), bucket_size_mb=0.01), True, distributed=True
+        ),
+        # a row-sparse table: a joined rank's shadow steps take part in the lookups' exchange with no lookups
+        "ddp_lm": _uneven(rank, torch.nn.parallel.DistributedDataParallel(build("untied-lm")), model_cls=UntiedLM),
+        "ours_lm": _uneven(rank, co.wrap(build("untied-lm"), bucket_size_mb=0.001), model_cls=UntiedLM),
+        "ours_lm_distributed": _uneven(
+            rank, co.wrap(build("untied-lm"), bucket_size_mb=0.001), model_cls=UntiedLM, distributed=True
         ),
     }
 
@@ -102,6 +108,8 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
             ("ours_distributed", "ddp"),
             ("ours_distributed_join_class", "ddp"),
             ("ours_distributed_held", "ddp"),
+            ("ours_lm", "ddp_lm"),
+            ("ours_lm_distributed", "ddp_lm"),
         ):
             if world == 2:
                 assert_identical(out[ours], out[ddp], f"{ours} vs DDP join, rank {rank}")
