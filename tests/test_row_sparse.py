@@ -121,6 +121,8 @@ def row_sparse_checks(rank: int, world: int) -> dict:
         "off": _pair(rank, "sgd", _batches(rank), row_sparse_embeddings=False),
         # the union from the forwards' lookups: the padding row (zero gradient) is in it, and sent
         "padded": _pair(rank, "sgd", _batches(rank, padded=True), model="PaddedLM"),
+        # int32 token ids, which nn.Embedding takes as well as int64
+        "int32_ids": _pair(rank, "sgd", [(x.int(), y) for x, y in _batches(rank)]),
         # rank 1's gradient has a row no forward looked up: every rank reduces that step densely
         "peeking": _pair(rank, "adamw", _batches(rank, peek=True), model="PeekingLM"),
         "peeking_fp16": _pair(rank, "sgd", _batches(rank, peek=True), model="PeekingLM", compression="fp16"),
@@ -145,7 +147,7 @@ def results() -> list[dict]:
     "case",
     [
         *("sgd", "adamw", "kept_grads", "disjoint", "fp16", "distributed_optimizer", "held_schedule", "sharded"),
-        *("dense", "unused", "off", "padded", "peeking", "peeking_fp16", "peeking_sharded"),
+        *("dense", "unused", "off", "padded", "int32_ids", "peeking", "peeking_fp16", "peeking_sharded"),
     ],
 )
 def test_training_is_bit_equal_to_ddp(results: list[dict], case: str) -> None:
@@ -199,7 +201,7 @@ def test_the_union_is_the_rows_the_forwards_looked_up(results: list[dict]) -> No
     looked_up = torch.cat([tokens.reshape(-1) for tokens in last]).unique().numel()
     for out in results:
         assert out["padded"]["density"] == {"embed.weight": looked_up / 200}
-        for case in ("sgd", "adamw", "fp16", "distributed_optimizer", "sharded", "padded"):
+        for case in ("sgd", "adamw", "fp16", "distributed_optimizer", "sharded", "padded", "int32_ids"):
             assert out[case]["untrusted"] == [], case
 
 

@@ -684,7 +684,7 @@ class _LookedUpRows:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         indices = kwargs.get("input", args[0] if args else None)
         if isinstance(indices, torch.Tensor) and torch.is_grad_enabled() and module.weight.requires_grad:
-            self._mask.index_fill_(0, indices.reshape(-1), True)
+            self._mask.index_fill_(0, indices.reshape(-1).long(), True)  # int32 indices too, as the module takes
 
     def take(self) -> torch.Tensor:
         taken, self._mask = self._mask, torch.zeros_like(self._mask)
