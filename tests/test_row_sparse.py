@@ -3,6 +3,8 @@ and training stays bit-equal to torch DDP at 2 ranks. One 2-rank group runs ever
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -38,13 +40,16 @@ def _batches(rank: int, dense: bool = False, disjoint: bool = False, peek: bool 
     return out
 
 
-def _train(model, optimizer, batches: list, set_to_none: bool = True) -> None:
+def _train(model, optimizer, batches: list, set_to_none: bool = True, accumulate: int = 1) -> None:
+    """``accumulate`` micro-batches per step, all but the last under ``no_sync()`` (as with DDP)."""
     import torch
 
-    for x, y in batches:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+    for start in range(0, len(batches), accumulate):
         optimizer.zero_grad(set_to_none=set_to_none)
-        loss.backward()
+        for i, (x, y) in enumerate(batches[start : start + accumulate]):
+            last = start + i == min(start + accumulate, len(batches)) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
 
 
@@ -55,6 +60,7 @@ def _pair(
     distributed_optimizer: bool = False,
     set_to_none: bool = True,
     model: str = "UntiedLM",
+    accumulate: int = 1,
     **options,
 ) -> dict:
     """DDP + the optimizer against wrap (+ the optimizer, or DistributedOptimizer) from the same start."""
@@ -72,7 +78,7 @@ def _pair(
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
         ddp.register_comm_hook(None, fp16_compress_hook)
-    _train(ddp, cls(ddp.parameters(), **settings), batches, set_to_none)
+    _train(ddp, cls(ddp.parameters(), **settings), batches, set_to_none, accumulate)
     torch.manual_seed(0)
     ours = co.wrap(getattr(models, model)(), bucket_size_mb=0.01, first_bucket_mb=0.005, **options)
     if distributed_optimizer:  # True, "auto" (its held launch schedule) or "shard" (reduce-scatters: dense)
@@ -80,7 +86,7 @@ def _pair(
         opt = co.DistributedOptimizer(ours, cls, **settings, **extra)
     else:
         opt = cls(ours.parameters(), **settings)
-    _train(ours, opt, batches, set_to_none)
+    _train(ours, opt, batches, set_to_none, accumulate)
     getattr(opt, "synchronize", lambda: None)()
     sparse = ours.manager.row_sparse
     return {
@@ -121,6 +127,8 @@ def row_sparse_checks(rank: int, world: int) -> dict:
         "off": _pair(rank, "sgd", _batches(rank), row_sparse_embeddings=False),
         # the union from the forwards' lookups: the padding row (zero gradient) is in it, and sent
         "padded": _pair(rank, "sgd", _batches(rank, padded=True), model="PaddedLM"),
+        # two micro-batches per step, the first under no_sync(): both forwards' rows are in the union
+        "accumulated": _pair(rank, "adamw", _batches(rank), accumulate=2),
         # int32 token ids, which nn.Embedding takes as well as int64
         "int32_ids": _pair(rank, "sgd", [(x.int(), y) for x, y in _batches(rank)]),
         # rank 1's gradient has a row no forward looked up: every rank reduces that step densely
@@ -147,7 +155,8 @@ def results() -> list[dict]:
     "case",
     [
         *("sgd", "adamw", "kept_grads", "disjoint", "fp16", "distributed_optimizer", "held_schedule", "sharded"),
-        *("dense", "unused", "off", "padded", "int32_ids", "peeking", "peeking_fp16", "peeking_sharded"),
+        *("dense", "unused", "off", "padded", "int32_ids", "accumulated"),
+        *("peeking", "peeking_fp16", "peeking_sharded"),
     ],
 )
 def test_training_is_bit_equal_to_ddp(results: list[dict], case: str) -> None:
@@ -201,7 +210,7 @@ def test_the_union_is_the_rows_the_forwards_looked_up(results: list[dict]) -> No
     looked_up = torch.cat([tokens.reshape(-1) for tokens in last]).unique().numel()
     for out in results:
         assert out["padded"]["density"] == {"embed.weight": looked_up / 200}
-        for case in ("sgd", "adamw", "fp16", "distributed_optimizer", "sharded", "padded", "int32_ids"):
+        for case in ("sgd", "adamw", "fp16", "distributed_optimizer", "sharded", "padded", "int32_ids", "accumulated"):
             assert out[case]["untrusted"] == [], case
 
 
