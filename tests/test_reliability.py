@@ -51,6 +51,38 @@ def skipped_backward(rank: int, world: int) -> dict:
     return _train(rank, {0: 3, 1: 2})
 
 
+def _skip_at_a_row_sparse_table(rank: int, zero_grad: bool) -> dict:
+    """Rank 1 stops a step early. Gradients zeroed: the table's rows come from the lookups; kept: the gradient
+    has rows outside them, the lookups are distrusted and the rows come from the gradient (a blocking round)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import UntiedLM, rank_batch
+
+    torch.manual_seed(0)
+    model = co.wrap(UntiedLM(), bucket_size_mb=0.001)
+    start = time.monotonic()
+    try:
+        for step in range({0: 3, 1: 2}[rank]):
+            x, y = rank_batch(UntiedLM, step, rank)
+            if zero_grad:
+                model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+    except Exception as exc:
+        error = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+        return {**error, "untrusted": sorted(model.manager.row_sparse.untrusted)}
+    time.sleep(8)  # alive, not in a reduction, while its peer waits
+    return {"error": None}
+
+
+def skipped_at_looked_up_rows(rank: int, world: int) -> dict:
+    return _skip_at_a_row_sparse_table(rank, zero_grad=True)
+
+
+def skipped_at_gradient_rows(rank: int, world: int) -> dict:
+    return _skip_at_a_row_sparse_table(rank, zero_grad=False)
+
+
 def different_branch(rank: int, world: int) -> dict:
     return _train(rank, {0: 2, 1: 2}, use_branch_by_rank={0: True, 1: False})
 
@@ -80,6 +112,20 @@ def test_a_rank_that_skips_a_backward_is_named() -> None:
     assert out["progress_keys_left"] == [], "a later stall would read this one's reports"
     assert out["error"].startswith("StallError") and "Ranks not taking part: [1]" in out["error"], out["error"]
     assert "rank 1: did not report" in out["error"]
+    assert out["seconds"] < 3 + 2 + 5, "the stall must be reported soon after the configured timeout"
+
+
+@pytest.mark.parametrize("rows_from", ["lookups", "gradient"])
+def test_a_rank_that_skips_a_backward_is_named_at_a_row_sparse_table(rows_from: str) -> None:
+    """The table waits for every rank's rows (the lookups exchanged from the step's first gradient, or the
+    gradient's own round): a stall there is reported as one, not a hang in backward."""
+    body = skipped_at_looked_up_rows if rows_from == "lookups" else skipped_at_gradient_rows
+    results = run_faulty_ranks(2, body, env=STALL_ENV, timeout=60)
+    status, out = results[0]
+    assert status == "ok" and out["error"], results
+    assert out["untrusted"] == ([] if rows_from == "lookups" else ["embed.weight"]), out
+    assert out["error"].startswith("StallError") and "Ranks not taking part: [1]" in out["error"], out["error"]
+    assert "'embed.weight'" in out["error"], out["error"]
     assert out["seconds"] < 3 + 2 + 5, "the stall must be reported soon after the configured timeout"
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .interfaces import BucketEngine, Handle, ThenHandle
+from .interfaces import BucketEngine, Handle, ThenHandle, wait_with_timeout
 from .plan import BucketSpec
 from .row_sparse import RowSparseBucket
 
@@ -34,6 +34,9 @@ class BucketContext:
     group: Any = None
     # A bucket that is one row-sparse table (bucketing/row_sparse.py): the default hook reduces its rows.
     row_sparse: RowSparseBucket | None = None
+    # How long a hook may block for its peers (a row-sparse table's rows) before raising TimeoutError,
+    # which the manager reports as a stall naming the ranks not taking part (None: no limit).
+    stall_timeout_s: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -79,10 +82,11 @@ def _allreduce_rows(ctx: BucketContext, factor: float | None, wire_dtype: str | 
     None where the union is too dense to pay: the caller then reduces the whole bucket."""
     table, engine = ctx.row_sparse, ctx.engine
     if table.exchange is None:
-        union = engine.nonzero_rows_union(ctx.buffer, table.rows, table.cols, group=table.mask_group)
+        exchange = engine.rows_union(engine.nonzero_rows(ctx.buffer, table.rows, table.cols), group=table.mask_group)
+        union = wait_with_timeout(exchange, ctx.stall_timeout_s)
         outside = None
     else:  # the looked-up rows, all-gathered while backward ran; this rank's gradient checked against its own
-        union = table.exchange.union.wait()
+        union = wait_with_timeout(table.exchange.union, ctx.stall_timeout_s)
         outside = engine.rows_outside(ctx.buffer, table.rows, table.cols, table.exchange.local)
     if not table.record(len(union)):
         return None

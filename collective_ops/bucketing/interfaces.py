@@ -103,8 +103,8 @@ class BucketEngine(Protocol):
     def new_group(self) -> Any:
         """A process group of all ranks of its own (a collective: every rank calls it)."""
 
-    def nonzero_rows_union(self, buffer: Any, rows: int, cols: int, group: Any = None) -> Any:
-        """The indices of the rows of ``buffer`` (a ``rows`` x ``cols`` table) non-zero on any rank (blocking)."""
+    def nonzero_rows(self, buffer: Any, rows: int, cols: int) -> Any:
+        """The mask of the rows of ``buffer`` (a ``rows`` x ``cols`` table) that hold a non-zero (or a NaN)."""
 
     def rows_union(self, mask: Any, group: Any = None) -> Handle:
         """Every rank's boolean ``mask`` of rows all-gathered (async); waiting gives the union's row indices."""

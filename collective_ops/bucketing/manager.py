@@ -423,9 +423,15 @@ class BucketManager:
             self.divisor,
             group=self._serial_group if serial else None,
             row_sparse=None if self.row_sparse is None else self.row_sparse.for_bucket(self.plan, bucket_index),
+            stall_timeout_s=self.stall_timeout_s,
         )
         self._stats.buckets[bucket_index].launched = time.perf_counter()
-        self._handles[bucket_index] = self.comm_hook(ctx)
+        try:
+            self._handles[bucket_index] = self.comm_hook(ctx)
+        except TimeoutError as exc:  # a hook that waits for its peers (a row-sparse table's rows) gave up
+            error = self._diagnose(bucket_index, exc)
+            self._abandon_iteration(bucket_index, settle=False)
+            raise error from exc
         self._stats.collectives += 1
         share = 1.0 if ctx.row_sparse is None else ctx.row_sparse.sent_share()
         self._stats.bytes_communicated += int(bucket.nbytes * share)

@@ -279,9 +279,9 @@ class TorchEngine(Engine):
         """A process group of all ranks of its own, on this engine's backend (a collective: every rank calls it)."""
         return dist.new_group(backend=dist.get_backend())
 
-    def nonzero_rows_union(self, buffer: torch.Tensor, rows: int, cols: int, group: Any = None) -> torch.Tensor:
-        """The indices of the rows of ``buffer`` (a ``rows`` x ``cols`` table) non-zero on any rank (blocking)."""
-        return self.rows_union(_nonzero_rows(buffer, rows, cols), group=group).wait()
+    def nonzero_rows(self, buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """The mask of the rows of ``buffer`` (a ``rows`` x ``cols`` table) that hold a non-zero (or a NaN)."""
+        return _nonzero_rows(buffer, rows, cols)
 
     def rows_union(self, mask: torch.Tensor, group: Any = None) -> ThenHandle:
         """Every rank's boolean ``mask`` of rows all-gathered (async); waiting gives the union's row indices."""
