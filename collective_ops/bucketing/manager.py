@@ -429,9 +429,7 @@ class BucketManager:
         try:
             self._handles[bucket_index] = self.comm_hook(ctx)
         except TimeoutError as exc:  # a hook that waits for its peers (a row-sparse table's rows) gave up
-            error = self._diagnose(bucket_index, exc)
-            self._abandon_iteration(bucket_index, settle=False)
-            raise error from exc
+            raise self._give_up(bucket_index, exc) from exc
         self._stats.collectives += 1
         share = 1.0 if ctx.row_sparse is None else ctx.row_sparse.sent_share()
         self._stats.bytes_communicated += int(bucket.nbytes * share)
@@ -544,10 +542,7 @@ class BucketManager:
             try:
                 wait_with_timeout(handle, self.stall_timeout_s)
             except Exception as exc:
-                error = self._diagnose(bucket_index, exc)
-                # after a stall the later buckets (queued behind it) cannot finish either: not waited for
-                self._abandon_iteration(bucket_index, settle=not isinstance(exc, TimeoutError))
-                raise error from exc
+                raise self._give_up(bucket_index, exc) from exc
         stats = self._stats
         stats.buckets[bucket_index].completed = time.perf_counter()
         if self.observer is not None:
@@ -669,6 +664,13 @@ class BucketManager:
             "gradients_ready": len(self._marked),
             "gradients": len(self._param_names),
         }
+
+    def _give_up(self, bucket_index: int, exc: BaseException) -> RuntimeError:
+        """The error for bucket ``bucket_index``, which did not complete, once the iteration is abandoned."""
+        error = self._diagnose(bucket_index, exc)
+        # after a stall the later buckets (queued behind it) cannot finish either: not waited for
+        self._abandon_iteration(bucket_index, settle=not isinstance(exc, TimeoutError))
+        return error
 
     def _diagnose(self, bucket_index: int, exc: BaseException) -> RuntimeError:
         """A clear error for a bucket that did not complete, naming the ranks not taking part."""
