@@ -10,8 +10,8 @@ Checks:
   CNN, transformer; gradient views keep channels_last), primitives on CUDA tensors vs numpy;
 - ``nccl1``: world size 1 on NCCL: the same equality, primitives, ``bench.run_sweep``,
   ``co.tune`` and ``wrap(bucket_size_mb="auto")`` (every bookkeeping collective on the GPU);
-- in both: ``DistributedOptimizer`` (plan order; ``schedule="auto"``, which plans a launch
-  order after step 3) and ``shard=True`` (reduce-scatter and all-gather: NCCL's own in place)
+- in both: ``DistributedOptimizer`` (its default ``schedule="auto"``, which plans a launch
+  order after step 3; ``schedule="plan"``) and ``shard=True`` (reduce-scatter and all-gather: NCCL's own in place)
   against DDP + the same SGD after 6 steps;
 - ``collective-ops bench --backend nccl`` (CLI, #wrong must be 0);
 - ``benchmarks/ddp_compare.py --backend nccl --world 1`` (step time and peak memory vs DDP).
@@ -105,8 +105,8 @@ def optimizer_checks(rank: int, device: str) -> dict:
     reference = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
     out = {}
     cases = (
-        ("DistributedOptimizer", {}),
-        ("DistributedOptimizer(schedule='auto')", {"schedule": "auto"}),  # NCCL: its order set, no serial group
+        ("DistributedOptimizer", {}),  # schedule="auto": a launch order planned after step 3
+        ("DistributedOptimizer(schedule='plan')", {"schedule": "plan"}),
         ("DistributedOptimizer(shard=True)", {"shard": True}),
     )
     for label, options in cases:

@@ -6,9 +6,9 @@
 In the same processes, alternating in blocks of steps (the order reversed every round):
 torch DDP with each ``bucket_cap_mb`` of the hand sweep {1, 2, 5, 10, 25, 50} and a plain
 optimizer; ``wrap(bucket_size_mb="auto")`` with a plain optimizer; and
-``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults (``--schedule plan
-auto`` adds ``schedule="auto"``, and prints the simulator's step for both orders beside the
-measured ones; ``--shard`` adds ``shard=True``). Same optimizer
+``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults (its planned
+launch order, ``schedule="auto"``; ``--schedule auto plan`` adds plan order; the simulator's
+step for both orders is printed beside the measured ones; ``--shard`` adds ``shard=True``). Same optimizer
 class everywhere (SGD, or AdamW with ``--optimizer adamw``). With ``--compression fp16``
 the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Each
 DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
@@ -74,8 +74,8 @@ def _setups(args, name: str, batches: list) -> dict:
 
 
 def _label(schedule: str) -> str:
-    """The setup's name: the DistributedOptimizer's defaults (schedule="plan") unnamed, the planned order named."""
-    return "wrap auto + DistributedOptimizer" + ("" if schedule == "plan" else " (schedule auto)")
+    """The setup's name: the DistributedOptimizer's defaults (schedule="auto") unnamed, plan order named."""
+    return "wrap auto + DistributedOptimizer" + ("" if schedule == "auto" else " (schedule plan)")
 
 
 def _compute_alone(name: str, batches: list, steps: int = 4) -> float:
@@ -158,12 +158,18 @@ def main(argv=None) -> int:
         "--schedule",
         nargs="+",
         choices=["plan", "auto"],
-        default=["plan"],
-        help="DistributedOptimizer's schedule(s) (default plan, its own default): each one a setup of the race",
+        default=["auto"],
+        help="DistributedOptimizer's schedule(s) (default auto, its own default): each one a setup of the race",
     )
     parser.add_argument("--shard", action="store_true", help="also race DistributedOptimizer(shard=True)")
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
-    parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=10,
+        help="steps per configuration per round (a DistributedOptimizer's overlap runs across steps: each block's "
+        "first step starts with nothing to overlap and its last synchronizes, so short blocks measure those edges)",
+    )
     parser.add_argument("--json")
     started = time.monotonic()
     outcome = run_benchmark(parser, argv, rank_main)

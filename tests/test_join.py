@@ -76,18 +76,17 @@ def join_checks(rank: int, world: int) -> dict:
         ),
     }
 
-    def held_one_at_a_time(wrapped) -> None:  # a planned order: held buckets sent serially on their own group
+    def held_back(wrapped) -> None:  # a planned order: the first and last buckets held to the end of backward
         from collective_ops.bucketing.schedule import held_order
 
         count = len(wrapped.manager.plan.buckets)
-        group = torch.distributed.new_group(backend="gloo")
-        wrapped.manager.set_launch_order(held_order(count, count - 1, 1), serial_from=count - 2, serial_group=group)
+        wrapped.manager.set_launch_order(held_order(count, count - 1, 1))
 
     out["ours_distributed_held"] = _uneven(
         rank,
         co.wrap(build("mlp"), bucket_size_mb=0.01, rebuild_buckets=False),
         distributed=True,
-        arrange=held_one_at_a_time,
+        arrange=held_back,
     )
     model = co.wrap(build("mlp"))
     co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)

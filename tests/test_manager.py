@@ -61,64 +61,6 @@ def test_buckets_launch_in_plan_order_as_soon_as_possible(engine) -> None:
     assert rec.steps == 1 and not manager.in_progress
 
 
-class Gate:
-    """A collective's handle that completes when the test says so (or when waited for, as a blocking wait)."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def wait(self, timeout=None) -> None:
-        self.done = True
-
-    def is_completed(self) -> bool:
-        return self.done
-
-
-def test_serial_positions_launch_one_at_a_time_on_their_own_group(engine) -> None:
-    gates, groups = {}, {}
-
-    def hook(ctx):
-        groups[ctx.bucket.index] = ctx.group
-        gates[ctx.bucket.index] = Gate()
-        return gates[ctx.bucket.index]
-
-    manager, rec = make(engine, comm_hook=hook)
-    held_group = object()
-    with pytest.raises(ValueError, match="serial_group"):
-        manager.set_launch_order([1, 2, 0], serial_from=1)
-    manager.set_launch_order([1, 2, 0], serial_from=1, serial_group=held_group)
-    for i in (5, 4, 3, 2, 1, 0):
-        manager.mark_ready(i)
-    manager.finalize(defer=True)
-    assert rec.launched == [1, 2]  # 0 waits for 2's collective to complete
-    assert not manager.bucket_ready(0)
-    manager.poll_launches()
-    assert rec.launched == [1, 2]
-    gates[2].done = True
-    manager.poll_launches()
-    assert rec.launched == [1, 2, 0]
-    assert groups == {1: None, 2: held_group, 0: held_group}
-    for bucket in (0, 1, 2):
-        manager.wait_bucket(bucket)
-    assert not manager.deferred_pending
-
-    # waiting for a bucket whose turn has not come launches it, after waiting out the one before it
-    for i in (5, 4, 3, 2, 1, 0):
-        manager.mark_ready(i)
-    manager.finalize(defer=True)
-    assert rec.launched[3:] == [1, 2]
-    manager.wait_bucket(0)
-    assert rec.launched[3:] == [1, 2, 0] and gates[2].done
-    for bucket in (1, 2):
-        manager.wait_bucket(bucket)
-
-    # a step that is not deferred finishes every bucket, the held ones included
-    for i in (5, 4, 3, 2, 1, 0):
-        manager.mark_ready(i)
-    manager.finalize()
-    assert rec.launched[6:] == [1, 2, 0] and not manager.deferred_pending
-
-
 def test_a_launch_order_holds_buckets_back_and_a_deferred_step_finishes_in_any_order(engine) -> None:
     manager, rec = make(engine)
     manager.set_launch_order([1, 2, 0])  # bucket 0 (ready first) held until bucket 2 is out
@@ -304,11 +246,3 @@ def test_gradient_bucket_fuzz(engine, rows, cap_kib, data) -> None:
     specs = [ParamSpec(f"t{i}", t.numel(), str(t.dtype), "cpu", t.element_size()) for i, t in enumerate(tensors)]
     plan = plan_buckets(specs, cap_kib / 1024, cap_kib / 1024, order=range(len(specs)))
     assert bucket.num_collectives == len(plan.buckets)
-
-
-def test_only_a_backend_that_runs_collectives_side_by_side_needs_held_buckets_gated(engine) -> None:
-    # Gloo's two worker threads would split the link between held buckets; NCCL/HCCL run a communicator's
-    # collectives in issue order on one stream, so DistributedOptimizer sets no serial group there
-    assert engine.concurrent_collectives
-    for backend in ("nccl", "hccl"):
-        assert not TorchEngine(backend, torch.device("cpu"), owns_group=False).concurrent_collectives

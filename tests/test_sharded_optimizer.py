@@ -105,20 +105,29 @@ def _interleaved_user_collectives(rank: int) -> tuple[dict, dict]:
 def _rank0_checkpoints(rank: int) -> list[dict]:
     """Rank 0 alone reads model.module.state_dict() after every step (a checkpoint, as DDP code writes it);
     the other rank goes on to its next forward, whose buffer broadcast (BatchNorm) waits for rank 0.
-    DDP + SGD, then DistributedOptimizer unsharded and sharded: the same weights, and no hang."""
+    DDP + SGD, then DistributedOptimizer unsharded (plan order, and a held order as schedule="auto" sets)
+    and sharded: the same weights, and no hang."""
     import torch
 
     import collective_ops as co
+    from collective_ops.bucketing.schedule import held_order
     from tests.models import SmallCNN, build, rank_batch
 
     setups = [torch.nn.parallel.DistributedDataParallel(build("cnn"))]
-    setups += [co.wrap(build("cnn"), bucket_size_mb=0.001, first_bucket_mb=0.0005) for _ in range(2)]
+    setups += [
+        co.wrap(build("cnn"), bucket_size_mb=0.001, first_bucket_mb=0.0005, rebuild_buckets=False) for _ in range(3)
+    ]
+    count = len(setups[2].manager.plan.buckets)
+    setups[2].manager.set_launch_order(held_order(count, count - 1, 1))  # the first and last sent at the end
     results = []
-    for kind, model in zip(("ddp", "unsharded", "sharded"), setups):
+    for kind, model in zip(("ddp", "unsharded", "held", "sharded"), setups):
         if kind == "ddp":
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         else:
-            optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9, shard=kind == "sharded")
+            schedule = {"unsharded": "plan", "held": "auto"}.get(kind)
+            optimizer = co.DistributedOptimizer(
+                model, torch.optim.SGD, lr=0.05, momentum=0.9, shard=kind == "sharded", schedule=schedule
+            )
         for step in range(6):
             x, y = rank_batch(SmallCNN, step, rank)
             loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -279,6 +288,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
                 lr=0.1,
                 shard=True,
             ),
+            "schedule_auto": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True, schedule="auto"
+            ),
             "reduce_dtype": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True, grad_reduce_dtype="float64"
             ),
@@ -382,8 +394,9 @@ def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None
 def test_a_checkpoint_on_rank_0_alone_after_step_neither_hangs_nor_differs(two_ranks) -> None:
     """Before step() waited for the reduce-scatters and launched every all-gather, this hung (sharded)."""
     for rank, out in enumerate(two_ranks):
-        ddp, unsharded, sharded = out["rank0_checkpoints"]
+        ddp, unsharded, held, sharded = out["rank0_checkpoints"]
         assert_identical(unsharded, ddp, f"unsharded, rank {rank}")
+        assert_identical(held, ddp, f"unsharded, held order, rank {rank}")
         assert_identical(sharded, ddp, f"sharded, rank {rank}")
 
 
@@ -442,6 +455,7 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     errors = two_ranks[0]["errors"]
     assert "find_unused_parameters" in errors["find_unused"]
     assert "custom comm_hook" in errors["custom_hook"]
+    assert "not supported with shard=True" in errors["schedule_auto"]
     assert "'float32'" in errors["reduce_dtype"]
     assert "shard=True" in errors["reduce_dtype_unsharded"]
 

@@ -483,8 +483,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "in a custom loop call sync_gradients() after backward"
             )
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
-        # inside join() ranks run different programs: a planned order's held buckets launch with the rest
-        self.manager.hold_serial = not self._join_config.enable
         self._count_active_ranks(active=True)
         self._sync_buffers(active=True)
         if torch.compiler.is_compiling():  # (eager calls never touch dynamo: importing it made exits abort)
@@ -568,7 +566,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         In the order an active rank issues them: step count, buffers, what the end of its forward
         settles (rebuild, auto-tune), then the step's reductions.
         """
-        self.manager.hold_serial = False
         self._count_active_ranks(active=False)
         self._sync_buffers(active=False)
         self._finish_owed_updates()  # this rank's own last step, if a DistributedOptimizer deferred it

@@ -47,13 +47,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     ``DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)``; ``params``
     (default: the model's parameters) may be parameter groups, as for the class itself.
     ``overlap=False`` finishes every bucket in backward, as a plain optimizer sees it.
-    ``schedule``: ``"plan"`` (the default) launches in plan order; ``"auto"`` plans the launch
-    order once per bucket plan from a measured step, holding back the buckets the next forward
-    needs first and those it needs last until that forward (and, with ``bucket_size_mb="auto"``,
-    the bucket size by the same simulated step). With ``"auto"``, code that runs on some ranks
-    only between ``step()`` and the next forward and reads parameters (rank 0 saving a
-    checkpoint) must follow ``opt.synchronize()`` on every rank: a held bucket is launched
-    by each rank's own next forward.
+    ``schedule``: ``"auto"`` (the default, except with ``shard=True`` or a custom comm hook)
+    plans the launch order once per bucket plan from a measured step: the buckets the next
+    forward needs first, ready last in backward, are sent first at its end, ahead of those
+    held from earlier in backward (and, with ``bucket_size_mb="auto"``, the bucket size by the
+    same simulated step); ``"plan"`` launches in plan order. Either way every bucket is
+    launched by the end of backward on every rank.
     """
 
     shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
@@ -85,22 +84,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 "wrap it first: model = collective_ops.wrap(model)"
             )
         custom_hook = model.manager.comm_hook is not allreduce_hook and not model.compression
-        # "plan" by default: every collective of a step is launched by the end of backward on every rank, so code
-        # that runs on some ranks only after step() (rank 0 saving model.module.state_dict()) can wait for any of
-        # them. "auto" holds buckets until the next forward launches them (0-6% faster on the emulated link), and
-        # then every rank must reach that forward or opt.synchronize() first (docs/distributed_optimizer.md).
-        schedule = schedule or "plan"
-        if schedule == "auto" and shard:
-            raise ValueError(
-                "schedule='auto' is not supported with shard=True yet (its all-gathers have an order of their own)"
-            )
+        schedule = schedule or ("plan" if shard or custom_hook else "auto")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if schedule == "auto" and custom_hook:
-            raise ValueError(
-                "schedule='auto' reduces the buckets it holds back on a process group of its own, which a custom "
-                "comm_hook does not know of; use schedule='plan' with a custom comm_hook"
-            )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got {optimizer_class!r}"
@@ -112,7 +98,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.schedule = schedule
         self.schedule_report: list[OrderPrediction] | None = None
         self._scheduled_plan: Any = None  # the bucket plan the launch order was planned for
-        self._held_group: Any = None
         runtime.finish_in_flight_before_leaving(self._finish_before_leaving)
         groups = _as_groups(model.module.parameters() if params is None else params)
         owned = {id(p) for p in model.module.parameters()}
@@ -284,7 +269,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self.in_flight:
             location = manager.plan.location
             buckets = sorted({location[i][0] for i in indices})  # plan order, as every rank
-            manager.poll_launches()  # held buckets whose turn has come, while this forward computes
             self._finish(buckets, type(module).__name__)
 
     def _plans_schedule(self) -> bool:
@@ -424,11 +408,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         count = len(manager.plan.buckets)
         predictions = self._ranked_orders(stats, manager.plan, cost) if complete else None
         best = predictions[0] if predictions else None
-        mine = [*best.order, best.held_from - best.deferred] if best else [0] * (count + 1)
-        *order, held = engine.broadcast_ints(mine)  # rank 0's plan, on every rank
-        if held < count and getattr(engine, "concurrent_collectives", True):
-            manager.set_launch_order(order, serial_from=held, serial_group=self._serial_group())
-        elif held < count:  # collectives already run one at a time in issue order: no gating, no group
+        order = engine.broadcast_ints(list(best.order) if best else [0] * count)  # rank 0's plan, on every rank
+        if order != list(range(count)):
             manager.set_launch_order(order)
         self.schedule_report, self._scheduled_plan = predictions, manager.plan
         if predictions:
@@ -458,14 +439,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
         profile = self._timeline.profile(stats, plan, self.model.manager.wire_shares(plan))
         return plan_order(profile, lambda nbytes: cost.cost(int(nbytes * wire)))
-
-    def _serial_group(self) -> Any:
-        """The process group the held buckets are reduced on, one at a time (made once; a collective)."""
-        if self._held_group is None:
-            import torch.distributed as dist
-
-            self._held_group = dist.new_group(backend=dist.get_backend())
-        return self._held_group
 
     def on_plan_change(self, plan: Any) -> None:
         """The model's buckets were replanned (first-step rebuild, auto-tune): nothing to move here."""

@@ -61,9 +61,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         params: Any = None,
         overlap: bool = True,
         shard: bool = True,
+        schedule: str | None = None,
         grad_reduce_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if schedule not in (None, "plan"):
+            raise ValueError(
+                f"shard=True launches in plan order (schedule='plan'), got schedule={schedule!r}: a planned order "
+                "is not supported with shard=True yet (its all-gathers have an order of their own)"
+            )
         if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise ValueError(
                 f"grad_reduce_dtype must be None (the parameters' dtype) or 'float32', got {grad_reduce_dtype!r}"
@@ -78,7 +84,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._steps_applied = 0  # the model's synchronised step whose gradients were last applied
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
-        super().__init__(model, optimizer_class, *args, params=params, overlap=overlap, **kwargs)
+        super().__init__(
+            model, optimizer_class, *args, params=params, overlap=overlap, shard=True, schedule=schedule, **kwargs
+        )
 
     # -- building ------------------------------------------------------------------------------
     def _make_optimizer(

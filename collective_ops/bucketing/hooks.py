@@ -29,9 +29,6 @@ class BucketContext:
     # What "avg" divides by when not the world size: the ranks still active under join()
     # with divide_by_initial_world_size=False, as DDP.
     divisor: int | None = None
-    # The process group to reduce on (None: the engine's default): the launch schedule's own group for
-    # buckets launched one at a time (BucketManager.set_launch_order).
-    group: Any = None
     # A bucket that is one row-sparse table (bucketing/row_sparse.py): the default hook reduces its rows.
     row_sparse: RowSparseBucket | None = None
     # How long a hook may block for its peers (a row-sparse table's rows) before raising TimeoutError,
@@ -65,7 +62,7 @@ def reduces_rows(hook: CommHook) -> bool:
 def allreduce_hook(ctx: BucketContext) -> Handle:
     """The default: allreduce in the buffer's own precision, averaged as the framework's own reducer does."""
     if ctx.reduce_op == "avg" and ctx.world_size > 1 and getattr(ctx.engine, "average_after_sum", False):
-        handle = ctx.engine.allreduce(ctx.buffer, "sum", async_op=True, group=ctx.group)
+        handle = ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
         return ThenHandle(handle, lambda: ctx.engine.scale_(ctx.buffer, 1.0 / ctx.world_size))
     factor = allreduce_prescale(ctx.engine, ctx.reduce_op, ctx.divisor)
     if ctx.row_sparse is not None:
@@ -74,7 +71,7 @@ def allreduce_hook(ctx: BucketContext) -> Handle:
             return handle
     if factor is not None and not ctx.prescaled:
         ctx.engine.scale_(ctx.buffer, factor)
-    return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True, group=ctx.group)
+    return ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)
 
 
 def _allreduce_rows(ctx: BucketContext, factor: float | None, wire_dtype: str | None = None) -> Handle | None:
@@ -108,7 +105,6 @@ def _allreduce_rows(ctx: BucketContext, factor: float | None, wire_dtype: str | 
         table.cols,
         union,
         factor,
-        group=ctx.group,
         wire_dtype=wire_dtype,
         outside=outside,
         if_outside=densely,
@@ -153,7 +149,7 @@ def compression_hook(dtype: str) -> CommHook:
         compressed = wire_for(ctx)
         if factor is not None:
             ctx.engine.scale_(compressed, factor)
-        handle = ctx.engine.allreduce(compressed, "sum", async_op=True, group=ctx.group)
+        handle = ctx.engine.allreduce(compressed, "sum", async_op=True)
         return ThenHandle(handle, lambda: ctx.engine.copy_(ctx.buffer, compressed))
 
     hook.__name__ = f"{dtype}_compression_hook"

@@ -138,12 +138,6 @@ class BucketManager:
         self.plan = plan
         self._launch_order: tuple[int, ...] | None = None
         self._launch_position: dict[int, int] | None = None  # bucket -> its place in _launch_order
-        self._serial_from: int | None = None  # launch positions from here on go one at a time
-        self._serial_group: Any = None
-        # False: serial buckets launch as soon as they are full, like the rest (still on their group). For
-        # programs that differ per rank (join(): a joined rank shadows steps), where a rank waiting for a
-        # held bucket's turn could wait on a peer that first waits for it in another collective.
-        self.hold_serial = True
         self._param_names = [p.name for p in plan.params]
 
     def wire_shares(self, plan: BucketPlan | None = None) -> dict[int, float]:
@@ -327,35 +321,19 @@ class BucketManager:
     def _launch_ready_buckets(self) -> None:
         order = self.launch_order
         while self._next_launch < len(order) and self._pending[order[self._next_launch]] == 0:
-            if self._behind_serial(self._next_launch):
-                return
             self._launch(order[self._next_launch])
             self._next_launch += 1
-
-    def _behind_serial(self, position: int) -> bool:
-        """True if ``position`` goes one at a time and the collective before it has not completed."""
-        if self._serial_from is None or not self.hold_serial or position <= self._serial_from:
-            return False
-        handle = self._handles[self.launch_order[position - 1]]
-        return handle is not None and not handle.is_completed()
-
-    def poll_launches(self) -> None:
-        """Launch the serial buckets whose turn has come (their predecessor completed); cheap, call often."""
-        if self._deferred:
-            self._launch_ready_buckets()
 
     def _launched(self, bucket_index: int) -> bool:
         position = bucket_index if self._launch_position is None else self._launch_position[bucket_index]
         return position < self._next_launch
 
     def _launch_through(self, bucket_index: int) -> None:
-        """Launch every bucket up to ``bucket_index`` in launch order, waiting out the serial ones' turns."""
+        """Launch every bucket up to ``bucket_index`` in launch order (each must be full)."""
         order = self.launch_order
         while not self._launched(bucket_index):
             if self._pending[order[self._next_launch]]:
                 raise RuntimeError(f"bucket {order[self._next_launch]} is not full: it cannot be launched yet")
-            if self._behind_serial(self._next_launch):
-                wait_with_timeout(self._handles[order[self._next_launch - 1]], self.stall_timeout_s)
             self._launch(order[self._next_launch])
             self._next_launch += 1
 
@@ -364,9 +342,7 @@ class BucketManager:
         """The order buckets are launched in (each once it is full): plan order unless a schedule was set."""
         return self._launch_order if self._launch_order is not None else tuple(range(len(self.plan.buckets)))
 
-    def set_launch_order(
-        self, order: Sequence[int] | None, serial_from: int | None = None, serial_group: Any = None
-    ) -> None:
+    def set_launch_order(self, order: Sequence[int] | None) -> None:
         """Launch buckets in ``order`` (a permutation of the plan's buckets; None: plan order).
 
         Every rank must set the same order (decide on one rank and broadcast): collectives are
@@ -374,12 +350,10 @@ class BucketManager:
         ``order`` even when it is full first: holding a bucket back is how a schedule gives
         the link to another. Reset to plan order whenever the plan changes.
 
-        ``serial_from``: from this position on, a bucket launches only once the collective
-        before it has completed (a transport that runs collectives concurrently would
-        otherwise split the link between them, and the one needed first would finish late).
-        Such launches happen whenever the caller polls (:meth:`poll_launches`) or waits for a
-        bucket, at times that differ between ranks, so they go to ``serial_group``: a process
-        group of their own, which no other collective can interleave with differently per rank.
+        Launches depend only on which buckets are full, never on timing: by the end of backward
+        every bucket of the step is launched on every rank, whatever the order, so code that runs
+        on some ranks only after it (rank 0 saving a checkpoint) waits only for collectives every
+        rank has issued.
         """
         if self.in_progress or self._deferred:
             raise RuntimeError("cannot change the launch order while a step's buckets are in flight")
@@ -388,11 +362,8 @@ class BucketManager:
             order = tuple(int(b) for b in order)
             if sorted(order) != list(range(count)):
                 raise ValueError(f"launch order {order} is not a permutation of the {count} buckets")
-        if serial_from is not None and (serial_group is None or not 0 <= serial_from <= count):
-            raise ValueError(f"serial_from needs a position in 0..{count} and a serial_group of its own")
         self._launch_order = order
         self._launch_position = None if order is None else {bucket: i for i, bucket in enumerate(order)}
-        self._serial_from, self._serial_group = serial_from, serial_group
 
     def _start_row_exchanges(self) -> None:
         """Once per synchronised step, on every rank (its first gradient, or its first launch where a rank that
@@ -413,7 +384,6 @@ class BucketManager:
                 members.append(grad)
             self.buffers[bucket_index] = self.engine.pack(members)
         prescaled = bool(self._prescaled) and self._scale_the_rest(bucket_index)
-        serial = self._serial_from is not None and self._next_launch >= self._serial_from
         ctx = BucketContext(
             bucket,
             self.buffers[bucket_index],
@@ -421,7 +391,6 @@ class BucketManager:
             self.reduce_op,
             prescaled,
             self.divisor,
-            group=self._serial_group if serial else None,
             row_sparse=None if self.row_sparse is None else self.row_sparse.for_bucket(self.plan, bucket_index),
             stall_timeout_s=self.stall_timeout_s,
         )
@@ -536,7 +505,7 @@ class BucketManager:
         if self._done[bucket_index]:
             return
         if not self._launched(bucket_index):
-            self._launch_through(bucket_index)  # a serial bucket whose turn had not come yet
+            self._launch_through(bucket_index)  # waited for before the step's end launched it
         handle = self._handles[bucket_index]
         if handle is not None:
             try:

@@ -78,12 +78,6 @@ class TorchEngine(Engine):
         self._world_size = dist.get_world_size()
 
     @property
-    def concurrent_collectives(self) -> bool:
-        """True if the backend runs a group's collectives side by side (Gloo: two worker threads), False if
-        it runs them one after another in issue order (NCCL/HCCL: one stream per communicator)."""
-        return self.backend == "gloo"
-
-    @property
     def rank(self) -> int:
         return self._rank
 
