@@ -46,12 +46,17 @@ class CostModel:
     flight, as the bucket manager launches them. Backends that progress several collectives at
     once (Gloo's process group runs two worker threads) overlap most of it with the previous
     transfer; None means no overlap (``alpha``).
+
+    ``cpu_share``: CPU seconds this process spent per second of those back-to-back collectives
+    (the transport's own threads: on CPU tensors they run on the cores compute uses); None
+    where not measured. :func:`estimated_contention` turns it into the simulator's contention.
     """
 
     alpha: float
     beta: float
     label: str = "measured"
     alpha_queued: float | None = None
+    cpu_share: float | None = None
 
     def __post_init__(self) -> None:
         values = (self.alpha, self.beta, self.alpha if self.alpha_queued is None else self.alpha_queued)
@@ -197,13 +202,29 @@ def measure_alpha_beta(
         "allreduce", list(sizes), warmup=2, iters=iters, impls=("raw",), progress=False, rounds=1, check=False
     )
     fitted = CostModel.fit([r.bytes for r in rows], [r.time_us * 1e-6 for r in rows])
-    queued = _back_to_back_seconds(count=8, nbytes=1 << 20)
+    queued, cpu_share = _back_to_back_seconds(count=8, nbytes=1 << 20)
     alpha_queued = (queued - fitted.alpha - 8 * fitted.beta * (1 << 20)) / 7
-    return CostModel(fitted.alpha, fitted.beta, fitted.label, float(min(max(alpha_queued, 0.0), fitted.alpha)))
+    alpha_queued = float(min(max(alpha_queued, 0.0), fitted.alpha))
+    return CostModel(fitted.alpha, fitted.beta, fitted.label, alpha_queued, cpu_share)
 
 
-def _back_to_back_seconds(count: int, nbytes: int, repeats: int = 3) -> float:
-    """The slowest rank's median time for ``count`` async allreduces launched back to back."""
+def estimated_contention(cost: CostModel, device_type: str) -> float:
+    """The simulator's ``contention`` without profiling steps (the online ``bucket_size_mb="auto"``).
+
+    On the CPU, compute uses every core it is given (torch's intra-op threads), so whatever CPU the
+    transport takes while a bucket is on the wire (``cost.cpu_share``) is taken from backward:
+    about 1 on loopback Gloo, which moves bytes as fast as a core copies them, little on a slow
+    link. Elsewhere the transport runs beside the device's compute: 0. :func:`profile_with_contention`
+    measures it instead, from steps (``co.tune``).
+    """
+    if device_type != "cpu" or cost.cpu_share is None:
+        return 0.0
+    return float(min(max(cost.cpu_share, 0.0), 1.0))
+
+
+def _back_to_back_seconds(count: int, nbytes: int, repeats: int = 3) -> tuple[float, float]:
+    """(time, CPU share): the slowest rank's median time for ``count`` async allreduces launched back to back,
+    and the largest over ranks of this process's CPU time per second of them."""
     import torch
 
     from .bench import _sync
@@ -211,15 +232,17 @@ def _back_to_back_seconds(count: int, nbytes: int, repeats: int = 3) -> float:
 
     engine = get_engine("torch")
     buffers = [torch.zeros(nbytes // 4, dtype=torch.float32, device=engine.device) for _ in range(count)]
-    times = []
+    times, shares = [], []
     for _ in range(repeats + 1):  # the first round warms up
         engine.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for handle in [engine.allreduce(b, "sum", async_op=True) for b in buffers]:
             handle.wait()
         _sync(engine.device)
         times.append(time.perf_counter() - start)
-    return engine.reduce_floats([float(np.median(times[1:]))], "max")[0]
+        shares.append((time.process_time() - cpu_start) / max(times[-1], 1e-9))
+    seconds, share = engine.reduce_floats([float(np.median(times[1:])), float(np.median(shares[1:]))], "max")
+    return seconds, share
 
 
 def profile_from_stats(

@@ -8,7 +8,16 @@ import sys
 import pytest
 
 from collective_ops.bucketing import ParamSpec, plan_buckets
-from collective_ops.tuning import CANDIDATES_MB, BackwardProfile, CostModel, Prediction, choose, predict, simulate
+from collective_ops.tuning import (
+    CANDIDATES_MB,
+    BackwardProfile,
+    CostModel,
+    Prediction,
+    choose,
+    estimated_contention,
+    predict,
+    simulate,
+)
 from tests.harness import run_ranks
 
 MIB = 2**20
@@ -119,6 +128,13 @@ def test_contention_charges_overlapped_communication() -> None:
         simulate(plan, profile, CostModel(0.05, 0.0), 1.5)
 
 
+def test_contention_estimated_from_the_transports_cpu_share_on_cpu_only() -> None:
+    assert estimated_contention(CostModel(0.0, 1e-9, cpu_share=0.3), "cpu") == pytest.approx(0.3)
+    assert estimated_contention(CostModel(0.0, 1e-9, cpu_share=1.7), "cpu") == 1.0  # two threads busy: capped
+    assert estimated_contention(CostModel(0.0, 1e-9, cpu_share=0.3), "cuda") == 0.0  # beside the device's compute
+    assert estimated_contention(CostModel(0.0, 1e-9), "cpu") == 0.0  # not measured
+
+
 def test_latency_bound_prefers_bigger_buckets() -> None:
     # 40 small gradients ready at the very end, expensive calls: one big bucket wins
     profile = BackwardProfile({i: 1.0 for i in range(40)}, 1.0, 1.0)
@@ -192,6 +208,7 @@ def tuner_checks(rank: int, world: int, profile_path: str) -> dict:
         sizes.append(auto.manager.plan.bucket_size_mb)
     out["auto_sizes"] = sizes
     out["auto_report"] = auto.auto_tune_report is not None
+    out["auto_contention"] = auto.auto_tune_contention
     with pytest.raises(ValueError, match="'auto'"):
         co.wrap(build("mlp"), bucket_size_mb="fast")
     return out
@@ -213,7 +230,10 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
         sizes = out["auto_sizes"]
         assert sizes[0] == 25.0 and sizes[1] == sizes[2] == sizes[3] in CANDIDATES_MB, sizes  # settled at step 2
         assert out["auto_report"]
+        # Gloo on CPU tensors spends CPU while bytes move: the online tune charges it (not the 0 of a device)
+        assert 0.0 < out["auto_contention"] <= 1.0
     assert outs[0]["auto_sizes"] == outs[1]["auto_sizes"]
+    assert outs[0]["auto_contention"] == outs[1]["auto_contention"]  # the largest over ranks, on every rank
     assert outs[0]["disagreeing_choice"] == outs[1]["disagreeing_choice"] == 25  # rank 0's shortlist
 
     # the saved profile projects to other world sizes (a simulation, and labelled so)

@@ -100,6 +100,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.auto_tune_report = None
         # with a DistributedOptimizer planning its order: (size, first bucket) -> simulated overlapped step
         self.auto_tune_overlapped: dict[tuple[float, float], float] = {}
+        self.auto_tune_contention = (
+            0.0  # what the online tune charged overlapped communication (tuning.estimated_contention)
+        )
 
         if not runtime.is_initialized("torch"):
             runtime.init(framework="torch")
@@ -343,6 +346,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             FIRST_BUCKET_CANDIDATES_MB,
             BackwardProfile,
             choose,
+            estimated_contention,
             measure_alpha_beta,
             predict,
         )
@@ -357,9 +361,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.manager.wire_shares(),
         )
         cost = measure_alpha_beta()  # every rank is here, at the end of the same step
+        contention = self.auto_tune_contention = estimated_contention(cost, self.engine.device.type)
         plan = self.manager.plan
-        predictions = predict(plan.params, profile, cost, CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, plan.order)
-        self.auto_tune_overlapped = self._overlapped_steps(predictions, cost)
+        predictions = predict(
+            plan.params, profile, cost, CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, plan.order, contention
+        )
+        self.auto_tune_overlapped = self._overlapped_steps(predictions, cost, contention)
         best = choose(predictions, self.auto_tune_overlapped)  # with updates overlapping the forward: that step
         chosen = self.engine.broadcast_ints([round(best.bucket_size_mb * 1000), round(best.first_bucket_mb * 1000)])
         choice, first = chosen[0] / 1000, chosen[1] / 1000  # rank 0's, on every rank
@@ -367,13 +374,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.auto_tune_report = predictions
         logger.info(
             "collective_ops: bucket_size_mb='auto' settled on %g MiB, first bucket %g MiB (predicted exposed "
-            "communication %.1f ms, %d collectives; alpha=%.1f us, beta=%.3f ns/B); candidates: %s",
+            "communication %.1f ms, %d collectives; alpha=%.1f us, beta=%.3f ns/B, contention %.2f); candidates: %s",
             choice,
             first,
             predictions[0].exposed_comm_s * 1e3,
             predictions[0].collectives,
             cost.alpha * 1e6,
             cost.beta * 1e9,
+            contention,
             ", ".join(
                 f"{p.bucket_size_mb:g}/{p.first_bucket_mb:g}: {p.exposed_comm_s * 1e3:.1f} ms" for p in predictions
             ),
@@ -386,9 +394,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 ),
             )
 
-    def _overlapped_steps(self, predictions: list, cost: Any) -> dict[tuple[float, float], float]:
+    def _overlapped_steps(self, predictions: list, cost: Any, contention: float) -> dict[tuple[float, float], float]:
         """With a DistributedOptimizer planning its launch order: each candidate's simulated step with its
-        best order, keyed by (bucket_size_mb, first_bucket_mb); empty where it has no profile (local work)."""
+        best order, keyed by (bucket_size_mb, first_bucket_mb); empty where it has no profile (local work).
+        Communication that overlaps compute (all but the forward's waits) slows it by ``contention``."""
         predict_overlapped = getattr(self.optimizer, "predict_overlapped", None)
         if predict_overlapped is None:
             return {}
@@ -398,7 +407,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             result = predict_overlapped(candidate, cost)
             if result is None:
                 return {}
-            steps[(p.bucket_size_mb, p.first_bucket_mb)] = result.step_s
+            hidden = max(p.comm_s - result.forward_wait_s, 0.0)
+            steps[(p.bucket_size_mb, p.first_bucket_mb)] = result.step_s + contention * hidden
         return steps
 
     def set_bucket_size(self, bucket_size_mb: float, first_bucket_mb: float | None = None) -> None:
