@@ -137,7 +137,13 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["transformer-5m"])
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
-    parser.add_argument("--block", type=int, default=4, help="steps per configuration per round")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=10,
+        help="steps per configuration per round (as optimizer_compare.py: a DistributedOptimizer's overlap runs "
+        "across steps, and each block's first and last steps are its edges)",
+    )
     parser.add_argument(
         "--bucket-size-mb", type=_size, default="auto", help="collective_ops' bucket size (MiB or auto)"
     )
