@@ -8,6 +8,9 @@ or with the seed's bash loop (one process per device)::
 
     for i in 0 1; do RANK=$i WORLD_SIZE=2 DEVICE_ID=$i python examples/train_resnet.py & done; wait
 
+``--optimizer distributed`` (or ``sharded``) trains with ``co.DistributedOptimizer`` (with
+``shard=True``), and ``--bucket-size-mb auto`` lets the library choose the bucket size.
+
 The backend follows the hardware: HCCL on Ascend NPUs, NCCL on CUDA GPUs, Gloo on
 CPUs (``COLLECTIVE_OPS_BACKEND`` overrides). Data is synthetic unless you bring a loader.
 ResNet-50 comes from torchvision where installed, else from the plain-torch definition below
@@ -99,17 +102,28 @@ def resnet50(num_classes: int = 1000) -> nn.Module:
         return ResNet((3, 4, 6, 3), num_classes)
 
 
+def _bucket_size(text: str) -> float | str:
+    return text if text == "auto" else float(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=1000)
-    parser.add_argument("--bucket-size-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-size-mb", type=_bucket_size, default=25.0, help='MiB, or "auto"')
     parser.add_argument("--lr", type=float, default=0.001)
     parser.add_argument("--pool", type=int, default=4, help="synthetic batches per rank, cycled (so the loss falls)")
     parser.add_argument("--backend", default=None, help="hccl, nccl or gloo (default: what the hardware offers)")
     parser.add_argument("--compression", choices=["fp16", "bf16"], default=None)
+    parser.add_argument(
+        "--optimizer",
+        choices=["sgd", "distributed", "sharded"],
+        default="sgd",
+        help="torch SGD after backward; co.DistributedOptimizer (updates overlapped with the next forward); "
+        "the same with shard=True (each rank keeps 1/N of the momentum)",
+    )
     args = parser.parse_args(argv)
 
     ctx = co.init(args.backend)
@@ -118,7 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     model = co.wrap(
         resnet50(args.num_classes).to(device), bucket_size_mb=args.bucket_size_mb, compression=args.compression
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    else:
+        optimizer = co.DistributedOptimizer(
+            model, torch.optim.SGD, lr=args.lr, momentum=0.9, shard=args.optimizer == "sharded"
+        )
     loss_fn = nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(1234 + ctx.rank)  # each rank sees its own shard of data
 
@@ -148,12 +167,14 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         loss = loss_fn(model(images), labels)
         optimizer.zero_grad()
-        loss.backward()  # gradients are averaged across ranks when this returns
-        optimizer.step()
+        loss.backward()  # gradients are averaged across ranks (a DistributedOptimizer: launched) when this returns
+        optimizer.step()  # a DistributedOptimizer may return before every bucket is reduced and applied
         times.append(time.perf_counter() - start)
         if ctx.rank == 0 and hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{loss.item():.3f}", step_s=f"{times[-1]:.2f}")
 
+    if args.optimizer != "sgd":
+        optimizer.synchronize()  # the last step's updates, before anything reads the weights
     stats = model.comm_stats()
     if ctx.rank == 0:
         median = statistics.median(times[1:] or times)

@@ -152,6 +152,18 @@ def test_the_example_says_when_it_uses_its_own_resnet(tmp_path) -> None:
     assert "this example's own ResNet-50" in result.stdout
 
 
+@pytest.mark.parametrize("optimizer", ["distributed", "sharded"])
+def test_the_example_trains_with_a_distributed_optimizer(optimizer: str) -> None:
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+    command += [str(free_port()), "examples/train_resnet.py", "--steps", "3", "--image-size", "32"]
+    command += ["--num-classes", "10", "--batch-size", "2", "--bucket-size-mb", "auto", "--optimizer", optimizer]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "final loss" in result.stdout
+
+
 EXIT_SCRIPT = """
 import torch, collective_ops as co
 co.init()
