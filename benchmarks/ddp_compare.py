@@ -112,6 +112,9 @@ def training_setup(name: str, kind: str, bucket_size_mb: float, rank: int, devic
     return wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), batches
 
 
+MAX_SETTLING_STEPS = 60
+
+
 def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3) -> dict:
     """Step times of every setup, alternating in blocks of ``block`` steps, the order reversed every round.
 
@@ -121,12 +124,17 @@ def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3) -> d
     the next forward). A setup whose optimizer has
     ``synchronize()`` finishes its in-flight work at the end of each block, inside the block's
     last step, so none of it spills into the next setup's time. Warm-up steps first (they
-    include collective_ops' bucket rebuild after step 1 and an "auto" bucket size settling).
+    include collective_ops' bucket rebuild after step 1 and an "auto" bucket size settling, and last
+    while an optimizer says it is ``settling``: a DistributedOptimizer trying launch orders).
     """
     from collective_ops.runtime import get_engine
 
     for wrapped, optimizer, batches in setups.values():
         for i in range(warmup):
+            one_step(wrapped, optimizer, batches[i % len(batches)])
+        for i in range(MAX_SETTLING_STEPS):  # a DistributedOptimizer choosing its launch order: warm-up too
+            if not getattr(optimizer, "settling", False):
+                break
             one_step(wrapped, optimizer, batches[i % len(batches)])
         _finish_block(optimizer)
     times = {key: [] for key in setups}

@@ -139,12 +139,17 @@ def _schedule_summary(optimizer) -> dict | None:
     if not report:
         return None
     plain = next(p for p in report if p.is_plan_order)
+    order = tuple(optimizer.model.manager.launch_order)
+    kept = next(p for p in report if p.order == order)  # the order the trial kept (plan order among them)
+    trial = optimizer.schedule_trial
     return {
-        "order": list(optimizer.model.manager.launch_order),
-        "deferred": report[0].deferred,
-        "held_from": report[0].held_from,
-        "predicted_step_ms": report[0].step_s * 1e3,
+        "order": list(order),
+        "deferred": kept.deferred,
+        "held_from": kept.held_from,
+        "predicted_step_ms": kept.step_s * 1e3,
         "plan_order_step_ms": plain.step_s * 1e3,
+        "trial_ms": [round(s * 1e3, 1) for s in trial["median_s"]] if trial else None,
+        "simulated_best_ms": report[0].step_s * 1e3,
     }
 
 
@@ -213,6 +218,11 @@ def main(argv=None) -> int:
                 f"{plan['plan_order_step_ms']:.1f} ms in plan order"
                 + (f" (measured {ms[_label('plan')]:.1f})" if "plan" in args.schedule else "")
             )
+            if plan["trial_ms"]:
+                print(
+                    f"    its trial (median steps of this model's own time, plan order first, then the simulator's "
+                    f"shortlist, best simulated {plan['simulated_best_ms']:.1f} ms): {plan['trial_ms']}"
+                )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))
     return 0

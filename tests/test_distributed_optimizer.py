@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import pytest
 
+from collective_ops.adapters.torch_optimizer import TRIAL_BLOCK_STEPS, TRIAL_CANDIDATES, TRIAL_ROUNDS
 from tests.harness import run_ranks
 from tests.reference import assert_identical, snapshot
 
@@ -274,12 +275,22 @@ def optimizer_checks(rank: int, world: int) -> dict:
         clipped(ours_model, co.DistributedOptimizer(ours_model, torch.optim.SGD, lr=0.1)),
     )
 
-    # the launch order planned after step 3 from rank 0's profile (schedule="auto")
+    # the launch order planned after step 3 from rank 0's profile (schedule="auto", the default), its shortlist
+    # run in turn against plan order, the fastest kept: every forward's order recorded, weights against DDP
     model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001)
-    opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, schedule="auto")
-    _train(rank, model, opt, TinyTransformer, steps=5)
-    report = opt.schedule_report
-    out["schedule"] = (list(model.manager.launch_order), None if report is None else len(report))
+    opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
+    ran = []
+    model.module.register_forward_pre_hook(lambda module, args: ran.append(list(model.manager.launch_order)))
+    trial_steps = 4 + 3 * TRIAL_BLOCK_STEPS * TRIAL_ROUNDS + 2
+    ours = _train(rank, model, opt, TinyTransformer, steps=trial_steps)
+    ddp = torch.nn.parallel.DistributedDataParallel(build("transformer"))
+    theirs = _train(
+        rank, ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), TinyTransformer, steps=trial_steps
+    )
+    report, trial = opt.schedule_report, opt.schedule_trial
+    trial = None if trial is None else {**trial, "orders": [list(o) for o in trial["orders"]]}
+    out["schedule"] = (list(model.manager.launch_order), None if report is None else len(report), ran, trial)
+    out["schedule_weights"] = (theirs, ours)
 
     # bucket_size_mb="auto" with it: the size chosen by the simulated overlapped step
     model = co.wrap(build("transformer"), bucket_size_mb="auto")
@@ -348,13 +359,24 @@ def test_clip_grad_norm_matches_torch_on_averaged_gradients(two_ranks) -> None:
         assert_identical(our_params, ddp_params, "after clipping and one step")
 
 
-def test_a_launch_order_is_planned_once_and_is_the_same_on_every_rank(two_ranks) -> None:
+def test_a_launch_order_is_planned_tried_and_kept_the_same_on_every_rank(two_ranks) -> None:
     orders = [out["schedule"][0] for out in two_ranks]
     assert orders[0] == orders[1] and sorted(orders[0]) == list(range(len(orders[0])))
     n = len(orders[0])
     assert all(
         out["schedule"][1] == (n + 1) * (n + 2) // 2 for out in two_ranks
     )  # every (deferred, held_from) simulated
+    ran = [out["schedule"][2] for out in two_ranks]
+    assert ran[0] == ran[1]  # every forward ran under the same order on every rank
+    trial = two_ranks[0]["schedule"][3]
+    assert trial is not None and trial == two_ranks[1]["schedule"][3]  # measured, reduced and kept alike
+    tried = trial["orders"]
+    assert tried[0] == list(range(n)) and len(tried) == 1 + TRIAL_CANDIDATES  # plan order and the shortlist
+    assert all(order in ran[0] for order in tried) and orders[0] == tried[trial["kept"]]
+    assert trial["median_s"][trial["kept"]] == min(trial["median_s"])
+    assert ran[0][-1] == orders[0]  # the kept order runs from then on
+    for rank, out in enumerate(two_ranks):
+        assert_identical(out["schedule_weights"][1], out["schedule_weights"][0], f"orders switched, rank {rank}")
 
 
 def test_auto_bucket_size_is_chosen_by_the_overlapped_step(two_ranks) -> None:

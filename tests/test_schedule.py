@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from collective_ops.bucketing.schedule import (
+    OrderTrial,
     StepProfile,
     held_order,
     plan_order,
@@ -139,3 +140,20 @@ def test_a_step_profile_for_any_bucketing_from_per_parameter_times() -> None:
     # a parameter the forward never needed: its bucket is finished at the forward's end
     unused = step_profile([(0,), (1,)], [4, 4], ready, 4.0, {1: 2.0}, 12.0)
     assert list(unused.forward_order) == [1, 0] and list(unused.forward_s) == [0.0, 10.0]
+
+
+def test_an_order_trial_runs_each_order_in_blocks_and_keeps_the_fastest() -> None:
+    plan, held, other = (0, 1, 2), (1, 2, 0), (2, 1, 0)
+    trial = OrderTrial((plan, held, other), block=2, rounds=2)
+    seconds = {0: 0.30, 1: 0.25, 2: 0.28}
+    ran = []
+    while not trial.done:
+        ran.append(trial.current)
+        trial.record(seconds[trial.current] + 0.001 * len(ran))  # drift: hits every order alike
+    assert ran == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
+    assert OrderTrial.pick(trial.medians()) == 1
+    assert OrderTrial.pick([0.3, 0.3, 0.4]) == 0  # a tie keeps plan order
+    with pytest.raises(RuntimeError, match="over"):
+        trial.record(0.1)
+    with pytest.raises(ValueError, match="plan order and at least one other"):
+        OrderTrial((plan,))

@@ -147,6 +147,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._make_views()
         self._finalize_queued = False
         self._optimizer_ref: weakref.ref | None = None
+        self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
         self._nonfinite_local: list[str] = []
         # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
         self._nonfinite_pending: tuple[list[str], str] | None = None
@@ -187,12 +188,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The highest rank for which ``condition`` holds (-1 if none): one small collective every rank joins."""
         return int(self.engine.reduce_floats([self.engine.rank if condition else -1], "max")[0])
 
-    def _broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+    def _broadcast(self, tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:
         handle, _ = fused_collective(
             self.engine,
             tensors,
             BROADCAST_BUCKET_MB,
-            lambda buffer: self.engine.broadcast(buffer, src, async_op=True),
+            lambda buffer: self.engine.broadcast(buffer, src, async_op=True, group=group),
         )
         handle.wait()
 
@@ -313,6 +314,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "wrap without it, or use a plain optimizer"
             )
         self._optimizer_ref = weakref.ref(optimizer)
+        # The next forward's buffer broadcast must not queue behind the reductions still in flight on the model's
+        # group (a transport runs a group's collectives in issue order): with BatchNorm it made every forward wait
+        # for the whole last backward's reduction. A group of its own (made here, on every rank).
+        has_buffers = any(True for _ in self.module.buffers())
+        if self._buffer_group is None and self.broadcast_buffers and self.engine.world_size > 1 and has_buffers:
+            self._buffer_group = self.engine.new_group()
 
     def _check_requires_grad_unchanged(self) -> None:
         now = [p.requires_grad for p in self.module.parameters()]
@@ -521,7 +528,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             src = self._highest_rank_where(active)
         with torch.no_grad():
-            self._broadcast(buffers, src)
+            self._broadcast(buffers, src, self._buffer_group)
 
     # -- uneven inputs (torch.distributed.algorithms.Join) ---------------------------------
     def join(

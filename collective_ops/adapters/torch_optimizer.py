@@ -32,13 +32,16 @@ from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 from .. import runtime
 from ..bucketing.hooks import allreduce_hook
 from ..bucketing.row_sparse import wire_nbytes
-from ..bucketing.schedule import OrderPrediction, StepProfile, plan_order, step_profile
+from ..bucketing.schedule import OrderPrediction, OrderTrial, StepProfile, plan_order, step_profile
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel
 
 logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
 SCHEDULE_AFTER_STEPS = 3  # after the first-step rebuild and bucket_size_mb="auto" settling (step 2)
+TRIAL_CANDIDATES = 2  # the simulator's best orders run against plan order (bucketing.schedule.OrderTrial)
+TRIAL_BLOCK_STEPS = 3
+TRIAL_ROUNDS = 2
 
 
 class DistributedOptimizer(torch.optim.Optimizer, Joinable):
@@ -51,7 +54,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     plans the launch order once per bucket plan from a measured step: the buckets the next
     forward needs first, ready last in backward, are sent first at its end, ahead of those
     held from earlier in backward (and, with ``bucket_size_mb="auto"``, the bucket size by the
-    same simulated step); ``"plan"`` launches in plan order. Either way every bucket is
+    same simulated step). The simulator's two best orders then run in turn with plan order
+    (``TRIAL_ROUNDS`` x ``TRIAL_BLOCK_STEPS`` steps each) and the fastest measured is kept
+    (``schedule_trial``). ``"plan"`` launches in plan order. Either way every bucket is
     launched by the end of backward on every rank.
     """
 
@@ -98,6 +103,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.schedule = schedule
         self.schedule_report: list[OrderPrediction] | None = None
         self._scheduled_plan: Any = None  # the bucket plan the launch order was planned for
+        self._trial: OrderTrial | None = None  # the shortlisted orders being run in turn
+        self.schedule_trial: dict[str, Any] | None = None  # what the last trial measured and kept
+        self._forward_start: float | None = None
+        self._step_seconds = 0.0  # the last step()'s own time
         runtime.finish_in_flight_before_leaving(self._finish_before_leaving)
         groups = _as_groups(model.module.parameters() if params is None else params)
         owned = {id(p) for p in model.module.parameters()}
@@ -122,6 +131,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._needs: dict[nn.Module, list[int]] = {}
         self._hooks = [module.register_forward_pre_hook(self._before_forward_of) for module in model.module.modules()]
         self._hooks.append(model.module.register_forward_hook(self._after_forward))
+        self._hooks.append(model.register_forward_pre_hook(self._forward_starts))  # before its buffer broadcast
         self._timeline = ForwardTimeline()  # the forward's use of buckets over time (schedule="auto" plans from it)
         # The inner module's own state_dict() (a checkpoint of model.module) sees every update too.
         self._hooks.append(model.module.register_state_dict_pre_hook(self._before_state_dict))
@@ -142,6 +152,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         return self.overlap
 
     @property
+    def settling(self) -> bool:
+        """True until the launch order is chosen (schedule="auto": planned after step 3, then the shortlist's
+        trial); steps until then run orders that may not be kept."""
+        if self._trial is not None:
+            return True
+        return self._plans_schedule() and self.model.manager.steps_synced <= SCHEDULE_AFTER_STEPS
+
+    @property
     def in_flight(self) -> bool:
         """True while a step's reductions or updates are not all finished (synchronize() finishes them)."""
         return self.model.manager.deferred_pending or self._pending is not None
@@ -155,7 +173,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             return
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
+        start = time.perf_counter()
         self._start_step()
+        self._step_seconds = time.perf_counter() - start
 
     def _start_step(self) -> None:
         """Apply what has landed of the last backward's reductions; owe the rest."""
@@ -271,6 +291,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             buckets = sorted({location[i][0] for i in indices})  # plan order, as every rank
             self._finish(buckets, type(module).__name__)
 
+    def _forward_starts(self, model: nn.Module, args: Any) -> None:
+        self._forward_start = time.perf_counter()
+
     def _plans_schedule(self) -> bool:
         """True while the forward's use of buckets is being timed: schedule="auto", not yet planned for this plan."""
         return self.schedule == "auto" and self.overlap and self._scheduled_plan is not self.model.manager.plan
@@ -382,6 +405,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """
         manager = self.model.manager
         stats = manager.last_stats
+        if self._trial is not None and not self.model._join_config.enable:
+            self._advance_trial(stats)
+            return
         planning = self._plans_schedule()
         if planning:
             self._timeline.settled()
@@ -407,22 +433,46 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         cost = measure_alpha_beta()  # a collective: every rank is here
         count = len(manager.plan.buckets)
         predictions = self._ranked_orders(stats, manager.plan, cost) if complete else None
-        best = predictions[0] if predictions else None
-        order = engine.broadcast_ints(list(best.order) if best else [0] * count)  # rank 0's plan, on every rank
-        if order != list(range(count)):
-            manager.set_launch_order(order)
+        shortlist = _shortlist(predictions or [], TRIAL_CANDIDATES)
+        flat = [len(shortlist), *(b for order in shortlist for b in order)]
+        flat = engine.broadcast_ints(flat + [0] * (1 + TRIAL_CANDIDATES * count - len(flat)))  # rank 0's
+        orders = [tuple(flat[1 + k * count : 1 + (k + 1) * count]) for k in range(flat[0])]
         self.schedule_report, self._scheduled_plan = predictions, manager.plan
+        if orders:
+            self._trial = OrderTrial((tuple(range(count)), *orders), TRIAL_BLOCK_STEPS, TRIAL_ROUNDS)
+            manager.set_launch_order(None)  # plan order runs first
         if predictions:
             plain = next(p for p in predictions if p.is_plan_order)
             logger.info(
-                "collective_ops: DistributedOptimizer launch order %s (first %d and from position %d held, sent in "
-                "forward order); predicted step %.1f ms vs %.1f ms in plan order",
-                order,
-                best.deferred,
-                best.held_from,
-                best.step_s * 1e3,
+                "collective_ops: DistributedOptimizer shortlisted launch orders %s (simulated %s ms) against plan "
+                "order (%.1f ms); each runs %d x %d steps, the fastest is kept",
+                orders,
+                [round(p.step_s * 1e3, 1) for p in predictions if p.order in orders],
                 plain.step_s * 1e3,
+                TRIAL_ROUNDS,
+                TRIAL_BLOCK_STEPS,
             )
+
+    def _advance_trial(self, stats: Any) -> None:
+        """One step of the order trial measured (its forward, backward and step(), this model's own time, so
+        other work between steps does not count); the next order set, or, once over, the fastest kept."""
+        trial, manager, now = self._trial, self.model.manager, time.perf_counter()
+        backward = (stats.finalize_start or 0.0) - (stats.backward_start or 0.0)
+        forward = now - self._forward_start if self._forward_start is not None else 0.0
+        trial.record(forward + max(backward, 0.0) + self._step_seconds)
+        if not trial.done:
+            manager.set_launch_order(trial.orders[trial.current])
+            return
+        medians = self.model.engine.reduce_floats(trial.medians(), "max")  # the slowest rank's: alike everywhere
+        kept = trial.pick(medians)
+        manager.set_launch_order(trial.orders[kept])
+        self._trial = None
+        self.schedule_trial = {"orders": trial.orders, "median_s": medians, "kept": kept}
+        logger.info(
+            "collective_ops: DistributedOptimizer kept launch order %s; median steps (ms, plan order first): %s",
+            trial.orders[kept],
+            [round(m * 1e3, 1) for m in medians],
+        )
 
     def predict_overlapped(self, plan: Any, cost: Any) -> OrderPrediction | None:
         """For ``bucket_size_mb="auto"``: the best launch order's simulated step were the model bucketed as
@@ -441,7 +491,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         return plan_order(profile, lambda nbytes: cost.cost(int(nbytes * wire)))
 
     def on_plan_change(self, plan: Any) -> None:
-        """The model's buckets were replanned (first-step rebuild, auto-tune): nothing to move here."""
+        """The model's buckets were replanned (first-step rebuild, auto-tune): a trial of the old plan's orders ends."""
+        self._trial = None
 
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks (after a final synchronize)."""
@@ -521,6 +572,15 @@ class ForwardTimeline:
             self._start - origin if self._follows_backward else None,
             origin - max(end for end in self._ends if end <= origin),
         )
+
+
+def _shortlist(predictions: list[OrderPrediction], count: int) -> list[tuple[int, ...]]:
+    """The ``count`` best simulated orders other than plan order, distinct, best first."""
+    out: list[tuple[int, ...]] = []
+    for prediction in predictions:
+        if not prediction.is_plan_order and prediction.order not in out:
+            out.append(prediction.order)
+    return out[:count]
 
 
 def _as_groups(params: Any) -> list[dict[str, Any]]:

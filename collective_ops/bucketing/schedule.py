@@ -14,13 +14,16 @@ are held and sent in the forward's order. ``(0, n)`` is plain ready order.
 :func:`plan_order` simulates every candidate on one serial channel (``cost(nbytes)`` seconds
 per collective) and a forward that waits, bucket by bucket, for the ones it needs, and ranks
 them by the simulated step. The result depends only on its inputs, so one rank plans and
-broadcasts.
+broadcasts. The simulator shortlists well but cannot pick between orders a few percent apart
+(its step is within ~10% on the emulated link): :class:`OrderTrial` runs the shortlist and
+plan order in turn and keeps the one measured fastest.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -153,3 +156,49 @@ def plan_order(profile: StepProfile, cost: Callable[[int], float], max_cuts: int
             forward_end, waited = simulate_order(order, profile, cost)
             out.append(OrderPrediction(order, held_from, forward_end, waited, deferred, profile.lead_s + forward_end))
     return sorted(out, key=lambda p: (round(p.step_s, 6), p.deferred - p.held_from))
+
+
+@dataclass
+class OrderTrial:
+    """Launch orders run in turn, ``block`` steps each, ``rounds`` times round-robin; the fastest kept.
+
+    ``orders[0]`` is plan order, the rest the simulator's shortlist. The caller records every
+    step (``record``: its time, this rank's) and sets ``orders[current]`` before the next one;
+    which order runs depends only on the count of steps, so it is the same on every rank. Once
+    ``done``, ``pick`` takes the medians (reduced over ranks by the caller, so every rank picks
+    alike) and returns the index of the shortest; ties keep the earlier order (plan order first).
+    """
+
+    orders: tuple[tuple[int, ...], ...]
+    block: int = 3
+    rounds: int = 2
+    seconds: list[list[float]] = field(default_factory=list)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.orders) < 2 or self.block < 1 or self.rounds < 1:
+            raise ValueError("an order trial needs plan order and at least one other, block >= 1 and rounds >= 1")
+        self.seconds = [[] for _ in self.orders]
+
+    @property
+    def current(self) -> int:
+        """The index of the order the next step runs."""
+        return (self.steps // self.block) % len(self.orders)
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.block * self.rounds * len(self.orders)
+
+    def record(self, seconds: float) -> None:
+        """The step just run (under ``orders[current]``) took ``seconds``."""
+        if self.done:
+            raise RuntimeError("the order trial is over")
+        self.seconds[self.current].append(seconds)
+        self.steps += 1
+
+    def medians(self) -> list[float]:
+        return [statistics.median(times) for times in self.seconds]
+
+    @staticmethod
+    def pick(medians: Sequence[float]) -> int:
+        return min(range(len(medians)), key=lambda i: (medians[i], i))
