@@ -373,7 +373,8 @@ def test_a_launch_order_is_planned_tried_and_kept_the_same_on_every_rank(two_ran
     tried = trial["orders"]
     assert tried[0] == list(range(n)) and len(tried) == 1 + TRIAL_CANDIDATES  # plan order and the shortlist
     assert all(order in ran[0] for order in tried) and orders[0] == tried[trial["kept"]]
-    assert trial["median_s"][trial["kept"]] == min(trial["median_s"])
+    medians = trial["median_s"]
+    assert trial["kept"] == 0 or medians[trial["kept"]] == min(medians) < 0.98 * medians[0]
     assert ran[0][-1] == orders[0]  # the kept order runs from then on
     for rank, out in enumerate(two_ranks):
         assert_identical(out["schedule_weights"][1], out["schedule_weights"][0], f"orders switched, rank {rank}")

@@ -153,6 +153,8 @@ def test_an_order_trial_runs_each_order_in_blocks_and_keeps_the_fastest() -> Non
     assert ran == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
     assert OrderTrial.pick(trial.medians()) == 1
     assert OrderTrial.pick([0.3, 0.3, 0.4]) == 0  # a tie keeps plan order
+    assert OrderTrial.pick([0.3, 0.295, 0.4]) == 0  # and so does a gain within the noise (2%)
+    assert OrderTrial.pick([0.3, 0.29, 0.28], margin=0.05) == 2
     with pytest.raises(RuntimeError, match="over"):
         trial.record(0.1)
     with pytest.raises(ValueError, match="plan order and at least one other"):
