@@ -140,7 +140,7 @@ def _schedule_summary(optimizer) -> dict | None:
         return None
     plain = next(p for p in report if p.is_plan_order)
     order = tuple(optimizer.model.manager.launch_order)
-    kept = next(p for p in report if p.order == order)  # the order the trial kept (plan order among them)
+    kept = next((p for p in report if p.order == order), plain)  # the order kept (plan order's if since replanned)
     trial = optimizer.schedule_trial
     return {
         "order": list(order),

@@ -211,7 +211,9 @@ def shutdown_with_work_in_flight(rank: int, world: int) -> dict:
     from tests.models import UntiedLM
 
     torch.manual_seed(0)
-    model = co.wrap(UntiedLM(), bucket_size_mb=0.001)  # row-sparse: a mask group of its own
+    net = UntiedLM()
+    net.register_buffer("steps_seen", torch.zeros(1))  # a buffer: broadcast on a group of its own
+    model = co.wrap(net, bucket_size_mb=0.001)  # row-sparse: a mask group of its own
     opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)  # an all-gather group too
     for step in range(2):
         x, y = UntiedLM.batch(torch.Generator().manual_seed(step * 10 + rank))
@@ -222,7 +224,7 @@ def shutdown_with_work_in_flight(rank: int, world: int) -> dict:
     before = {"in_flight": opt.in_flight, "threads": _gloo_worker_threads()}
     co.shutdown()
     after = {"in_flight": opt.in_flight, "threads": _gloo_worker_threads()}
-    groups = [opt._gather_group, opt._held_group, model.manager.row_sparse]
+    groups = [opt._gather_group, model._buffer_group, model.manager.row_sparse]
     return {"before": before, "after": after, "groups_left": [g is not None for g in groups]}
 
 
@@ -236,5 +238,5 @@ def test_shutdown_finishes_work_in_flight_and_joins_the_groups_it_made() -> None
     for out in run_ranks(2, shutdown_with_work_in_flight, clean_exit=False):
         assert out["before"]["in_flight"] and not out["after"]["in_flight"], out
         assert out["groups_left"] == [False, False, False], out
-        # default, masks' and all-gathers' groups: two workers each; only the default group's stay
-        assert out["before"]["threads"] == 6 and out["after"]["threads"] == 2, out
+        # default, masks', all-gathers' and buffers' groups: two workers each; only the default group's stay
+        assert out["before"]["threads"] == 8 and out["after"]["threads"] == 2, out

@@ -100,9 +100,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.auto_tune_report = None
         # with a DistributedOptimizer planning its order: (size, first bucket) -> simulated overlapped step
         self.auto_tune_overlapped: dict[tuple[float, float], float] = {}
-        self.auto_tune_contention = (
-            0.0  # what the online tune charged overlapped communication (tuning.estimated_contention)
-        )
+        # what the online tune charged overlapped communication (tuning.estimated_contention)
+        self.auto_tune_contention = 0.0
 
         if not runtime.is_initialized("torch"):
             runtime.init(framework="torch")
@@ -273,8 +272,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._settle()
 
     def _let_go_of_groups(self) -> None:
-        """co.shutdown(): the masks' group let go of, so that destroying it joins its worker threads now."""
+        """co.shutdown(): the masks' and the buffers' groups let go of, so that destroying them joins their worker
+        threads now."""
         self.manager.row_sparse = None
+        self._buffer_group = None
 
     def _after_step(self) -> None:
         """Once every bucket of a synchronised step is finished (local work only)."""
@@ -320,6 +321,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         has_buffers = any(True for _ in self.module.buffers())
         if self._buffer_group is None and self.broadcast_buffers and self.engine.world_size > 1 and has_buffers:
             self._buffer_group = self.engine.new_group()
+            runtime.finish_in_flight_before_leaving(self._let_go_of_groups)
 
     def _check_requires_grad_unchanged(self) -> None:
         now = [p.requires_grad for p in self.module.parameters()]

@@ -225,7 +225,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         groups of its own let go of, so that destroying them joins their worker threads while Python is alive."""
         if self.in_flight:
             self.synchronize()
-        self._held_group = None
         if not self.model.manager.in_progress:
             self.model.manager.set_launch_order(None)
 
@@ -578,9 +577,11 @@ def _shortlist(predictions: list[OrderPrediction], count: int) -> list[tuple[int
     """The ``count`` best simulated orders other than plan order, distinct, best first."""
     out: list[tuple[int, ...]] = []
     for prediction in predictions:
+        if len(out) == count:
+            break
         if not prediction.is_plan_order and prediction.order not in out:
             out.append(prediction.order)
-    return out[:count]
+    return out
 
 
 def _as_groups(params: Any) -> list[dict[str, Any]]:
