@@ -66,6 +66,28 @@ def primitive_checks(rank: int, world: int) -> dict:
     gathered = co.allgather(np.array([rank], dtype=np.int64))
     out["numpy_allgather"] = (type(gathered).__name__, gathered)
 
+    # half-precision sums (at 2 Gloo ranks an all-gather and torch's add): bit-equal to Gloo's own allreduce,
+    # over values from subnormals to overflow
+    from collective_ops.runtime import get_engine
+
+    gen = torch.Generator().manual_seed(rank)
+    spread = torch.randn(20000, generator=gen) * torch.logspace(-9, 5, 20000)[torch.randperm(20000, generator=gen)]
+    for dtype in (torch.float16, torch.bfloat16):
+        x = spread.to(dtype)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        synced, launched = x.clone(), x.clone().view(100, 200)
+        co.allreduce(synced)
+        co.allreduce(launched, async_op=True).wait()
+        averaged = x.clone()
+        co.allreduce(averaged, op="avg")
+        out[("half_sum", str(dtype))] = [t.reshape(-1).view(torch.int16).numpy() for t in (expected, synced, launched)]
+        out[("half_avg", str(dtype))] = (
+            (expected / world).view(torch.int16).numpy(),
+            averaged.view(torch.int16).numpy(),
+        )
+    out["sums_by_gather"] = get_engine("torch")._sums_by_gather(torch.ones(2, dtype=torch.float16), None)
+
     # bad input: refused before any communication, with a message that says what to do
     cases = {
         "unknown_op": lambda: co.allreduce(torch.ones(2), op="median"),
@@ -108,6 +130,12 @@ def test_primitives_match_numpy(world: int) -> None:
         kind, gathered = out["numpy_allgather"]
         assert kind == "ndarray"
         np.testing.assert_array_equal(gathered, np.arange(world))
+        for dtype in ("torch.float16", "torch.bfloat16"):
+            expected, synced, launched = out[("half_sum", dtype)]
+            np.testing.assert_array_equal(synced, expected, err_msg=f"{dtype} sum against Gloo's, rank {rank}")
+            np.testing.assert_array_equal(launched, expected, err_msg=f"{dtype} async sum against Gloo's")
+            np.testing.assert_array_equal(*out[("half_avg", dtype)], err_msg=f"{dtype} average against Gloo's")
+        assert out["sums_by_gather"] is (world == 2)
         errors = out["errors"]
         assert "median" in errors["unknown_op"] and "sum" in errors["unknown_op"]
         assert "contiguous()" in errors["non_contiguous"]

@@ -32,6 +32,13 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # 186: benchmarks/shard_collectives.py --link 1gbit --mib 21.3).
 _GLOO_SHARD_PIECE_BYTES = 1 << 20
 
+# Gloo adds half-precision elements one at a time, converting each; torch's add is vectorised. So at 2 Gloo
+# ranks an fp16/bf16 sum goes as an all-gather and a local add: the same bytes on the wire as a ring allreduce
+# (each rank's tensor, once), in one round instead of two, and the same sum (float(a) + float(b) rounded to
+# the dtype, as Gloo adds them): bit-equal. 0.5 MiB of fp16 (a 1 MiB bucket compressed) on loopback: 2.1 ms
+# wall and 1.5 ms of CPU against the allreduce's 3.9 and 2.3 (collective-ops bench --dtype float16).
+_SUMMED_BY_GATHER = (torch.float16, torch.bfloat16)
+
 
 def _nonzero_rows(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The rows of the ``rows`` x ``cols`` table at the start of ``buffer`` that hold a non-zero (NaN != 0: sent).
@@ -131,18 +138,36 @@ class TorchEngine(Engine):
                     "use op='sum' and divide, or cast to a floating dtype"
                 )
             world = dist.get_world_size(group)
-            work = dist.all_reduce(t, op=_TORCH_OPS["sum"], group=group, async_op=True)
+            work = self._sum(t, group)
 
             def done() -> Any:
                 t.div_(world)  # sum then divide: the same arithmetic on every backend
                 return tensor
 
             return finish(ThenHandle(work, done), async_op)
+        if op == "sum" and self._sums_by_gather(t, group):
+            return finish(ThenHandle(self._sum(t, group), lambda: tensor), async_op)
         if not async_op:  # the latency-critical path: no handle objects
             dist.all_reduce(t, op=_TORCH_OPS[op], group=group)
             return tensor
         work = dist.all_reduce(t, op=_TORCH_OPS[op], group=group, async_op=True)
         return ThenHandle(work, lambda: tensor)
+
+    def _sum(self, t: torch.Tensor, group: Any) -> Any:
+        """The sum of every rank's ``t`` into it, launched: a handle (an all-gather and an add where
+        :func:`_sums_by_gather`, else Gloo's/NCCL's allreduce)."""
+        if not self._sums_by_gather(t, group):
+            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        flat = t.view(-1)
+        gathered = torch.empty(2 * flat.numel(), dtype=t.dtype, device=t.device)
+        work = _all_gather_single(gathered, flat, group=group, async_op=True)
+        return ThenHandle(work, lambda: torch.add(gathered[: flat.numel()], gathered[flat.numel() :], out=flat))
+
+    def _sums_by_gather(self, t: torch.Tensor, group: Any) -> bool:
+        """True for a half-precision CPU tensor summed over 2 Gloo ranks (see _SUMMED_BY_GATHER)."""
+        if self.backend != "gloo" or t.dtype not in _SUMMED_BY_GATHER or t.device.type != "cpu":
+            return False
+        return (self._world_size if group is None else dist.get_world_size(group)) == 2
 
     def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False, group: Any = None) -> Any:
         t = self._as_torch(tensor, "broadcast")
@@ -324,7 +349,7 @@ class TorchEngine(Engine):
             packed.mul_(factor)
         if checked:
             wire[count] = float(outside)
-        work = dist.all_reduce(wire, group=group, async_op=True)
+        work = self._sum(wire, group)
 
         def unpack() -> torch.Tensor:
             if checked and wire[count].item() != 0:
