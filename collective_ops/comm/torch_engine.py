@@ -33,11 +33,14 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _GLOO_SHARD_PIECE_BYTES = 1 << 20
 
 # Gloo adds half-precision elements one at a time, converting each; torch's add is vectorised. So at 2 Gloo
-# ranks an fp16/bf16 sum goes as an all-gather and a local add: the same bytes on the wire as a ring allreduce
-# (each rank's tensor, once), in one round instead of two, and the same sum (float(a) + float(b) rounded to
-# the dtype, as Gloo adds them): bit-equal. 0.5 MiB of fp16 (a 1 MiB bucket compressed) on loopback: 2.1 ms
-# wall and 1.5 ms of CPU against the allreduce's 3.9 and 2.3 (collective-ops bench --dtype float16).
+# ranks an fp16/bf16 sum of up to 8 MiB goes as an all-gather and a local add: the same bytes on the wire as a
+# ring allreduce (each rank's tensor, once), in one round instead of two, and the same sum (float(a) + float(b)
+# rounded to the dtype, as Gloo adds them): bit-equal. 0.5 MiB of fp16 (a 1 MiB bucket compressed) on
+# loopback: 2.1 ms wall and 1.5 ms of CPU against the allreduce's 3.9 and 2.3; `collective-ops bench --spawn 2
+# -d float16` at 0.5/2/8 MiB: 1.1-1.9/2.8-3.0/8.9-11.4 ms against 2.5-3.0/3.7-4.7/11.7-11.9. From 16 MiB the
+# twice-as-large receive buffer and Gloo's large all-gathers make it slower (43 against 21 ms): Gloo's allreduce.
 _SUMMED_BY_GATHER = (torch.float16, torch.bfloat16)
+_SUMMED_BY_GATHER_MAX_BYTES = 8 << 20
 
 
 def _nonzero_rows(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -164,8 +167,10 @@ class TorchEngine(Engine):
         return ThenHandle(work, lambda: torch.add(gathered[: flat.numel()], gathered[flat.numel() :], out=flat))
 
     def _sums_by_gather(self, t: torch.Tensor, group: Any) -> bool:
-        """True for a half-precision CPU tensor summed over 2 Gloo ranks (see _SUMMED_BY_GATHER)."""
+        """True for a half-precision CPU tensor of up to 8 MiB summed over 2 Gloo ranks (see _SUMMED_BY_GATHER)."""
         if self.backend != "gloo" or t.dtype not in _SUMMED_BY_GATHER or t.device.type != "cpu":
+            return False
+        if t.numel() * t.element_size() > _SUMMED_BY_GATHER_MAX_BYTES:
             return False
         return (self._world_size if group is None else dist.get_world_size(group)) == 2
 
