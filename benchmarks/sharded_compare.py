@@ -39,8 +39,8 @@ SETUPS = (
 )
 
 
-def build_setup(label: str, name: str, bucket_size_mb: float | str = "auto") -> tuple:
-    """(model, optimizer) of one setup."""
+def build_setup(label: str, name: str, bucket_size_mb: float | str = "auto", row_sparse: bool = True) -> tuple:
+    """(model, optimizer) of one setup; ``row_sparse=False``: embeddings reduced densely, as DDP does."""
     import collective_ops as co
 
     model, _ = build_model(name)
@@ -51,7 +51,7 @@ def build_setup(label: str, name: str, bucket_size_mb: float | str = "auto") -> 
 
             return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
         return ddp, torch.optim.AdamW(ddp.parameters(), **ADAMW)
-    wrapped = co.wrap(model, bucket_size_mb=bucket_size_mb)
+    wrapped = co.wrap(model, bucket_size_mb=bucket_size_mb, row_sparse_embeddings="auto" if row_sparse else False)
     return wrapped, co.DistributedOptimizer(wrapped, torch.optim.AdamW, shard="shard" in label, **ADAMW)
 
 
@@ -89,7 +89,10 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     results = {}
     for name in args.models:
         batches = _batches(name, rank)
-        setups = {label: (*build_setup(label, name, args.bucket_size_mb), batches) for label in SETUPS}
+        setups = {
+            label: (*build_setup(label, name, args.bucket_size_mb, args.row_sparse_embeddings == "auto"), batches)
+            for label in SETUPS
+        }
         times = alternate_steps(setups, args.rounds, args.block)
         memory = {label: engine.reduce_floats([state_bytes(opt)], "max")[0] for label, (_, opt, _) in setups.items()}
         sharded = setups[SETUPS[3]][1]
@@ -116,7 +119,7 @@ def memory_rank(rank: int, world: int, port: int, args, label: str, queue) -> No
     co.init("gloo", rank=rank, world_size=world, master_port=port)
     name = args.models[0]
     batches = _batches(name, rank)
-    model, optimizer = build_setup(label, name, args.bucket_size_mb)
+    model, optimizer = build_setup(label, name, args.bucket_size_mb, args.row_sparse_embeddings == "auto")
     for i in range(4):
         one_step(model, optimizer, batches[i % len(batches)])
     getattr(optimizer, "synchronize", lambda: None)()
@@ -147,6 +150,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--bucket-size-mb", type=_size, default="auto", help="collective_ops' bucket size (MiB or auto)"
     )
+    parser.add_argument(
+        "--row-sparse-embeddings",
+        choices=("auto", "off"),
+        default="auto",
+        help="collective_ops' embedding gradients sent by rows (auto, the default) or densely (off: every setup "
+        "then moves the same bytes, the comparison the sharded goal assumes)",
+    )
     parser.add_argument("--memory", action="store_true", help="also measure each setup's peak RSS alone")
     parser.add_argument("--json")
     started = time.monotonic()
@@ -164,7 +174,8 @@ def main(argv=None) -> int:
         unsharded, zero = ms[SETUPS[2]], ms[SETUPS[1]]
         print(
             f"  {name} ({r['params_m']:.1f}M params), collective_ops plan {r['plan'][0]:g}/{r['plan'][1]:g} MiB "
-            f"({args.bucket_size_mb}), padding {r['padding_bytes']} B of AdamW state per rank"
+            f"({args.bucket_size_mb}), padding {r['padding_bytes']} B of AdamW state per rank, "
+            f"row-sparse embeddings {args.row_sparse_embeddings}"
         )
         print(f"    {'setup':<46} {'step':>9}  {'/unsharded':>10}  {'/DDP+ZeRO':>9}  {'state/rank':>10}  peak RSS")
         for key in SETUPS:
