@@ -302,6 +302,20 @@ def optimizer_checks(rank: int, world: int) -> dict:
     # bad input: each refused with what to do
     errors = {}
     stranger = torch.nn.Parameter(torch.zeros(3))
+
+    class CountingSGD(torch.optim.SGD):
+        """Keeps a per-step count in its groups (as schedule-free optimizers do): per-bucket steps would not
+        advance it as a plain optimizer does."""
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group["k"] = group.get("k", 0) + 1
+            return super().step(closure)
+
+    def counting_step():
+        model = co.wrap(build("mlp"))
+        _train(rank, model, co.DistributedOptimizer(model, CountingSGD, lr=0.1), MLP, steps=1)
+
     for key, call in {
         "not_wrapped": lambda: co.DistributedOptimizer(build("mlp"), torch.optim.SGD, lr=0.1),
         "not_a_class": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), "adam", lr=0.1),
@@ -310,11 +324,13 @@ def optimizer_checks(rank: int, world: int) -> dict:
         ),
         "closure": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1).step(lambda: 0),
         "schedule": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, schedule="x"),
+        "needs_closure": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.LBFGS),
+        "group_mutation": counting_step,
     }.items():
         try:
             call()
             errors[key] = None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:
             errors[key] = str(exc)
     out["errors"] = errors
     return out
@@ -402,6 +418,9 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "not a parameter of the wrapped model" in errors["foreign_params"]
     assert "takes no closure" in errors["closure"]
     assert "schedule must be one of" in errors["schedule"]
+    assert "LBFGS.step() needs a closure" in errors["needs_closure"]
+    assert "CountingSGD.step() changed param_groups[0]['k']" in errors["group_mutation"]
+    assert "co.wrap(net)" in errors["group_mutation"]
 
 
 def three_rank_checks(rank: int, world: int) -> dict:

@@ -297,7 +297,26 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
             "reduce_dtype_unsharded": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, grad_reduce_dtype="float32"
             ),
+            # Adafactor factors a matrix's second moment: on flat pieces it trained differently, silently
+            "not_elementwise": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp")), torch.optim.Adafactor, lr=0.01, shard=True
+            ),
+            "assumed_unsharded": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, assume_elementwise=True
+            ),
         }
+    )
+
+    class LoggingAdamW(torch.optim.AdamW):
+        """A subclass (its step may differ): accepted only when said to be element-wise."""
+
+    out["assumed"] = type(
+        co.DistributedOptimizer(co.wrap(build("mlp")), LoggingAdamW, lr=0.01, shard=True, assume_elementwise=True)
+    ).__name__
+    out["errors"].update(
+        collect_errors(
+            {"subclass": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), LoggingAdamW, lr=0.01, shard=True)}
+        )
     )
     return out
 
@@ -458,6 +477,11 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "not supported with shard=True" in errors["schedule_auto"]
     assert "'float32'" in errors["reduce_dtype"]
     assert "shard=True" in errors["reduce_dtype_unsharded"]
+    assert "Adafactor is not known to update each element" in errors["not_elementwise"]
+    assert "shard=False" in errors["not_elementwise"] and "assume_elementwise=True" in errors["not_elementwise"]
+    assert "LoggingAdamW is not known" in errors["subclass"]
+    assert "option of the sharded optimizer" in errors["assumed_unsharded"]
+    assert two_ranks[0]["assumed"] == "ShardedDistributedOptimizer"
 
 
 def test_checkpoint_of_two_ranks_loads_at_one_rank(two_ranks, checkpoint) -> None:

@@ -20,6 +20,7 @@ reports the in-place update (a loud error, never a silent stale read).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import deque
@@ -96,8 +97,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got {optimizer_class!r}"
             )
-        if "grad_reduce_dtype" in kwargs:
-            raise ValueError("grad_reduce_dtype is an option of the sharded optimizer: pass shard=True with it")
+        if _needs_closure(optimizer_class):
+            raise ValueError(
+                f"{optimizer_class.__name__}.step() needs a closure that evaluates the model again (a line search): "
+                "updates applied bucket by bucket cannot do that; use it as a plain optimizer on the wrapped model"
+            )
+        for option in ("grad_reduce_dtype", "assume_elementwise"):
+            if option in kwargs:
+                raise ValueError(f"{option} is an option of the sharded optimizer: pass shard=True with it")
         self.model = model
         self.overlap = overlap
         self.schedule = schedule
@@ -356,7 +363,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def _timed_step(self, only: set[int] | None, hyperparameters: list[dict] | None) -> None:
         """The class's step over ``only`` (parameter ids; None: all) with ``hyperparameters`` (None: current)."""
         start = time.perf_counter()
-        saved = []
+        saved, changed = [], []
         try:
             for k, group in enumerate(self._optimizer.param_groups):
                 saved.append((group["params"], {key: group[key] for key in group if key != "params"}))
@@ -364,12 +371,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                     group["params"] = [p for p in group["params"] if id(p) in only]
                 if hyperparameters is not None:
                     group.update(hyperparameters[k])
+            given = [dict(group) for group in self._optimizer.param_groups]
             self._optimizer.step()
+            changed = _changed_settings(given, self._optimizer.param_groups)
         finally:
             for group, (params, settings) in zip(self._optimizer.param_groups, saved):
                 group["params"] = params
                 group.update(settings)
         self.update_seconds += time.perf_counter() - start
+        if changed:
+            _refuse_group_mutation(type(self._optimizer).__name__, changed)
 
     def _params_of(self, buckets: list[int]) -> set[int]:
         plan = self.model.manager.plan
@@ -582,6 +593,41 @@ def _shortlist(predictions: list[OrderPrediction], count: int) -> list[tuple[int
         if not prediction.is_plan_order and prediction.order not in out:
             out.append(prediction.order)
     return out
+
+
+def _needs_closure(optimizer_class: type) -> bool:
+    """True for a class whose step() requires a closure (LBFGS)."""
+    try:
+        closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _changed_settings(given: list[dict], groups: list[dict]) -> list[tuple[int, str, Any, Any]]:
+    """(group, key, before, after) of every setting a step() changed in the parameter groups."""
+    changed = []
+    for k, (before, group) in enumerate(zip(given, groups)):
+        for key in set(before) | set(group):
+            if key == "params":
+                continue
+            old, new = before.get(key, _MISSING), group.get(key, _MISSING)
+            if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor) or old != new):
+                changed.append((k, key, old, new))
+    return changed
+
+
+def _refuse_group_mutation(name: str, changed: list[tuple[int, str, Any, Any]]) -> None:
+    k, key, old, new = changed[0]
+    raise RuntimeError(
+        f"{name}.step() changed param_groups[{k}][{key!r}] ({old!r} -> {new!r}): it keeps values that advance "
+        "every step in its parameter groups, and DistributedOptimizer calls step() once per bucket (the groups "
+        "restored after each call), so they would not advance as they do under a plain optimizer. Use the plain "
+        f"optimizer on the wrapped model instead ({name}(model.parameters(), ...) with model = co.wrap(net))"
+    )
+
+
+_MISSING = object()
 
 
 def _as_groups(params: Any) -> list[dict[str, Any]]:

@@ -38,6 +38,12 @@ from .torch import DistributedDataParallel, view_like
 from .torch_optimizer import DistributedOptimizer
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+# torch.optim classes whose update of an element reads only that element's gradient and state (and the
+# group's hyperparameters): run on flat pieces of parameters, their arithmetic is unchanged.
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+)
 MASTER_KEY = "master_param"  # fp32 master values of a low-precision parameter, in state_dict()
 GRAD_REDUCE_DTYPES = (None, "float32")
 
@@ -63,8 +69,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         shard: bool = True,
         schedule: str | None = None,
         grad_reduce_dtype: str | None = None,
+        assume_elementwise: bool = False,
         **kwargs: Any,
     ) -> None:
+        _refuse_non_elementwise(optimizer_class, assume_elementwise)
         if schedule not in (None, "plan"):
             raise ValueError(
                 f"shard=True launches in plan order (schedule='plan'), got schedule={schedule!r}: a planned order "
@@ -449,6 +457,22 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             if value is not None:
                 local.narrow(0, piece.shard_offset, piece.numel).copy_(value.reshape(-1))
         return self.model.engine.allgather(local)
+
+
+def _refuse_non_elementwise(optimizer_class: Any, assume_elementwise: bool) -> None:
+    """Pieces of parameters change the update of any optimizer that reads across a parameter: refused unless
+    known (or said) to be element-wise, rather than training differently without an error."""
+    if assume_elementwise or optimizer_class in ELEMENTWISE_OPTIMIZERS or not isinstance(optimizer_class, type):
+        return  # (not a class: the base class refuses it)
+    name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+    raise ValueError(
+        f"shard=True runs {name} on flat pieces of parameters (a shard boundary may cut one), and {name} is not "
+        "known to update each element from its own gradient and state alone: one that reads across a parameter "
+        "(Adafactor factors a matrix's second moment by rows and columns, Muon orthogonalises whole matrices, "
+        "LAMB scales by a parameter's norm) would train differently on pieces, without an error. Use shard=False "
+        f"(parameters whole), or pass assume_elementwise=True if {name}'s update is element-wise (known: "
+        f"{', '.join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)}; subclasses of them too need it)"
+    )
 
 
 def _refuse_unsupported(model: DistributedDataParallel, grad_reduce_dtype: str | None) -> None:
