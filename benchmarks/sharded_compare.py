@@ -96,8 +96,11 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         times = alternate_steps(setups, args.rounds, args.block)
         memory = {label: engine.reduce_floats([state_bytes(opt)], "max")[0] for label, (_, opt, _) in setups.items()}
         sharded = setups[SETUPS[3]][1]
+        plan = sharded.model.manager.plan
+        simulated = sharded.model.auto_tune_overlapped.get((plan.bucket_size_mb, plan.first_bucket_mb))
         results[name] = {
-            "plan": [sharded.model.manager.plan.bucket_size_mb, sharded.model.manager.plan.first_bucket_mb],
+            "plan": [plan.bucket_size_mb, plan.first_bucket_mb],
+            "simulated_sharded_ms": None if simulated is None else simulated * 1e3,
             "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
             "state_bytes": memory,
             "padding_bytes": _padding_bytes(sharded),
@@ -183,6 +186,12 @@ def main(argv=None) -> int:
             print(
                 f"    {key:<46} {ms[key]:>6.1f} ms  {ms[key] / unsharded:>9.3f}x  {ms[key] / zero:>8.3f}x  "
                 f"{memory[key] / 2**20:>7.2f} MiB  {peak}"
+            )
+        if r.get("simulated_sharded_ms") is not None:
+            simulated, measured = r["simulated_sharded_ms"], ms[SETUPS[3]]
+            print(
+                f"    shard=True simulated by the online tune at its plan: {simulated:.1f} ms "
+                f"({(simulated / measured - 1) * 100:+.1f}% of the measured {measured:.1f})"
             )
         share = memory[SETUPS[3]] / memory[SETUPS[2]]
         print(f"    sharded state / unsharded state: {share:.3f} (1/{args.world} = {1 / args.world:.3f})")

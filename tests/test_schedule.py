@@ -10,6 +10,7 @@ from collective_ops.bucketing.schedule import (
     held_order,
     plan_order,
     simulate_order,
+    simulate_sharded,
     step_profile,
 )
 
@@ -42,6 +43,20 @@ def test_simulation_by_hand() -> None:
     assert simulate_order((0, 1, 2, 3), _profile(), cost) == (130.0, 50.0)
     # hold 2 and 3, send 3 first: done 0:30, 1:50, 3:70, 2:90 -> forward 70+10, waits for 2 until 90, +10, +10, +10
     assert simulate_order((0, 1, 3, 2), _profile(), cost) == (120.0, 40.0)
+
+
+def test_sharded_simulation_by_hand() -> None:
+    # reduce-scatters 5 ms each: done 15, 25, 35, 45 -> step() returns at 45 (5 ms after backward's end);
+    # all-gathers 8 ms each in the forward's order 3, 2, 1, 0: done 53, 61, 69, 77; the forward (10 ms per
+    # bucket) waits 8 for bucket 3 -> 63, 2 is there -> 73, 1 -> 83, 0 -> 93; exposed: 5 in step() + 8
+    prediction = simulate_sharded(_profile(), [5.0] * 4, [8.0] * 4)
+    assert (prediction.forward_end_s, prediction.forward_wait_s) == (93.0, 13.0)
+    assert prediction.is_plan_order and prediction.step_s == 93.0
+    # a slow reduce-scatter of the first bucket delays step(), and every all-gather behind it
+    slow = simulate_sharded(_profile(), [30.0, 5.0, 5.0, 5.0], [8.0] * 4)
+    assert (slow.forward_end_s, slow.forward_wait_s) == (103.0, 23.0)  # RS done 40, 45, 50, 55; AG 63, 71, 79, 87
+    with pytest.raises(ValueError, match="every bucket"):
+        simulate_sharded(_profile(), [5.0] * 3, [8.0] * 4)
 
 
 def test_simulation_with_a_measured_forward_by_hand() -> None:

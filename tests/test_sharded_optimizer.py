@@ -262,6 +262,13 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     )
     out["bf16"] = _bf16_loss_curves(rank)
 
+    # bucket_size_mb="auto": the online tune weighs each candidate by the simulated sharded step
+    model = co.wrap(build("transformer"), bucket_size_mb="auto")
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    _train(rank, model, optimizer, TinyTransformer, steps=5)
+    plan = model.manager.plan
+    out["auto_size"] = (dict(model.auto_tune_overlapped), (plan.bucket_size_mb, plan.first_bucket_mb))
+
     # a checkpoint for the 1- and 3-rank runs, and training continued from it here
     model = co.wrap(build("mlp"), **BUCKET)
     optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, shard=True)
@@ -468,6 +475,13 @@ def test_continued_from_checkpoint_as_unsharded_at_two_ranks(two_ranks) -> None:
     for out in two_ranks:
         unsharded, sharded = out["continued"]
         assert_identical(sharded, unsharded, "4 steps after loading, 2 ranks")
+
+
+def test_the_online_tune_simulates_the_sharded_step(two_ranks) -> None:
+    steps, chosen = two_ranks[0]["auto_size"]
+    assert len(steps) >= 7, steps  # every candidate size (and first bucket): the sharded step simulated
+    assert steps[chosen] == min(steps.values())
+    assert two_ranks[1]["auto_size"][1] == chosen  # rank 0's choice, on every rank
 
 
 def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:

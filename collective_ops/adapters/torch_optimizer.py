@@ -281,7 +281,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
         if self._ran is not None:
             self._ran.add(module)
-        timeline = self._timeline if self._plans_schedule() else None
+        timeline = self._timeline if self._times_forward() else None
         if timeline is not None and module is self.model.module:
             timeline.forward_started(follows_backward=self.in_flight)
         if not (self.in_flight or timeline is not None):
@@ -304,12 +304,17 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """True while the forward's use of buckets is being timed: schedule="auto", not yet planned for this plan."""
         return self.schedule == "auto" and self.overlap and self._scheduled_plan is not self.model.manager.plan
 
+    def _times_forward(self) -> bool:
+        """True while the forward's use of buckets is timed: the input of the launch-order planner (and, here
+        the same, of the online bucket-size tune's simulated overlapped step)."""
+        return self._plans_schedule()
+
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self.in_flight:
             self.synchronize()
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._plans_schedule():
+        if self._times_forward():
             self._timeline.forward_ended()
         if self._ran is None:
             return
@@ -418,9 +423,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self._trial is not None and not self.model._join_config.enable:
             self._advance_trial(stats)
             return
-        planning = self._plans_schedule()
-        if planning:
+        if self._times_forward():
             self._timeline.settled()
+        planning = self._plans_schedule()
         if (
             not planning
             or manager.steps_synced < SCHEDULE_AFTER_STEPS

@@ -32,6 +32,7 @@ from torch import nn
 from ..bucketing.hooks import allreduce_hook, reduce_scatter_hook
 from ..bucketing.interfaces import Handle, wait_with_timeout
 from ..bucketing.plan import BucketPlan
+from ..bucketing.schedule import OrderPrediction, simulate_sharded
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel, view_like
@@ -271,19 +272,28 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             return
         start = time.perf_counter()
         wait_with_timeout(handle, self.model.manager.stall_timeout_s)
+        end = time.perf_counter()
+        self._timeline.waited(end - start)
         tracer = getattr(self.model.manager.observer, "bucket_update", None)
         if tracer is not None and module:
-            tracer("forward wait", bucket, self.model.manager.steps_synced, start, time.perf_counter(), module)
+            tracer("forward wait", bucket, self.model.manager.steps_synced, start, end, module)
 
     def _before_forward_of(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: the buckets holding the parameters this module reads are gathered first."""
         if self._ran is not None:
             self._ran.add(module)
-        if not self.in_flight:
+        timing = self._times_forward()
+        if timing and module is self.model.module:
+            self._timeline.forward_started(follows_backward=self.in_flight)
+        if not (self.in_flight or timing):
             return
         indices = self._needs.get(module)
         if indices is None:
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
+        if timing:
+            self._timeline.needed(indices)
+        if not self.in_flight:
+            return
         manager = self.model.manager
         location = manager.plan.location
         name = type(module).__name__
@@ -291,6 +301,31 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             if bucket in self._gather_order[self._next_gather :] or manager.deferred_pending:
                 self._advance(block=True, until=bucket, module=name)
             self._wait_gather(bucket, name)
+
+    def _times_forward(self) -> bool:
+        """Until the online bucket-size tune (bucket_size_mb="auto") has run: its simulated sharded step's input."""
+        return self.overlap and self.model._auto_tune_at is not None
+
+    def predict_overlapped(self, plan: BucketPlan, cost: Any) -> OrderPrediction | None:
+        """For ``bucket_size_mb="auto"``: the sharded step simulated were the model bucketed as ``plan``
+        (:func:`simulate_sharded`), from the last backward and the forward after it; None without that profile.
+
+        A reduce-scatter or all-gather of a bucket of X bytes sends (N-1)/N of X per rank, what an allreduce
+        of X/2 sends: each costs the fitted allreduce cost of X/2 (a row-sparse table's rows are allreduced).
+        """
+        stats = self.model.manager.last_stats
+        if not (self.overlap and stats.backward_start is not None and self._timeline.complete(stats.backward_start)):
+            return None
+        shares = self.model.manager.wire_shares(plan)
+        profile = self._timeline.profile(stats, plan, shares)
+        wire = self._wire_dtype()
+        reduce_s, gather_s = [], []
+        for bucket, sent in zip(plan.buckets, profile.nbytes):
+            ratio = _itemsize(wire or bucket.dtype) / _itemsize(bucket.dtype)  # bytes on the wire per byte
+            by_rows = len(bucket.param_indices) == 1 and bucket.param_indices[0] in shares
+            reduce_s.append(cost.cost(int(sent * ratio)) if by_rows else cost.cost(int(bucket.nbytes * ratio / 2)))
+            gather_s.append(cost.cost(bucket.nbytes // 2))
+        return simulate_sharded(profile, reduce_s, gather_s)
 
     # -- what the rest of the loop may call --------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -488,6 +523,10 @@ def _refuse_unsupported(model: DistributedDataParallel, grad_reduce_dtype: str |
         )
     if grad_reduce_dtype is not None and model.compression:
         raise ValueError("pass either compression (on wrap) or grad_reduce_dtype, not both")
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -136,6 +136,33 @@ def simulate_order(order: Sequence[int], profile: StepProfile, cost: Callable[[i
     return clock, waited
 
 
+def simulate_sharded(profile: StepProfile, reduce_s: Sequence[float], gather_s: Sequence[float]) -> OrderPrediction:
+    """The sharded step (ZeRO-1) of :mod:`collective_ops.adapters.torch_sharded`, in plan order.
+
+    Each bucket's reduce-scatter (``reduce_s[b]`` seconds) launches once it is full, on one serial
+    channel; ``step()`` returns once every one has landed (it launches every all-gather before
+    returning); the all-gathers (``gather_s[b]``) then run on a channel of their own in the
+    forward's order, and the forward, starting as ``step()`` returns, waits for each bucket's.
+    ``forward_wait_s`` counts the wait in ``step()`` too: both are communication left exposed.
+    """
+    count = len(profile.ready_s)
+    if not len(reduce_s) == len(gather_s) == count:
+        raise ValueError("simulate_sharded needs a reduce-scatter and an all-gather time for every bucket")
+    channel_free = 0.0
+    for bucket in range(count):
+        channel_free = max(channel_free, profile.ready_s[bucket]) + reduce_s[bucket]
+    stepped = max(profile.backward_end_s, channel_free)
+    gathered, gather_free = {}, stepped
+    for bucket in profile.needs():
+        gather_free += gather_s[bucket]
+        gathered[bucket] = gather_free
+    clock, waited = stepped, stepped - profile.backward_end_s
+    for bucket in profile.needs():
+        waited += max(0.0, gathered[bucket] - clock)
+        clock = max(clock, gathered[bucket]) + profile.forward_s[bucket]
+    return OrderPrediction(tuple(range(count)), count, clock, waited, 0, profile.lead_s + clock)
+
+
 def plan_order(profile: StepProfile, cost: Callable[[int], float], max_cuts: int = 48) -> list[OrderPrediction]:
     """Every ``(deferred, held_from)`` order, best first (ties: the fewest buckets held).
 
