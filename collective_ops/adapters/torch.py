@@ -271,6 +271,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._after_step()
             self._settle()
 
+    @property
+    def tune_pending(self) -> bool:
+        """True until ``bucket_size_mb="auto"`` has settled on a size (False for a fixed size)."""
+        return self._auto_tune_at is not None
+
     def _let_go_of_groups(self) -> None:
         """co.shutdown(): the masks' and the buffers' groups let go of, so that destroying them joins their worker
         threads now."""

@@ -617,9 +617,19 @@ def _changed_settings(given: list[dict], groups: list[dict]) -> list[tuple[int, 
             if key == "params":
                 continue
             old, new = before.get(key, _MISSING), group.get(key, _MISSING)
-            if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor) or old != new):
+            if not _same(old, new):
                 changed.append((k, key, old, new))
     return changed
+
+
+def _same(old: Any, new: Any) -> bool:
+    """The same setting: the same object, or equal plain values (tensors and arrays: the same object only)."""
+    if old is new:
+        return True
+    try:
+        return not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor) and bool(old == new)
+    except (TypeError, ValueError, RuntimeError):  # an array's elementwise ==
+        return False
 
 
 def _refuse_group_mutation(name: str, changed: list[tuple[int, str, Any, Any]]) -> None:

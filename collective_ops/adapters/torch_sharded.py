@@ -304,7 +304,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _times_forward(self) -> bool:
         """Until the online bucket-size tune (bucket_size_mb="auto") has run: its simulated sharded step's input."""
-        return self.overlap and self.model._auto_tune_at is not None
+        return self.overlap and self.model.tune_pending
 
     def predict_overlapped(self, plan: BucketPlan, cost: Any) -> OrderPrediction | None:
         """For ``bucket_size_mb="auto"``: the sharded step simulated were the model bucketed as ``plan``
