@@ -149,6 +149,7 @@ def _schedule_summary(optimizer) -> dict | None:
         "predicted_step_ms": kept.step_s * 1e3,
         "plan_order_step_ms": plain.step_s * 1e3,
         "trial_ms": [round(s * 1e3, 1) for s in trial["median_s"]] if trial else None,
+        "overlapped": optimizer.defers,  # False: the trial kept every bucket finished in backward
         "simulated_best_ms": report[0].step_s * 1e3,
     }
 
@@ -220,8 +221,10 @@ def main(argv=None) -> int:
             )
             if plan["trial_ms"]:
                 print(
-                    f"    its trial (median steps of this model's own time, plan order first, then the simulator's "
-                    f"shortlist, best simulated {plan['simulated_best_ms']:.1f} ms): {plan['trial_ms']}"
+                    f"    its trial (median steps of this model's own time: every bucket finished in backward, plan "
+                    f"order, then the simulator's shortlist, best simulated {plan['simulated_best_ms']:.1f} ms): "
+                    f"{plan['trial_ms']}; kept: "
+                    + ("the order above, overlapped" if plan["overlapped"] else "every bucket finished in backward")
                 )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))

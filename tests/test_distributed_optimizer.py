@@ -279,9 +279,14 @@ def optimizer_checks(rank: int, world: int) -> dict:
     # run in turn against plan order, the fastest kept: every forward's order recorded, weights against DDP
     model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001)
     opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
-    ran = []
-    model.module.register_forward_pre_hook(lambda module, args: ran.append(list(model.manager.launch_order)))
-    trial_steps = 4 + 3 * TRIAL_BLOCK_STEPS * TRIAL_ROUNDS + 2
+    ran, overlapped = [], []
+
+    def note(module, args):
+        ran.append(list(model.manager.launch_order))
+        overlapped.append(opt.defers)  # how the last backward ran (set at the end of the forward before it)
+
+    model.module.register_forward_pre_hook(note)
+    trial_steps = 4 + (2 + TRIAL_CANDIDATES) * TRIAL_BLOCK_STEPS * TRIAL_ROUNDS + 2
     ours = _train(rank, model, opt, TinyTransformer, steps=trial_steps)
     ddp = torch.nn.parallel.DistributedDataParallel(build("transformer"))
     theirs = _train(
@@ -290,6 +295,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
     report, trial = opt.schedule_report, opt.schedule_trial
     trial = None if trial is None else {**trial, "orders": [list(o) for o in trial["orders"]]}
     out["schedule"] = (list(model.manager.launch_order), None if report is None else len(report), ran, trial)
+    out["schedule_overlapped"] = (overlapped, opt.defers)
     out["schedule_weights"] = (theirs, ours)
 
     # bucket_size_mb="auto" with it: the size chosen by the simulated overlapped step
@@ -386,12 +392,20 @@ def test_a_launch_order_is_planned_tried_and_kept_the_same_on_every_rank(two_ran
     assert ran[0] == ran[1]  # every forward ran under the same order on every rank
     trial = two_ranks[0]["schedule"][3]
     assert trial is not None and trial == two_ranks[1]["schedule"][3]  # measured, reduced and kept alike
-    tried = trial["orders"]
-    assert tried[0] == list(range(n)) and len(tried) == 1 + TRIAL_CANDIDATES  # plan order and the shortlist
-    assert all(order in ran[0] for order in tried) and orders[0] == tried[trial["kept"]]
+    tried, kept = trial["orders"], trial["kept"]
+    # every bucket finished in backward (in plan order), plan order overlapped, then the shortlist
+    assert tried[0] == tried[1] == list(range(n)) and len(tried) == 2 + TRIAL_CANDIDATES
+    assert trial["overlapped"] == [False] + [True] * (1 + TRIAL_CANDIDATES)
+    assert all(order in ran[0] for order in tried) and orders[0] == tried[kept]
     medians = trial["median_s"]
-    assert trial["kept"] == 0 or medians[trial["kept"]] == min(medians) < 0.98 * medians[0]
+    assert kept == 0 or medians[kept] == min(medians) < 0.98 * medians[0]
     assert ran[0][-1] == orders[0]  # the kept order runs from then on
+    overlapped, defers_after = two_ranks[0]["schedule_overlapped"]
+    assert overlapped == two_ranks[1]["schedule_overlapped"][0]  # every rank ran each candidate alike
+    assert defers_after == trial["overlapped"][kept] and overlapped[-1] == defers_after
+    start = overlapped.index(False)  # the trial's first step: its candidate 0 finishes buckets in backward
+    blocks = [overlapped[start + k * TRIAL_BLOCK_STEPS] for k in range(2 + TRIAL_CANDIDATES)]
+    assert blocks == trial["overlapped"], overlapped
     for rank, out in enumerate(two_ranks):
         assert_identical(out["schedule_weights"][1], out["schedule_weights"][0], f"orders switched, rank {rank}")
 

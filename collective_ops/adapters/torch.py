@@ -269,7 +269,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.manager.finalize(defer=self.optimizer is not None and self.optimizer.defers)
         if not self.manager.deferred_pending:
             self._after_step()
-            self._settle()
+            self._settle(forward_ended=False)
 
     @property
     def tune_pending(self) -> bool:
@@ -288,13 +288,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.check_finite:
             self._note_nonfinite()
 
-    def _settle(self) -> None:
-        """What a finished step left that needs collectives, at a point every rank shares: rebuild, auto-tune."""
+    def _settle(self, forward_ended: bool = True) -> None:
+        """What a finished step left that needs collectives, at a point every rank shares: rebuild, auto-tune.
+
+        ``forward_ended``: False at the end of a backward that finished every bucket (the optimizer's trial
+        and forward timing count from forward ends only)."""
         self.manager.settle_deferred()
         if self._auto_tune_at is not None and self.manager.steps_synced >= self._auto_tune_at:
             self._auto_tune()
         if self.optimizer is not None:
-            self.optimizer.on_settle()
+            self.optimizer.on_settle(forward_ended)
 
     def finish_bucket(self, bucket_index: int) -> list[int]:
         """Finish one bucket of a deferred step; the indices of its parameters (their gradients now final)."""

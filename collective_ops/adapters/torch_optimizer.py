@@ -111,6 +111,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.schedule_report: list[OrderPrediction] | None = None
         self._scheduled_plan: Any = None  # the bucket plan the launch order was planned for
         self._trial: OrderTrial | None = None  # the shortlisted orders being run in turn
+        self._trial_defers: tuple[bool, ...] = ()  # per trial candidate: overlapped (or finished in backward)
+        self._defers_now = True  # False: the trial runs, or kept, every bucket finished in backward
         self.schedule_trial: dict[str, Any] | None = None  # what the last trial measured and kept
         self._forward_start: float | None = None
         self._step_seconds = 0.0  # the last step()'s own time
@@ -156,7 +158,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     @property
     def defers(self) -> bool:
         """True if backward returns once buckets are launched (their reductions finished later, as needed)."""
-        return self.overlap
+        return self.overlap and self._defers_now
 
     @property
     def settling(self) -> bool:
@@ -410,7 +412,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def join_process_group(self) -> Any:
         return torch.distributed.group.WORLD
 
-    def on_settle(self) -> None:
+    def on_settle(self, forward_ended: bool = True) -> None:
         """At the end of a forward, every rank at the same point: plan the launch order once per bucket plan.
 
         With ``schedule="auto"``, from the last backward's bucket ready times, this forward's use
@@ -420,6 +422,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """
         manager = self.model.manager
         stats = manager.last_stats
+        if not forward_ended:  # a backward that finished every bucket: what is settled here is at forward ends
+            return
         if self._trial is not None and not self.model._join_config.enable:
             self._advance_trial(stats)
             return
@@ -453,14 +457,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         flat = engine.broadcast_ints(flat + [0] * (1 + TRIAL_CANDIDATES * count - len(flat)))  # rank 0's
         orders = [tuple(flat[1 + k * count : 1 + (k + 1) * count]) for k in range(flat[0])]
         self.schedule_report, self._scheduled_plan = predictions, manager.plan
-        if orders:
-            self._trial = OrderTrial((tuple(range(count)), *orders), TRIAL_BLOCK_STEPS, TRIAL_ROUNDS)
-            manager.set_launch_order(None)  # plan order runs first
+        # Finishing every bucket in backward (as a plain optimizer sees it) is the first candidate: overlapping
+        # updates with the forward costs hooks and per-bucket updates, and is kept only where it measures faster.
+        plan = tuple(range(count))
+        self._trial = OrderTrial((plan, plan, *orders), TRIAL_BLOCK_STEPS, TRIAL_ROUNDS)
+        self._trial_defers = (False, True, *(True for _ in orders))
+        self._defers_now = False
+        manager.set_launch_order(None)
         if predictions:
             plain = next(p for p in predictions if p.is_plan_order)
             logger.info(
                 "collective_ops: DistributedOptimizer shortlisted launch orders %s (simulated %s ms) against plan "
-                "order (%.1f ms); each runs %d x %d steps, the fastest is kept",
+                "order (%.1f ms) and every bucket finished in backward; each runs %d x %d steps, the fastest kept",
                 orders,
                 [round(p.step_s * 1e3, 1) for p in predictions if p.order in orders],
                 plain.step_s * 1e3,
@@ -472,20 +480,30 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """One step of the order trial measured (its forward, backward and step(), this model's own time, so
         other work between steps does not count); the next order set, or, once over, the fastest kept."""
         trial, manager, now = self._trial, self.model.manager, time.perf_counter()
-        backward = (stats.finalize_start or 0.0) - (stats.backward_start or 0.0)
+        # backward until it returned: at its end where it finished every bucket, as it launched the last if deferred
+        ended = stats.finalize_start if self._defers_now else (stats.finalize_end or stats.finalize_start)
+        backward = (ended or 0.0) - (stats.backward_start or 0.0)
         forward = now - self._forward_start if self._forward_start is not None else 0.0
         trial.record(forward + max(backward, 0.0) + self._step_seconds)
         if not trial.done:
             manager.set_launch_order(trial.orders[trial.current])
+            self._defers_now = self._trial_defers[trial.current]
             return
         medians = self.model.engine.reduce_floats(trial.medians(), "max")  # the slowest rank's: alike everywhere
         kept = trial.pick(medians)
         manager.set_launch_order(trial.orders[kept])
+        self._defers_now = self._trial_defers[kept]
         self._trial = None
-        self.schedule_trial = {"orders": trial.orders, "median_s": medians, "kept": kept}
+        self.schedule_trial = {
+            "orders": trial.orders,
+            "overlapped": list(self._trial_defers),
+            "median_s": medians,
+            "kept": kept,
+        }
         logger.info(
-            "collective_ops: DistributedOptimizer kept launch order %s; median steps (ms, plan order first): %s",
-            trial.orders[kept],
+            "collective_ops: DistributedOptimizer kept %s; median steps (ms; every bucket finished in backward, "
+            "then plan order, then the shortlist): %s",
+            f"launch order {trial.orders[kept]}" if self._defers_now else "every bucket finished in backward",
             [round(m * 1e3, 1) for m in medians],
         )
 
@@ -508,6 +526,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def on_plan_change(self, plan: Any) -> None:
         """The model's buckets were replanned (first-step rebuild, auto-tune): a trial of the old plan's orders ends."""
         self._trial = None
+        self._defers_now = True
 
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks (after a final synchronize)."""
