@@ -40,7 +40,7 @@ from .torch import DistributedDataParallel
 logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
 SCHEDULE_AFTER_STEPS = 3  # after the first-step rebuild and bucket_size_mb="auto" settling (step 2)
-TRIAL_CANDIDATES = 2  # the simulator's best orders run against plan order (bucketing.schedule.OrderTrial)
+TRIAL_CANDIDATES = 2  # the simulator's best orders run against plan order and against finishing in backward
 TRIAL_BLOCK_STEPS = 3
 TRIAL_ROUNDS = 2
 
@@ -55,9 +55,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     plans the launch order once per bucket plan from a measured step: the buckets the next
     forward needs first, ready last in backward, are sent first at its end, ahead of those
     held from earlier in backward (and, with ``bucket_size_mb="auto"``, the bucket size by the
-    same simulated step). The simulator's two best orders then run in turn with plan order
-    (``TRIAL_ROUNDS`` x ``TRIAL_BLOCK_STEPS`` steps each) and the fastest measured is kept
-    (``schedule_trial``). ``"plan"`` launches in plan order. Either way every bucket is
+    same simulated step). The simulator's two best orders then run in turn with plan order and
+    with every bucket finished in backward (``TRIAL_ROUNDS`` x ``TRIAL_BLOCK_STEPS`` steps each),
+    and the fastest measured is kept, overlapping only if more than 2% faster (``schedule_trial``,
+    ``defers``). ``"plan"`` launches in plan order, overlapped. Either way every bucket is
     launched by the end of backward on every rank.
     """
 
