@@ -199,6 +199,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             # Every reduce-scatter waited for and every all-gather launched before step() returns, so code that
             # runs on some ranks only next (rank 0 saving model.module.state_dict()) waits only for collectives
             # every rank has issued; launched later, at each rank's own next forward, they hung there.
+            self._advance(block=False)  # the buckets already reduced updated while the last ones are in flight
             self._advance(block=True)
         else:
             self.synchronize()
