@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         if r.get("simulated_sharded_ms") is not None:
             simulated, measured = r["simulated_sharded_ms"], ms[SETUPS[3]]
             print(
-                f"    shard=True simulated by the online tune at its plan: {simulated:.1f} ms "
+                f"    shard=True, the online tune's score at its plan (simulated step + contention charge): {simulated:.1f} ms "
                 f"({(simulated / measured - 1) * 100:+.1f}% of the measured {measured:.1f})"
             )
         share = memory[SETUPS[3]] / memory[SETUPS[2]]
