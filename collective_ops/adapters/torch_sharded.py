@@ -312,7 +312,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         (:func:`simulate_sharded`), from the last backward and the forward after it; None without that profile.
 
         A reduce-scatter or all-gather of a bucket of X bytes sends (N-1)/N of X per rank, what an allreduce
-        of X/2 sends: each costs the fitted allreduce cost of X/2 (a row-sparse table's rows are allreduced).
+        of X/2 sends: each costs the fitted allreduce cost of X/2 (a row-sparse table's rows are allreduced),
+        with the queued latency for all but the first of each kind: the all-gathers go back to back at
+        ``step()``, and the reduce-scatters of a communication-bound step queue behind each other.
         """
         stats = self.model.manager.last_stats
         if not (self.overlap and stats.backward_start is not None and self._timeline.complete(stats.backward_start)):
@@ -321,11 +323,13 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         profile = self._timeline.profile(stats, plan, shares)
         wire = self._wire_dtype()
         reduce_s, gather_s = [], []
-        for bucket, sent in zip(plan.buckets, profile.nbytes):
+        first_gathered = profile.needs()[0]
+        for index, (bucket, sent) in enumerate(zip(plan.buckets, profile.nbytes)):
             ratio = _itemsize(wire or bucket.dtype) / _itemsize(bucket.dtype)  # bytes on the wire per byte
             by_rows = len(bucket.param_indices) == 1 and bucket.param_indices[0] in shares
-            reduce_s.append(cost.cost(int(sent * ratio)) if by_rows else cost.cost(int(bucket.nbytes * ratio / 2)))
-            gather_s.append(cost.cost(bucket.nbytes // 2))
+            reduced = int(sent * ratio) if by_rows else int(bucket.nbytes * ratio / 2)
+            reduce_s.append(cost.cost(reduced, queued=index > 0))
+            gather_s.append(cost.cost(bucket.nbytes // 2, queued=index != first_gathered))
         return simulate_sharded(profile, reduce_s, gather_s)
 
     # -- what the rest of the loop may call --------------------------------------------------------
