@@ -189,11 +189,13 @@ def plan_order(profile: StepProfile, cost: Callable[[int], float], max_cuts: int
 class OrderTrial:
     """Launch orders run in turn, ``block`` steps each, ``rounds`` times round-robin; the fastest kept.
 
-    ``orders[0]`` is plan order, the rest the simulator's shortlist. The caller records every
-    step (``record``: its time, this rank's) and sets ``orders[current]`` before the next one;
-    which order runs depends only on the count of steps, so it is the same on every rank. Once
+    ``orders[0]`` is the baseline (the DistributedOptimizer's: plan order with every bucket
+    finished in backward), the rest the candidates (plan order overlapped, the simulator's
+    shortlist); the caller says what else each entry means. The caller records every step
+    (``record``: its time, this rank's) and sets ``orders[current]`` before the next one; which
+    entry runs depends only on the count of steps, so it is the same on every rank. Once
     ``done``, ``pick`` takes the medians (reduced over ranks by the caller, so every rank picks
-    alike) and returns the index of the shortest, if it beats plan order by more than a margin.
+    alike) and returns the index of the shortest, if it beats the baseline by more than a margin.
     """
 
     orders: tuple[tuple[int, ...], ...]
@@ -228,7 +230,7 @@ class OrderTrial:
 
     @staticmethod
     def pick(medians: Sequence[float], margin: float = 0.02) -> int:
-        """The shortest median's index; plan order (0) unless another is shorter by more than ``margin``.
+        """The shortest median's index; the baseline (0) unless another is shorter by more than ``margin``.
 
         The margin is the noise of a few steps' median (loopback Gloo, where overlap gains nothing: a held
         order measured 1% faster in its trial ran 3% slower in the race after it)."""
