@@ -1,11 +1,12 @@
 """What the sharded optimizer's collectives cost on Gloo: allreduce, Gloo's reduce_scatter, all-to-all
-(whole and in 1 MiB pieces per rank) and all-gather (whole and in pieces), for one buffer size.
+(whole and in 1 MiB pieces per rank), all-gather (whole and in pieces) and point-to-point exchanges of the
+same pieces (what the engine uses), for one buffer size: wall time and the process's CPU time.
 
     python benchmarks/shard_collectives.py --link 1gbit --mib 4
     python benchmarks/shard_collectives.py --link 1gbit --mib 21.3
 
 The reasons behind ``TorchEngine.reduce_scatter_shard`` / ``all_gather_shard`` on Gloo. Median of
-``--iters`` calls after one warm-up, rank 0's time.
+``--iters`` calls after one warm-up, rank 0's time (CPU: ``time.process_time``, every thread of the process).
 """
 
 from __future__ import annotations
@@ -40,10 +41,19 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     def pieces(buffer: torch.Tensor, start: int, length: int) -> list[torch.Tensor]:
         return [buffer.narrow(0, r * shard + start, length) for r in range(world)]
 
+    def exchange(sent_from, received_into, start: int, length: int) -> list:
+        """Point-to-point, as ``TorchEngine._send_pieces``: ``sent_from(peer)`` to each peer."""
+        works = []
+        for peer in (r for r in range(world) if r != rank):
+            works.append(dist.isend(sent_from(peer).narrow(0, start, length), dst=peer))
+            works.append(dist.irecv(received_into.narrow(0, peer * shard + start, length), src=peer))
+        return works
+
     def in_pieces(call) -> None:
         works = [call(start, min(step, shard - start)) for start in range(0, shard, step)]
         for work in works:
-            work.wait()
+            for one in work if isinstance(work, list) else [work]:
+                one.wait()
 
     calls = {
         "allreduce": lambda: dist.all_reduce(x),
@@ -52,20 +62,25 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         "all_to_all, 1 MiB pieces": lambda: in_pieces(
             lambda s, n: dist.all_to_all(pieces(received, s, n), pieces(x, s, n), async_op=True)
         ),
+        "point-to-point RS, pieces": lambda: in_pieces(
+            lambda s, n: exchange(lambda peer: x.narrow(0, peer * shard, shard), received, s, n)
+        ),
         "all_gather, whole": lambda: dist.all_gather_into_tensor(out, mine),
         "all_gather, 1 MiB pieces": lambda: in_pieces(
             lambda s, n: dist.all_gather(pieces(out, s, n), mine.narrow(0, s, n), async_op=True)
         ),
+        "point-to-point AG, pieces": lambda: in_pieces(lambda s, n: exchange(lambda peer: mine, out, s, n)),
     }
     results = {}
     for name, call in calls.items():
-        times = []
+        times, cpu = [], []
         for _ in range(args.iters + 1):
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             call()
             times.append(time.perf_counter() - start)
-        results[name] = statistics.median(times[1:]) * 1e3
+            cpu.append(time.process_time() - cpu_start)
+        results[name] = (statistics.median(times[1:]) * 1e3, statistics.median(cpu[1:]) * 1e3)
     co.barrier()
     co.shutdown()
     if rank == 0:
@@ -82,8 +97,9 @@ def main(argv=None) -> int:
         return outcome
     args, results = outcome
     print(f"# shard_collectives: {args.world} Gloo ranks, {where()}, {args.mib:g} MiB fp32, median of {args.iters}")
-    for name, ms in results.items():
-        print(f"  {name:<28} {ms:8.1f} ms")
+    print(f"  {'call':<28} {'wall':>8} {'CPU':>8}  (ms)")
+    for name, (wall, cpu) in results.items():
+        print(f"  {name:<28} {wall:8.1f} {cpu:8.1f}")
     return 0
 
 

@@ -92,6 +92,8 @@ def primitive_checks(rank: int, world: int) -> dict:
     out["large_by_gather"] = engine._sums_by_gather(torch.empty((8 << 20) // 2 + 1, dtype=torch.float16), None)
     out["fp32_by_gather"] = engine._sums_by_gather(torch.ones(2), None)
 
+    out["shards"] = _shard_exchange_checks(engine, rank, world)
+
     # bad input: refused before any communication, with a message that says what to do
     cases = {
         "unknown_op": lambda: co.allreduce(torch.ones(2), op="median"),
@@ -105,6 +107,49 @@ def primitive_checks(rank: int, world: int) -> dict:
         "readonly_numpy": lambda: co.allreduce(np.frombuffer(b"\0" * 12, dtype=np.float32)),
     }
     out["errors"] = collect_errors(cases)
+    return out
+
+
+def _shard_exchange_checks(engine, rank: int, world: int) -> dict:
+    """The sharded optimizer's reduce-scatter and all-gather: a shard of one piece (one Gloo call) and of
+    several 1 MiB pieces (point-to-point), two of each in flight at once, the all-gathers on a group of
+    their own: every rank's sum in rank order (bit for bit) and every rank's shard in its place."""
+    import torch
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    sizes = {"one_piece": 1000 * world, "pieces": ((5 << 20) // 8) * world}  # 2.5 MiB fp32 shards: 3 pieces
+    buffers = {name: torch.randn(numel, generator=gen) * 1e3 for name, numel in sizes.items()}
+    everyone = {name: [torch.empty_like(b) for _ in range(world)] for name, b in buffers.items()}
+    for name, buffer in buffers.items():
+        dist.all_gather(everyone[name], buffer)
+    originals = {name: b.clone() for name, b in buffers.items()}
+    handles = [engine.reduce_scatter_shard(buffers[name], async_op=True) for name in sizes]
+    group = engine.new_group()
+    gathered = {name: torch.full((numel,), float("nan")) for name, numel in sizes.items()}
+    for buffer in gathered.values():
+        engine.shard_of(buffer).copy_(torch.arange(buffer.numel() // world) + 1e6 * rank)
+    gathers = [engine.all_gather_shard(buffer, async_op=True, group=group) for buffer in gathered.values()]
+    out = {}
+    for name, handle, gather in zip(sizes, handles, gathers):
+        shard = handle.wait()
+        gather.wait()
+        expected = everyone[name][0].clone()
+        for part in everyone[name][1:]:
+            expected += part
+        shard_numel = sizes[name] // world
+        mine = slice(rank * shard_numel, (rank + 1) * shard_numel)
+        others = torch.ones(sizes[name], dtype=torch.bool)
+        others[mine] = False
+        out[name] = {
+            "sum_bits_equal": torch.equal(shard.view(torch.int32), expected[mine].view(torch.int32)),
+            "is_buffer_shard": shard.data_ptr() == buffers[name][mine].data_ptr(),
+            "rest_unchanged": torch.equal(buffers[name][others], originals[name][others]),
+            "gathered": torch.equal(
+                gathered[name], torch.cat([torch.arange(shard_numel) + 1e6 * r for r in range(world)]).float()
+            ),
+        }
+    dist.destroy_process_group(group)
     return out
 
 
@@ -123,6 +168,8 @@ def test_primitives_match_numpy(world: int) -> None:
         np.testing.assert_array_equal(out["broadcast"], np.full((4, 2), (world - 1) * 10.0))
         np.testing.assert_array_equal(out["broadcast_async"], np.zeros(3))
         check_gather_and_scatter(out, rank, world)
+        for name, checks in out["shards"].items():
+            assert all(checks.values()), (rank, name, checks)
         np.testing.assert_array_equal(
             out["reduce_scatter_max"], (np.arange(world * 4) * world)[rank * 4 : rank * 4 + 4].reshape(1, 4)
         )

@@ -31,6 +31,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # the emulated 1gbit link: 168 / 105 ms; in pieces of 1 MiB per rank: 93 / 92 ms, against its allreduce's
 # 186: benchmarks/shard_collectives.py --link 1gbit --mib 21.3).
 _GLOO_SHARD_PIECE_BYTES = 1 << 20
+_REDUCE_SCATTER_TAG, _ALL_GATHER_TAG = 0x5253, 0x4147  # point-to-point tags of the sharded collectives
 
 # Gloo adds half-precision elements one at a time, converting each; torch's add is vectorised. So at 2 Gloo
 # ranks an fp16/bf16 sum of up to 8 MiB goes as an all-gather and a local add: the same bytes on the wire as a
@@ -51,6 +52,21 @@ def _nonzero_rows(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """
     table = buffer[: rows * cols].view(rows, cols)
     return table.amax(dim=1).ne(0).logical_or_(table.amin(dim=1).ne(0))
+
+
+def _sum_in_rank_order(received: torch.Tensor, shard: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """``shard`` (this rank's part, in place) plus the other ranks' parts of it in ``received``, summed left to right
+    in rank order, as Gloo's allreduce sums (bit-equal at 2 ranks, where a + b == b + a)."""
+    parts = [shard if r == rank else received.narrow(0, r * shard.numel(), shard.numel()) for r in range(world_size)]
+    if rank <= 1:  # p0 + p1 in place (addition commutes), then the rest in order
+        for part in parts[1 - rank : 2 - rank] + parts[2:]:  # (at 1 rank: nothing to add)
+            shard.add_(part)
+        return shard
+    total = received.narrow(0, rank * shard.numel(), shard.numel())  # unused by the exchange: the running sum
+    torch.add(parts[0], parts[1], out=total)
+    for part in parts[2:]:
+        total.add_(part)
+    return shard.copy_(total)
 
 
 class _Works:
@@ -365,63 +381,68 @@ class TorchEngine(Engine):
         return ThenHandle(work, unpack)
 
     def reduce_scatter_shard(self, buffer: torch.Tensor, async_op: bool = False, scratch: Any = None) -> Any:
-        """The sum of every rank's ``buffer`` into this rank's shard of it.
+        """The sum of every rank's ``buffer`` into this rank's shard of it (``buffer``'s other shards unchanged).
 
         Gloo's reduce-scatter moves the whole buffer (emulated 1gbit link, 4 MiB: 32.9 ms, as much
         as an allreduce's 34.6 ms; benchmarks/shard_collectives.py), so on Gloo each shard is sent to
-        its owner with all-to-alls ((N-1)/N of the buffer, as a reduce-scatter should: 17.5 ms there),
-        in pieces of at most 1 MiB per rank (21.3 MiB: 168 ms whole, 93 ms in pieces), and
-        the N received parts are summed here, in rank order, received into ``scratch`` (a tensor
-        like ``buffer``) where given. Other backends reduce-scatter in place.
+        its owner ((N-1)/N of the buffer, as a reduce-scatter should: 17.5 ms there): one all-to-all
+        where the shard is a single piece, else point-to-point in pieces of at most 1 MiB per rank
+        (see _send_pieces), received into ``scratch`` (a tensor like ``buffer``) where given, then
+        summed here in rank order. Other backends reduce-scatter in place.
         """
         shard = self.shard_of(buffer)
         if self.backend != "gloo":
             work = _reduce_scatter_single(shard, buffer, op=dist.ReduceOp.SUM, async_op=True)
             return finish(ThenHandle(work, lambda: shard), async_op)
         received = torch.empty_like(buffer) if scratch is None else scratch
-        chunks = self._shard_chunks(buffer)
-        if len(chunks) == 1:  # the single-tensor call: no copies in and out of lists
-            works = [dist.all_to_all_single(received, buffer, async_op=True)]
-        else:
-            works = [
-                dist.all_to_all(
-                    self._pieces(received, start, length), self._pieces(buffer, start, length), async_op=True
-                )
-                for start, length in chunks
-            ]
-
-        def sum_parts() -> torch.Tensor:
-            parts = received.view(self._world_size, -1)
-            shard.copy_(parts[0])
-            for part in parts[1:]:  # left to right: a + b at 2 ranks, as the allreduce sums
-                shard.add_(part)
-            return shard
-
-        return finish(ThenHandle(_Works(works), sum_parts), async_op)
+        if len(self._shard_chunks(buffer)) == 1:  # one call: a few calls' latency saved on small buckets
+            work = dist.all_to_all_single(received, buffer, async_op=True)
+            return finish(
+                ThenHandle(work, lambda: _sum_in_rank_order(received, shard, self._rank, self._world_size)), async_op
+            )
+        works = self._send_pieces(buffer, received, _REDUCE_SCATTER_TAG, owner_sends=False, group=None)
+        return finish(
+            ThenHandle(_Works(works), lambda: _sum_in_rank_order(received, shard, self._rank, self._world_size)),
+            async_op,
+        )
 
     def all_gather_shard(self, buffer: torch.Tensor, async_op: bool = False, group: Any = None) -> Any:
-        """Every rank's shard of ``buffer`` into ``buffer`` (on Gloo in pieces of at most 1 MiB per rank)."""
+        """Every rank's shard of ``buffer`` into ``buffer`` (on Gloo point-to-point in pieces of at most 1 MiB per rank)."""
         shard = self.shard_of(buffer)
-        chunks = self._shard_chunks(buffer) if self.backend == "gloo" else []
-        if len(chunks) <= 1:  # one call: other backends, or a shard that is a single piece
+        if self.backend != "gloo" or len(self._shard_chunks(buffer)) == 1:
             work = _all_gather_single(buffer, shard, group=group, async_op=True)
             return finish(ThenHandle(work, lambda: buffer), async_op)
-        works = []
-        for start, length in chunks:
-            mine = shard.narrow(0, start, length).clone()  # the output list holds the same memory
-            works.append(dist.all_gather(self._pieces(buffer, start, length), mine, group=group, async_op=True))
+        works = self._send_pieces(buffer, buffer, _ALL_GATHER_TAG, owner_sends=True, group=group)
         return finish(ThenHandle(_Works(works), lambda: buffer), async_op)
+
+    def _send_pieces(self, source: torch.Tensor, target: torch.Tensor, tag: int, owner_sends: bool, group: Any) -> list:
+        """Point-to-point exchange of shards between every pair of ranks, piece by piece (Gloo).
+
+        ``owner_sends`` (all-gather): this rank's shard of ``source`` goes to every other rank, whose
+        shard arrives in its place in ``target``; else (reduce-scatter) each other rank's shard of
+        ``source`` goes to it, and each other rank's copy of this rank's shard arrives in that rank's
+        place in ``target``. Against Gloo's list all-to-all / all-gather in the same pieces: no copies into and out
+        of lists (21.3 MiB on loopback: 10.2 / 8.2 ms and 6.4 / 6.7 ms of CPU against 24.7 / 15.2 and
+        20.5 / 14.0), the same 93 ms on the emulated 1gbit link (whole sends: 168 / 143 ms). Every rank
+        posts the same pieces in the same order, and Gloo matches the messages of one pair and tag
+        in the order they were posted.
+        """
+        shard = source.numel() // self._world_size
+        works = []
+        for start, length in self._shard_chunks(source):
+            for peer in range(self._world_size):
+                if peer == self._rank:
+                    continue
+                sent = source.narrow(0, (self._rank if owner_sends else peer) * shard + start, length)
+                works.append(dist.isend(sent, dst=peer, group=group, tag=tag))
+                works.append(dist.irecv(target.narrow(0, peer * shard + start, length), src=peer, group=group, tag=tag))
+        return works
 
     def _shard_chunks(self, buffer: torch.Tensor) -> list[tuple[int, int]]:
         """(start, length) pieces of a shard, at most _GLOO_SHARD_PIECE_BYTES each."""
         shard = buffer.numel() // self._world_size
         step = max(_GLOO_SHARD_PIECE_BYTES // buffer.element_size(), 1)
         return [(start, min(step, shard - start)) for start in range(0, shard, step)]
-
-    def _pieces(self, buffer: torch.Tensor, start: int, length: int) -> list[torch.Tensor]:
-        """The same piece of every rank's shard of ``buffer``, rank by rank."""
-        shard = buffer.numel() // self._world_size
-        return [buffer.narrow(0, rank * shard + start, length) for rank in range(self._world_size)]
 
     def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
