@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
 import time
 import weakref
@@ -103,6 +104,40 @@ def killed_rank(rank: int, world: int) -> dict:
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
     return {"error": None}
+
+
+def killed_rank_sharded(rank: int, world: int) -> dict:
+    """A 4 MiB bucket: 2 MiB shards, which go point-to-point in 1 MiB pieces on Gloo."""
+    import torch
+
+    import collective_ops as co
+
+    torch.manual_seed(0)
+    model = co.wrap(torch.nn.Linear(1024, 1024), bucket_size_mb=25)
+    optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)
+    start = time.monotonic()
+    try:
+        for step in range(3):
+            if rank == 1 and step == 1:
+                os._exit(3)  # killed mid-training, its peer's shard pieces in flight or expected
+            optimizer.zero_grad()
+            model(torch.randn(4, 1024)).sum().backward()
+            optimizer.step()
+        optimizer.synchronize()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_killed_rank_ends_its_peers_sharded_pieces_with_a_clear_error() -> None:
+    results = run_faulty_ranks(2, killed_rank_sharded, env=STALL_ENV, timeout=60)
+    status, out = results[0]
+    assert status == "ok" and out["error"], results
+    assert out["error"].startswith(("CommunicationError", "StallError")), out["error"]
+    # in its step()'s reduce-scatter or its next forward's all-gather, as the timing falls
+    assert re.search(r"rank 0 waited for (the all-gather of updated parameters of )?bucket \d", out["error"])
+    assert out["seconds"] < 3 + 2 + 5
+    assert results[1][0] == "missing"
 
 
 def test_a_rank_that_skips_a_backward_is_named() -> None:

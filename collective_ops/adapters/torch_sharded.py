@@ -272,7 +272,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if handle is None:
             return
         start = time.perf_counter()
-        wait_with_timeout(handle, self.model.manager.stall_timeout_s)
+        try:
+            wait_with_timeout(handle, self.model.manager.stall_timeout_s)
+        except Exception as exc:
+            raise self.model.manager.explain_failure(bucket, exc, "the all-gather of updated parameters") from exc
         end = time.perf_counter()
         self._timeline.waited(end - start)
         tracer = getattr(self.model.manager.observer, "bucket_update", None)

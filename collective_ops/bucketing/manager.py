@@ -641,14 +641,21 @@ class BucketManager:
         self._abandon_iteration(bucket_index, settle=not isinstance(exc, TimeoutError))
         return error
 
-    def _diagnose(self, bucket_index: int, exc: BaseException) -> RuntimeError:
+    def explain_failure(self, bucket_index: int, exc: BaseException, collective: str) -> RuntimeError:
+        """The error for another collective of bucket ``bucket_index`` (``collective`` names it, e.g. the
+        all-gather of its updated parameters) that failed or stalled: as a reduction's, the ranks not
+        taking part named; the manager's own step is left as it is."""
+        return self._diagnose(bucket_index, exc, collective)
+
+    def _diagnose(self, bucket_index: int, exc: BaseException, collective: str = "") -> RuntimeError:
         """A clear error for a bucket that did not complete, naming the ranks not taking part."""
         bucket = self.plan.buckets[bucket_index]
         names = [self._param_names[i] for i in bucket.param_indices]
         shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
         rank = self.engine.rank
         where = (
-            f"rank {rank} waited for bucket {bucket_index} of step {self.steps_synced} "
+            f"rank {rank} waited for {collective + ' of ' if collective else ''}bucket {bucket_index} "
+            f"of step {self.steps_synced} "
             f"({bucket.nbytes / 2**20:.2f} MiB: {shown})"
         )
         if not isinstance(exc, TimeoutError):
