@@ -421,11 +421,11 @@ class TorchEngine(Engine):
         ``owner_sends`` (all-gather): this rank's shard of ``source`` goes to every other rank, whose
         shard arrives in its place in ``target``; else (reduce-scatter) each other rank's shard of
         ``source`` goes to it, and each other rank's copy of this rank's shard arrives in that rank's
-        place in ``target``. Against Gloo's list all-to-all / all-gather in the same pieces: no copies into and out
-        of lists (21.3 MiB on loopback: 10.2 / 8.2 ms and 6.4 / 6.7 ms of CPU against 24.7 / 15.2 and
-        20.5 / 14.0), the same 93 ms on the emulated 1gbit link (whole sends: 168 / 143 ms). Every rank
-        posts the same pieces in the same order, and Gloo matches the messages of one pair and tag
-        in the order they were posted.
+        place in ``target``. Against Gloo's list all-to-all / all-gather in the same pieces, no copies into and
+        out of lists: 21.3 MiB on loopback, reduce-scatter / all-gather 7.5 / 8.6 ms (6.4 / 7.4 ms of CPU)
+        against 19.5 / 13.1 (18.2 / 10.9); on the emulated 1gbit link 93.0 / 95.7 against 91.4 / 92.6 ms
+        (benchmarks/shard_collectives.py). Every rank posts the same pieces in the same order, and Gloo
+        matches the messages of one pair and tag in the order they were posted.
         """
         shard = source.numel() // self._world_size
         works = []
