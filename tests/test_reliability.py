@@ -106,8 +106,10 @@ def killed_rank(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def killed_rank_sharded(rank: int, world: int) -> dict:
-    """A 4 MiB bucket: 2 MiB shards, which go point-to-point in 1 MiB pieces on Gloo."""
+def _killed_rank_sharded(rank: int, between_steps: bool) -> dict:
+    """A 4 MiB bucket: 2 MiB shards, which go point-to-point in 1 MiB pieces on Gloo. Rank 1 dies mid-training
+    (its peer's pieces in flight or expected), or ``between_steps``: once every collective of a step ended,
+    so that its peer's next sends are refused at once (Gloo knows the peer is gone)."""
     import torch
 
     import collective_ops as co
@@ -118,23 +120,38 @@ def killed_rank_sharded(rank: int, world: int) -> dict:
     start = time.monotonic()
     try:
         for step in range(3):
-            if rank == 1 and step == 1:
-                os._exit(3)  # killed mid-training, its peer's shard pieces in flight or expected
+            if rank == 1 and step == 1 and not between_steps:
+                os._exit(3)
             optimizer.zero_grad()
             model(torch.randn(4, 1024)).sum().backward()
             optimizer.step()
+            if between_steps and step == 0:
+                optimizer.synchronize()
+                if rank == 1:
+                    os._exit(3)
+                time.sleep(2)  # the peer's exit reaches this rank's connections
+                start = time.monotonic()
         optimizer.synchronize()
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
     return {"error": None}
 
 
-def test_a_killed_rank_ends_its_peers_sharded_pieces_with_a_clear_error() -> None:
-    results = run_faulty_ranks(2, killed_rank_sharded, env=STALL_ENV, timeout=60)
+def killed_rank_sharded(rank: int, world: int) -> dict:
+    return _killed_rank_sharded(rank, between_steps=False)
+
+
+def killed_rank_sharded_between_steps(rank: int, world: int) -> dict:
+    return _killed_rank_sharded(rank, between_steps=True)
+
+
+@pytest.mark.parametrize("killed", [killed_rank_sharded, killed_rank_sharded_between_steps])
+def test_a_killed_rank_ends_its_peers_sharded_pieces_with_a_clear_error(killed) -> None:
+    results = run_faulty_ranks(2, killed, env=STALL_ENV, timeout=60)
     status, out = results[0]
     assert status == "ok" and out["error"], results
     assert out["error"].startswith(("CommunicationError", "StallError")), out["error"]
-    # in its step()'s reduce-scatter or its next forward's all-gather, as the timing falls
+    # in step()'s reduce-scatter, the next forward's all-gather, or a send refused at its launch
     assert re.search(r"rank 0 waited for (the all-gather of updated parameters of )?bucket \d", out["error"])
     assert out["seconds"] < 3 + 2 + 5
     assert results[1][0] == "missing"

@@ -240,9 +240,14 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             bucket = self._gather_order[self._next_gather]
             if self._pending is not None and bucket in self._pending.buckets:
                 return
-            self._gathers[bucket] = self.model.engine.all_gather_shard(
-                self._param_buffers[bucket], async_op=True, group=self._gather_group
-            )
+            try:
+                self._gathers[bucket] = self.model.engine.all_gather_shard(
+                    self._param_buffers[bucket], async_op=True, group=self._gather_group
+                )
+            except Exception as exc:  # refused at once (Gloo's point-to-point to a peer already gone)
+                if manager.is_transport_error(exc):
+                    raise manager.explain_failure(bucket, exc, "the all-gather of updated parameters") from exc
+                raise
             self._next_gather += 1
 
     def _apply_updates(self, buckets: list[int], hyperparameters: list[dict]) -> None:

@@ -397,8 +397,12 @@ class BucketManager:
         self._stats.buckets[bucket_index].launched = time.perf_counter()
         try:
             self._handles[bucket_index] = self.comm_hook(ctx)
-        except TimeoutError as exc:  # a hook that waits for its peers (a row-sparse table's rows) gave up
-            raise self._give_up(bucket_index, exc) from exc
+        except Exception as exc:
+            # a hook that waits for its peers (a row-sparse table's rows) gave up, or a transport that
+            # refuses a send at once (Gloo's point-to-point, to a peer already gone); other errors are the hook's
+            if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
+                raise self._give_up(bucket_index, exc) from exc
+            raise
         self._stats.collectives += 1
         share = 1.0 if ctx.row_sparse is None else ctx.row_sparse.sent_share()
         self._stats.bytes_communicated += int(bucket.nbytes * share)
@@ -640,6 +644,11 @@ class BucketManager:
         # after a stall the later buckets (queued behind it) cannot finish either: not waited for
         self._abandon_iteration(bucket_index, settle=not isinstance(exc, TimeoutError))
         return error
+
+    def is_transport_error(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a failure of the transport (a peer gone, the network), as the engine tells it."""
+        is_transport = getattr(self.engine, "is_transport_error", None)
+        return is_transport is not None and is_transport(exc)
 
     def explain_failure(self, bucket_index: int, exc: BaseException, collective: str) -> RuntimeError:
         """The error for another collective of bucket ``bucket_index`` (``collective`` names it, e.g. the
