@@ -561,11 +561,6 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """For ``Join([model, ...], divide_by_initial_world_size=...)``, as DDP's."""
-        if getattr(self.optimizer, "shards", False):
-            raise ValueError(
-                "join() with DistributedOptimizer(shard=True) is not supported yet: a rank that joined would have "
-                "to keep updating its shards; use shard=False, or a plain optimizer"
-            )
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return _ShadowingHook(self)
 
@@ -598,6 +593,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._finish_owed_updates()  # this rank's own last step, if a DistributedOptimizer deferred it
         self._settle()
         self.manager.shadow_step()
+        if getattr(self.optimizer, "shards", False):
+            self.optimizer.step_while_joined()  # it still owns shards: updated and all-gathered, as its peers expect
         self._after_step()
 
     def _finish_owed_updates(self) -> None:

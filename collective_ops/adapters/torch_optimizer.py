@@ -397,12 +397,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     # -- torch.distributed.algorithms.Join: Join([model, opt]) as with DDP-style code ---------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """Nothing to shadow: the model's hook issues every collective; a rank that joined skips its updates,
-        as a plain optimizer does under DDP's join, and takes the last joiner's parameters at the end."""
-        if self.shards:
-            raise ValueError(
-                "join() with DistributedOptimizer(shard=True) is not supported yet: a rank that joined would have "
-                "to keep updating its shards; use shard=False, or a plain optimizer"
-            )
+        as a plain optimizer does under DDP's join, and takes the last joiner's parameters at the end. With
+        ``shard=True`` the model's shadow steps also update the joined rank's shards (``step_while_joined``)."""
         return JoinHook()
 
     @property

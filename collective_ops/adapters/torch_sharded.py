@@ -22,6 +22,7 @@ would interleave differently on each rank with the forward's buffer broadcast or
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -37,6 +38,8 @@ from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel, view_like
 from .torch_optimizer import DistributedOptimizer
+
+_log = logging.getLogger(__name__)
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch.optim classes whose update of an element reads only that element's gradient and state (and the
@@ -91,6 +94,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._gathers: dict[int, Handle] = {}  # bucket -> all-gather in flight
         self._next_gather = 0  # position in the gather order
         self._steps_applied = 0  # the model's synchronised step whose gradients were last applied
+        self._warned_joined = False  # step_while_joined's warning: once
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
         super().__init__(
@@ -203,6 +207,21 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._advance(block=True)
         else:
             self.synchronize()
+
+    def step_while_joined(self) -> None:
+        """In a step a joined rank shadows (``model.join()``): its shards' update from the reduced gradients and
+        their all-gathers, which its peers' forwards wait for, as torch's ZeroRedundancyOptimizer steps under
+        Join. With its own ``param_groups``: a learning-rate scheduler stepped on the other ranks after this
+        one joined does not reach its shards (warned once)."""
+        if not self._warned_joined:
+            self._warned_joined = True
+            _log.warning(
+                "rank %d joined: it keeps updating its shards with its own optimizer settings (lr %s); changes "
+                "that the other ranks' schedulers make from now on do not reach them",
+                self.model.engine.rank,
+                [group["lr"] for group in self.param_groups],
+            )
+        self.step()
 
     def _reduction(self) -> int:
         """The number of the model's synchronised step whose gradients are (being) reduced."""
