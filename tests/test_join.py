@@ -20,6 +20,7 @@ def _uneven(
     distributed: bool = False,
     arrange=None,
     shard: bool = False,
+    zero_grad_last: bool = False,
 ) -> dict:
     import torch
     from torch.distributed.algorithms import Join
@@ -42,9 +43,12 @@ def _uneven(
         for step in range(BATCHES[rank]):
             x, y = rank_batch(model_cls, step, rank)
             loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad()
+            if not zero_grad_last:
+                optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if zero_grad_last:  # a joined rank then shadows steps with no gradients left on its parameters
+                optimizer.zero_grad()
     return snapshot(model if distributed else model.module)  # ours: the wrapper's (owed updates land first)
 
 
@@ -93,6 +97,9 @@ def join_checks(rank: int, world: int) -> dict:
     out["ours_sharded_join_class"] = _uneven(
         rank, co.wrap(build("mlp"), bucket_size_mb=0.01), True, distributed=True, shard=True
     )
+    out["ours_sharded_zero_grad_last"] = _uneven(
+        rank, co.wrap(build("mlp"), bucket_size_mb=0.01), distributed=True, shard=True, zero_grad_last=True
+    )
     out["ours_sharded_active"] = _uneven(
         rank, co.wrap(build("mlp"), bucket_size_mb=0.01), divide=False, distributed=True, shard=True
     )
@@ -119,6 +126,7 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
             ("ours_sharded", "ddp"),
             ("ours_sharded_join_class", "ddp"),
             ("ours_sharded_active", "ddp_active"),
+            ("ours_sharded_zero_grad_last", "ddp"),
             ("ours_sharded_lm", "ddp_lm"),
         ):
             if world == 2:

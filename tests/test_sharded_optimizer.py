@@ -34,13 +34,14 @@ def _ddp_and_sharded(rank: int, name: str, opt_kind: str, **train_kwargs) -> tup
     import torch
 
     import collective_ops as co
-    from tests.models import MLP, SmallCNN, TinyTransformer, build
+    from tests.models import MLP, SmallCNN, TinyTransformer
 
-    model_cls = {"transformer": TinyTransformer, "cnn": SmallCNN, "mlp": MLP}[name]
+    model_cls = {"transformer": TinyTransformer, "cnn": SmallCNN, "mlp": MLP, "unused": MLP}[name]
     scheduler_of = train_kwargs.pop("scheduler_of", None)
     cls, kwargs = _make_optimizer(opt_kind)
-    ddp = torch.nn.parallel.DistributedDataParallel(build(name))
-    ours_model = co.wrap(build(name), **BUCKET)
+    find_unused = name == "unused"
+    ddp = torch.nn.parallel.DistributedDataParallel(_build(name), find_unused_parameters=find_unused)
+    ours_model = co.wrap(_build(name), find_unused_parameters=find_unused, **BUCKET)
     pairs = (
         (ddp, cls(ddp.parameters(), **kwargs)),
         (ours_model, co.DistributedOptimizer(ours_model, cls, shard=True, **kwargs)),
@@ -50,6 +51,17 @@ def _ddp_and_sharded(rank: int, name: str, opt_kind: str, **train_kwargs) -> tup
         scheduler = scheduler_of(optimizer) if scheduler_of else None
         results.append(_train(rank, model, optimizer, model_cls, scheduler=scheduler, **train_kwargs))
     return results[0], results[1]
+
+
+def _build(name: str):
+    import torch
+
+    from tests.models import WithUnusedBranch, build
+
+    if name != "unused":
+        return build(name)
+    torch.manual_seed(0)
+    return WithUnusedBranch()
 
 
 def _state_arrays(state_dict: dict) -> dict:
@@ -203,6 +215,10 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         rank, "mlp", "adamw", scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8)
     )
     out["accumulation"] = _ddp_and_sharded(rank, "mlp", "sgd", accumulate=3, steps=6)
+    # the branch unused by rank 1 on some steps (reduced from rank 0's), by every rank on others (no update)
+    out["unused"] = _ddp_and_sharded(
+        rank, "unused", "adamw", unused=lambda r, s: not (s % 4 == 2 or (r == 1 and s % 3 == 1))
+    )
     reference, _ = _ddp_and_sharded(rank, "mlp", "adamw")
     cls, kwargs = _make_optimizer("adamw")
     model = co.wrap(build("mlp"), **BUCKET)
@@ -278,17 +294,8 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         torch.save(saved, checkpoint)
     out["continued"] = _continue_from(rank, saved)
 
-    def unused_net():
-        from tests.models import WithUnusedBranch
-
-        torch.manual_seed(0)
-        return WithUnusedBranch()
-
     out["errors"] = collect_errors(
         {
-            "find_unused": lambda: co.DistributedOptimizer(
-                co.wrap(unused_net(), find_unused_parameters=True), torch.optim.SGD, lr=0.1, shard=True
-            ),
             "custom_hook": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp"), comm_hook=lambda ctx: ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)),
                 torch.optim.SGD,
@@ -385,6 +392,7 @@ def two_ranks(checkpoint) -> list[dict]:
         "cnn_adamw",
         "scheduler",
         "accumulation",
+        "unused",
         "no_overlap",
         "zero_grad_after_step_True",
         "zero_grad_after_step_False",
@@ -486,7 +494,6 @@ def test_the_online_tune_simulates_the_sharded_step(two_ranks) -> None:
 
 def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     errors = two_ranks[0]["errors"]
-    assert "find_unused_parameters" in errors["find_unused"]
     assert "custom comm_hook" in errors["custom_hook"]
     assert "not supported with shard=True" in errors["schedule_auto"]
     assert "'float32'" in errors["reduce_dtype"]

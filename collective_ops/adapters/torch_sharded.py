@@ -282,12 +282,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _bind_grads(self, bucket: int) -> None:
         """Each piece's ``.grad``: its part of the reduced shard (cast to the piece's dtype where it differs)."""
+        manager = self.model.manager
         source = self._kept.pop(bucket, None)
         if source is None:
-            source = self.model.engine.shard_of(self.model.manager.buffers[bucket])
+            source = self.model.engine.shard_of(manager.buffers[bucket])
         for piece, tensor in self._bucket_pieces[bucket]:
             if tensor.grad is not None:
                 continue  # bound already this step (clip_grad_norm_ scaled it)
+            if piece.param_index in manager.globally_unused and self.model._params[piece.param_index].grad is None:
+                continue  # no rank used it this step (find_unused_parameters): no gradient, no update, as torch
             grad = source.narrow(0, piece.shard_offset, piece.numel)
             tensor.grad = grad if grad.dtype == tensor.dtype else grad.to(tensor.dtype)
 
@@ -544,10 +547,6 @@ def _refuse_non_elementwise(optimizer_class: Any, assume_elementwise: bool) -> N
 
 def _refuse_unsupported(model: DistributedDataParallel, grad_reduce_dtype: str | None) -> None:
     manager = model.manager
-    if manager.find_unused_parameters:
-        raise ValueError(
-            "shard=True with find_unused_parameters=True is not supported yet: wrap without it, or use shard=False"
-        )
     if manager.comm_hook is not allreduce_hook and not model.compression:
         raise ValueError(
             "shard=True reduce-scatters gradients and replaces the model's comm hook; a custom comm_hook cannot be "
