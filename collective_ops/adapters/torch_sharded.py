@@ -40,6 +40,7 @@ from .torch import DistributedDataParallel, view_like
 from .torch_optimizer import DistributedOptimizer
 
 _log = logging.getLogger(__name__)
+_GATHER_NAMED = "the all-gather of updated parameters"  # how a failed all-gather is named in its error
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch.optim classes whose update of an element reads only that element's gradient and state (and the
@@ -265,7 +266,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 )
             except Exception as exc:  # refused at once (Gloo's point-to-point to a peer already gone)
                 if manager.is_transport_error(exc):
-                    raise manager.explain_failure(bucket, exc, "the all-gather of updated parameters") from exc
+                    raise manager.explain_failure(bucket, exc, _GATHER_NAMED) from exc
                 raise
             self._next_gather += 1
 
@@ -302,7 +303,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         try:
             wait_with_timeout(handle, self.model.manager.stall_timeout_s)
         except Exception as exc:
-            raise self.model.manager.explain_failure(bucket, exc, "the all-gather of updated parameters") from exc
+            raise self.model.manager.explain_failure(bucket, exc, _GATHER_NAMED) from exc
         end = time.perf_counter()
         self._timeline.waited(end - start)
         tracer = getattr(self.model.manager.observer, "bucket_update", None)

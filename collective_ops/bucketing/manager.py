@@ -668,8 +668,8 @@ class BucketManager:
             f"({bucket.nbytes / 2**20:.2f} MiB: {shown})"
         )
         if not isinstance(exc, TimeoutError):
-            is_transport = getattr(self.engine, "is_transport_error", None)
-            if is_transport is not None and not is_transport(exc):
+            # an engine that cannot tell blames the transport
+            if hasattr(self.engine, "is_transport_error") and not self.is_transport_error(exc):
                 return CommHookError(
                     f"{where}: finishing it raised {type(exc).__name__}: {exc}. This is not a communication "
                     "failure: the bucket's comm hook or its completion callback failed (see the chained error)."

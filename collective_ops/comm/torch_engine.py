@@ -396,15 +396,11 @@ class TorchEngine(Engine):
             return finish(ThenHandle(work, lambda: shard), async_op)
         received = torch.empty_like(buffer) if scratch is None else scratch
         if len(self._shard_chunks(buffer)) == 1:  # one call: a few calls' latency saved on small buckets
-            work = dist.all_to_all_single(received, buffer, async_op=True)
-            return finish(
-                ThenHandle(work, lambda: _sum_in_rank_order(received, shard, self._rank, self._world_size)), async_op
-            )
-        works = self._send_pieces(buffer, received, _REDUCE_SCATTER_TAG, owner_sends=False, group=None)
-        return finish(
-            ThenHandle(_Works(works), lambda: _sum_in_rank_order(received, shard, self._rank, self._world_size)),
-            async_op,
-        )
+            works = [dist.all_to_all_single(received, buffer, async_op=True)]
+        else:
+            works = self._send_pieces(buffer, received, _REDUCE_SCATTER_TAG, owner_sends=False, group=None)
+        summed = ThenHandle(_Works(works), lambda: _sum_in_rank_order(received, shard, self._rank, self._world_size))
+        return finish(summed, async_op)
 
     def all_gather_shard(self, buffer: torch.Tensor, async_op: bool = False, group: Any = None) -> Any:
         """Every rank's shard of ``buffer`` into ``buffer`` (on Gloo point-to-point in pieces of at most 1 MiB per rank)."""
