@@ -1,11 +1,14 @@
-"""Run a worker script under ``msrun`` (MindSpore's launcher) and collect each rank's JSON result.
+"""Run worker scripts under ``msrun`` (MindSpore's launcher) and collect each rank's JSON result.
 
-Each worker writes ``<out_dir>/rank<N>.json``; a run that fails or times out raises with
-the tail of every worker's log, never hangs.
+Each worker writes ``<out_dir>/rank<N>.json`` (``<part>.rank<N>.json`` under ms_workers/suite.py,
+which runs several in one start); a run that fails or times out raises with the tail of every
+worker's log, never hangs.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import json
 import os
@@ -13,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,11 +45,11 @@ def mindspore_installed() -> bool:
 requires_mindspore = pytest.mark.skipif(not mindspore_installed(), reason="mindspore is not installed")
 
 
-def run_msrun(
-    script: str, world: int = 2, timeout: float = 240, args: tuple[str, ...] = (), env: dict | None = None
-) -> list[dict]:
-    out_dir = Path(tempfile.mkdtemp(prefix="msrun-out-"))
-    log_dir = out_dir / "logs"
+PART_ENV = "COLLECTIVE_OPS_TEST_PART"  # set by ms_workers/suite.py: the part whose result write_result writes
+
+
+def _launch(script: str, world: int, timeout: float, args: tuple[str, ...], env: dict | None, out_dir: Path) -> str:
+    """Run ``script`` under msrun with its output in ``out_dir``; why it failed, or "" when it did not."""
     env = {**os.environ, **(env or {})}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # workers use this python
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -57,39 +61,78 @@ def run_msrun(
         f"--worker_num={world}",
         f"--local_worker_num={world}",
         f"--master_port={free_port()}",
-        f"--log_dir={log_dir}",
+        f"--log_dir={out_dir / 'logs'}",
         "--join=True",
         str(ROOT / "tests" / "ms_workers" / script),
         *args,
     ]
     try:
         proc = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=timeout)
-        failed = proc.returncode != 0
-        reason = f"msrun exited with {proc.returncode}"
     except subprocess.TimeoutExpired:
-        failed, reason = True, f"msrun did not finish within {timeout}s"
+        return f"msrun did not finish within {timeout}s"
+    return f"msrun exited with {proc.returncode}" if proc.returncode != 0 else ""
+
+
+def _collect(out_dir: Path, world: int, prefix: str = "") -> tuple[list[dict], str]:
+    """Every rank's result (``<prefix>rank<N>.json``), or why some are missing."""
     results = []
     for rank in range(world):
-        path = out_dir / f"rank{rank}.json"
+        path = out_dir / f"{prefix}rank{rank}.json"
         if not path.exists():
-            failed, reason = True, reason + f"; rank {rank} wrote no result"
-            break
+            return results, f"rank {rank} wrote no result"
         results.append(json.loads(path.read_text()))
-    if failed:
-        logs = []
-        for log in sorted(log_dir.glob("worker_*.log")):
-            lines = [
-                ln
-                for ln in log.read_text(errors="replace").splitlines()
-                if "[INFO]" not in ln and "[WARNING]" not in ln
-            ]
-            logs.append(f"--- {log.name} ---\n" + "\n".join(lines[-40:]))
-        raise AssertionError(f"{script}: {reason}\n" + "\n".join(logs))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return results
+    return results, ""
+
+
+def _worker_logs(out_dir: Path) -> str:
+    logs = []
+    for log in sorted((out_dir / "logs").glob("worker_*.log")):
+        lines = [
+            ln for ln in log.read_text(errors="replace").splitlines() if "[INFO]" not in ln and "[WARNING]" not in ln
+        ]
+        logs.append(f"--- {log.name} ---\n" + "\n".join(lines[-40:]))
+    return "\n".join(logs)
+
+
+@dataclass(frozen=True)
+class SuiteRun:
+    """One msrun start that ran several worker scripts (ms_workers/suite.py); its trace file, if one was written."""
+
+    results: dict[str, list[dict]]  # part -> every rank's result, for the parts that finished
+    failure: str  # why the run failed, with the workers' logs; "" when it did not
+    trace_file: Path
+
+    def part(self, name: str) -> list[dict]:
+        """Every rank's result of one part; a clear failure when that part did not finish."""
+        if name not in self.results:
+            raise AssertionError(f"part {name!r} did not finish: {self.failure}")
+        return self.results[name]
+
+
+@functools.cache
+def run_msrun_suite(mode: str, world: int, parts: tuple[str, ...], timeout: float = 280) -> SuiteRun:
+    """Run ``parts`` (worker scripts with arguments, see ms_workers/suite.py) in one msrun start, once per
+    session; the parts that finished keep their results when a later one fails."""
+    out_dir = Path(tempfile.mkdtemp(prefix="msrun-suite-"))
+    atexit.register(shutil.rmtree, out_dir, True)  # kept until then: the tests read its trace file
+    trace_file = out_dir / "comm_trace.json"
+    env = {"COLLECTIVE_OPS_TRACE_FILE": str(trace_file)}  # a part that asks for a trace writes it here
+    failure = _launch("suite.py", world, timeout, (mode, *parts), env, out_dir)
+    results = {}
+    for part in parts:
+        part_results, missing = _collect(out_dir, world, prefix=f"{part}.")
+        if missing:
+            failure = "; ".join(r for r in (failure, f"part {part!r}: {missing}") if r)
+            break
+        results[part] = part_results
+    if failure:
+        failure = f"suite.py {mode} {' '.join(parts)}: {failure}\n{_worker_logs(out_dir)}"
+    return SuiteRun(results, failure, trace_file)
 
 
 def write_result(rank: int, result: dict) -> None:
-    """Called by workers."""
-    out = Path(os.environ["COLLECTIVE_OPS_TEST_OUT"]) / f"rank{rank}.json"
+    """Called by workers (under suite.py, named after the part that runs)."""
+    part = os.environ.get(PART_ENV)
+    name = f"{part}.rank{rank}.json" if part else f"rank{rank}.json"
+    out = Path(os.environ["COLLECTIVE_OPS_TEST_OUT"]) / name
     out.write_text(json.dumps(result))

@@ -6,14 +6,28 @@ import numpy as np
 import pytest
 
 from collective_ops.heatmap import analyze, load_events
-from tests.msrun_harness import requires_mindspore, run_msrun
+from tests.msrun_harness import requires_mindspore, run_msrun_suite
 from tests.reference import OPS, assert_identical, check_allreduce, check_gather_and_scatter
 
 pytestmark = requires_mindspore
 
+# One msrun start per (mode, world size), each running these worker scripts in order (ms_workers/suite.py):
+# a start costs ~15-20 s here. The PyNative adapter runs last: it starts the trace its test reads. The
+# GRAPH adapter sets MindSpore's data-parallel context (for nn.TrainOneStepCell's own reducer) and leaves it.
+SUITES = {
+    ("pynative", 2): ("primitives", "bench", "join", "model_train", "adapter"),
+    ("pynative", 3): ("join", "adapter:1e-06"),
+    ("graph", 2): ("model_train", "adapter"),
+}
+
+
+def results_of(mode: str, world: int, part: str) -> list[dict]:
+    """Every rank's result of one worker script, from its (mode, world) suite's one msrun start."""
+    return run_msrun_suite(mode, world, SUITES[(mode, world)]).part(part)
+
 
 def test_primitives_match_numpy() -> None:
-    results = run_msrun("primitives.py", world=2)
+    results = results_of("pynative", 2, "primitives")
     world = 2
     for rank, out in enumerate(results):
         assert (out["framework"], out["backend"], out["world"]) == ("mindspore", "mccl", world)
@@ -47,13 +61,11 @@ def test_primitives_match_numpy() -> None:
 @pytest.mark.parametrize(
     ("mode", "world", "bucket_mb"), [("pynative", 2, None), ("graph", 2, None), ("pynative", 3, 1e-6)]
 )
-def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: float | None, tmp_path) -> None:
-    trace_file = tmp_path / "comm_trace.json"
-    env = {"COLLECTIVE_OPS_TRACE": "1", "COLLECTIVE_OPS_TRACE_FILE": str(trace_file)} if mode == "pynative" else {}
-    args = (mode,) if bucket_mb is None else (mode, str(bucket_mb))
-    results = run_msrun("adapter.py", world=world, args=args, env=env)
+def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: float | None) -> None:
+    part = "adapter" if bucket_mb is None else f"adapter:{bucket_mb}"
+    results = results_of(mode, world, part)
     if mode == "pynative":  # the same trace as the torch adapter's, merged from every msrun worker
-        analysis = analyze(load_events([trace_file]))
+        analysis = analyze(load_events([run_msrun_suite(mode, world, SUITES[(mode, world)]).trace_file]))
         assert analysis.ranks == list(range(world)) and len(analysis.steps) >= 3
         assert analysis.comm_ms.shape[1] == max(r["stats"]["buckets"] for r in results)
     for out in results:
@@ -100,7 +112,7 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: 
 def test_benchmark_sweep_under_msrun() -> None:
     from collective_ops.bench import OPS
 
-    for rows in run_msrun("bench.py", world=2):
+    for rows in results_of("pynative", 2, "bench"):
         for op in OPS:
             assert [r["impl"] for r in rows[op]] == ["raw", "collective_ops"] * 2
             assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows[op]), rows[op]
@@ -110,7 +122,7 @@ def test_benchmark_sweep_under_msrun() -> None:
 def test_model_train_equals_model_under_mindspores_data_parallel(mode: str) -> None:
     """mindspore.train.Model.train with our TrainOneStepCell: bit-equal to Model(net, loss, opt) under
     parallel_mode=DATA_PARALLEL (its DistributedGradReducer); rank 0 alone checkpoints, MindSpore loads it."""
-    results = run_msrun("model_train.py", world=2, args=(mode,))
+    results = results_of(mode, 2, "model_train")
     for rank, out in enumerate(results):
         assert_identical(out["ours"], out["reference"], f"Model.train ({mode}), rank {rank}")
         assert_identical(out["fit"], out["reference"], f"Model.fit with evaluation ({mode}), rank {rank}")
@@ -128,7 +140,7 @@ def test_model_train_equals_model_under_mindspores_data_parallel(mode: str) -> N
 @pytest.mark.parametrize("world", [2, 3])
 def test_join_with_uneven_batches_equals_the_hand_computed_average(world: int) -> None:
     """Ranks with 3/5(/4) batches inside net.join(): the longest rank's steps averaged over the initial world."""
-    results = run_msrun("join.py", world=world)
+    results = results_of("pynative", world, "join")
     for rank, out in enumerate(results):
         assert out["steps"] == 5, "every rank takes part in every step of the longest rank"
         if world == 2:  # two operands: MCCL's sum and the hand-computed one agree to the bit

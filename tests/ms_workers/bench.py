@@ -14,4 +14,3 @@ ms.set_context(mode=ms.PYNATIVE_MODE)
 ctx = co.init()
 rows = {op: [asdict(r) for r in run_sweep_mindspore(op, [64, 4096], warmup=1, iters=2, rounds=1)] for op in OPS}
 write_result(ctx.rank, rows)
-co.shutdown()

@@ -62,4 +62,3 @@ for step in range(LONGEST):
 out["reference"] = weights(reference)
 
 write_result(rank, out)
-co.shutdown()

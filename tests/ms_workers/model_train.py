@@ -92,4 +92,3 @@ if files:
     out["loaded"] = weights(plain)
 
 write_result(rank, out)
-co.shutdown()

@@ -1,0 +1,34 @@
+"""msrun worker: runs several worker scripts, in order, in one MindSpore process group.
+
+``suite.py MODE PART [PART ...]``, each PART a script of this folder with its own arguments after
+colons (``adapter:1e-06``); each script gets ``MODE`` as its first argument. Starting msrun costs
+~15-20 s on a 2-core machine (its scheduler and every worker import MindSpore and rendezvous), more
+than most checks take: one start per (mode, world size) keeps the suite short. Each part writes its
+result under its own name (``write_result``), so a part that fails leaves the earlier parts' results.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import collective_ops as co
+from tests.msrun_harness import PART_ENV
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    mode, *parts = sys.argv[1:]
+    for part in parts:
+        script, *args = part.split(":")
+        os.environ[PART_ENV] = part
+        sys.argv = [str(HERE / f"{script}.py"), mode, *args]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        co.barrier()  # no part starts while a peer still finishes the last one
+    co.shutdown()  # ends with a barrier: no rank leaves while a peer still sends
+
+
+main()
