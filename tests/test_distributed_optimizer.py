@@ -187,6 +187,59 @@ def scaled_training(rank: int, build, make_optimizer, steps: int = 6) -> tuple[t
     return results[0], results[1]
 
 
+def nonfinite_step_refused(rank: int, build, make_optimizer, steps: int = 5, bad_step: int = 2) -> dict:
+    """``wrap(check_finite=True)`` + ``make_optimizer``: at ``bad_step`` rank 1's gradient of the output bias is
+    NaN; the loop catches step()'s error and goes on. Against DDP + AdamW trained without that batch."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    ddp, ddp_optimizer = _ddp_or_ours(False, build, make_optimizer)
+    model = co.wrap(build(), bucket_size_mb=0.004, check_finite=True)
+    optimizer = make_optimizer(model)
+    poisoned = list(model.module.parameters())[-1]  # one small parameter: in one rank's shard when sharded
+    poison = [False]
+    poisoned.register_hook(lambda g: g * float("nan") if poison[0] and rank == 1 else g)
+    out: dict = {"errors": []}
+    for step in range(steps):
+        x, y = rank_batch(MLP, step, rank)
+        for net, opt in ((ddp, ddp_optimizer), (model, optimizer)):
+            if net is ddp and step == bad_step:
+                continue
+            opt.zero_grad()
+            poison[0] = step == bad_step
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            if net is model and step == bad_step:
+                out["before"] = (snapshot(model.module), _state_arrays(optimizer.state_dict()))
+                try:
+                    opt.step()
+                except FloatingPointError as exc:
+                    out["errors"].append(str(exc))
+                out["after"] = (snapshot(model.module), _state_arrays(optimizer.state_dict()))
+            else:
+                opt.step()
+    out["ddp"], out["ours"] = snapshot(ddp.module), snapshot(model.module)
+    return out
+
+
+def _state_arrays(state_dict: dict) -> dict:
+    """An optimizer state_dict's tensors, by parameter and key (numpy, for assert_identical)."""
+    return {f"{i}/{k}": v.detach().numpy().copy() for i, entry in state_dict["state"].items() for k, v in entry.items()}
+
+
+def assert_nonfinite_step_refused(results: list[dict], label: str) -> None:
+    """The ``nonfinite_step_refused`` results of every rank: refused on each, nothing applied, then DDP's."""
+    for rank, out in enumerate(result["nonfinite"] for result in results):
+        assert len(out["errors"]) == 1, f"{label}rank {rank}: step() must refuse the NaN step, on every rank"
+        error = out["errors"][0]
+        assert "non-finite gradients" in error and "'net.4.bias'" in error and "not applied" in error, error
+        assert ("before reduction: ['net.4.bias']" in error) == (rank == 1), error
+        assert_identical(out["after"][0], out["before"][0], f"{label}parameters after the refused step, rank {rank}")
+        assert_identical(out["after"][1], out["before"][1], f"{label}optimizer state after it, rank {rank}")
+        assert_identical(out["ours"], out["ddp"], f"{label}trained on after it, as DDP without that batch, rank {rank}")
+
+
 def optimizer_checks(rank: int, world: int) -> dict:
     import torch
 
@@ -245,6 +298,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
         )
 
     out["grad_scaler"] = scaled_training(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    )
+    out["nonfinite"] = nonfinite_step_refused(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
     out["eval_between_steps"] = eval_between_steps(
@@ -423,6 +479,10 @@ def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
     assert_scaled_training_equals_ddp(two_ranks, "")
+
+
+def test_check_finite_refuses_a_nan_step_on_every_rank_and_training_goes_on(two_ranks) -> None:
+    assert_nonfinite_step_refused(two_ranks, "")
 
 
 def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:

@@ -18,11 +18,14 @@ from tests.reference import assert_identical, collect_errors, snapshot
 from tests.test_distributed_optimizer import (
     STEPS,
     _make_optimizer,
+    _state_arrays,
     _train,
     assert_evaluations_equal_ddp,
+    assert_nonfinite_step_refused,
     assert_scaled_training_equals_ddp,
     clipped_step,
     eval_between_steps,
+    nonfinite_step_refused,
     scaled_training,
     zero_grad_after_step,
 )
@@ -62,10 +65,6 @@ def _build(name: str):
         return build(name)
     torch.manual_seed(0)
     return WithUnusedBranch()
-
-
-def _state_arrays(state_dict: dict) -> dict:
-    return {f"{i}/{k}": v.detach().numpy() for i, s in state_dict["state"].items() for k, v in s.items()}
 
 
 def _state_bytes(optimizer) -> int:
@@ -235,6 +234,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
     out["eval_between_steps"] = eval_between_steps(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
+    )
+    out["nonfinite"] = nonfinite_step_refused(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
     out["interleaved"] = _interleaved_user_collectives(rank)
@@ -416,6 +418,10 @@ def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
     assert_scaled_training_equals_ddp(two_ranks, "sharded, ")
+
+
+def test_check_finite_refuses_a_nan_step_on_every_rank_and_training_goes_on(two_ranks) -> None:
+    assert_nonfinite_step_refused(two_ranks, "sharded, ")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:

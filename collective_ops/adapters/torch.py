@@ -285,7 +285,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _after_step(self) -> None:
         """Once every bucket of a synchronised step is finished (local work only)."""
         self._give_unused_their_gradient()
-        if self.check_finite:
+        if self.check_finite and self.optimizer is None:  # a DistributedOptimizer checks before it updates
             self._note_nonfinite()
 
     def _settle(self, forward_ended: bool = True) -> None:
@@ -317,11 +317,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Called by DistributedOptimizer: its updates follow this model's buckets (one optimizer per model)."""
         if self.optimizer is not None and self.optimizer is not optimizer:
             raise ValueError("this model already has a DistributedOptimizer; use that one (one per model)")
-        if self.check_finite:
-            raise ValueError(
-                "check_finite=True is not supported with DistributedOptimizer yet (updates land bucket by bucket); "
-                "wrap without it, or use a plain optimizer"
-            )
         self._optimizer_ref = weakref.ref(optimizer)
         # The next forward's buffer broadcast must not queue behind the reductions still in flight on the model's
         # group (a transport runs a group's collectives in issue order): with BatchNorm it made every forward wait
@@ -442,14 +437,23 @@ class DistributedDataParallel(nn.Module, Joinable):
         (``torch.amp.GradScaler`` does on an overflow), and only parameters that became
         non-finite mean training went wrong.
         """
-        local, self._nonfinite_local = self._nonfinite_local, []
-        bad = [
+        origin = self.take_nonfinite_origin()
+        bad = self.nonfinite_gradient_names()
+        self._nonfinite_pending = (bad, origin) if bad else None
+
+    def nonfinite_gradient_names(self) -> list[str]:
+        """The parameters whose gradient holds a NaN or Inf (after the reduction: the same on every rank)."""
+        return [
             name
             for name, p in zip(self._param_names, self._params)
             if p.grad is not None and not bool(torch.isfinite(p.grad).all())
         ]
-        origin = f"; on rank {self.engine.rank} before reduction: {local}" if local else ""
-        self._nonfinite_pending = (bad, origin) if bad else None
+
+    def take_nonfinite_origin(self) -> str:
+        """With ``check_finite``: the parameters whose gradient was not finite on this rank before the reduction
+        (where a NaN came from), as a clause of an error message, "" where none; forgotten once taken."""
+        local, self._nonfinite_local = self._nonfinite_local, []
+        return f"; on rank {self.engine.rank} before reduction: {local}" if local else ""
 
     def _raise_if_parameters_not_finite(self) -> None:
         pending, self._nonfinite_pending = self._nonfinite_pending, None

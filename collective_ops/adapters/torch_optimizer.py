@@ -184,8 +184,33 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
         start = time.perf_counter()
+        if self.model.check_finite:
+            self._refuse_nonfinite_gradients()
         self._start_step()
         self._step_seconds = time.perf_counter() - start
+
+    def _refuse_nonfinite_gradients(self) -> None:
+        """``wrap(..., check_finite=True)``: a step whose averaged gradients are not all finite is not applied.
+
+        Every reduction is finished first (this step loses its overlap with the next forward), so no
+        bucket is updated before the check; every rank then raises, the parameters and the optimizer
+        state left as before the step (catch it, ``zero_grad()``, and the loop may go on).
+        """
+        self.finish_reductions()
+        origin = self.model.take_nonfinite_origin()
+        bad = self._nonfinite_gradient_names()
+        if not bad:
+            return
+        self._skip_step()
+        raise FloatingPointError(
+            f"non-finite gradients (NaN or Inf) after reduction in {len(bad)} parameter(s): {bad[:10]}{origin}; "
+            "the step was not applied (parameters and optimizer state unchanged). Lower the learning rate, use "
+            "gradient clipping or loss scaling (torch.amp.GradScaler skips such steps), or check the data of that step."
+        )
+
+    def _nonfinite_gradient_names(self) -> list[str]:
+        """The parameters whose averaged gradient holds a NaN or Inf, the same on every rank."""
+        return self.model.nonfinite_gradient_names()
 
     def _start_step(self) -> None:
         """Apply what has landed of the last backward's reductions; owe the rest."""

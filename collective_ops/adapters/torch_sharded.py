@@ -403,6 +403,16 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for bucket in range(len(self.model.manager.plan.buckets)):
             self._bind_grads(bucket)
 
+    def _nonfinite_gradient_names(self) -> list[str]:
+        """From the shards: each rank flags the parameters its pieces found not finite (one small allreduce)."""
+        flags = torch.zeros(len(self.model._params), dtype=torch.int32, device=self.model.engine.device)
+        for piece, tensor in self._pieces:
+            if tensor.grad is not None and not bool(torch.isfinite(tensor.grad).all()):
+                flags[piece.param_index] = 1
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flags)
+        return [self.model._param_names[i] for i in flags.nonzero().flatten().tolist()]
+
     def _skip_step(self) -> None:
         self._steps_applied = self._reduction()
         for _, tensor in self._pieces:
