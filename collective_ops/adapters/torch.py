@@ -506,6 +506,22 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # (eager calls never touch dynamo: importing it made exits abort)
+            # Under torch.compile the module's forward is the graph; what comes before and after it runs as
+            # Python, not traced (dynamo inlined the optimizer's per-module hooks: 34 graphs for a 3-layer MLP).
+            _start_compiled_forward(self)
+            with _compiled_as_ddp(self):
+                output = self.module(*args, **kwargs)
+            _end_compiled_forward(self)
+            return output
+        self._start_forward()
+        output = self.module(*args, **kwargs)
+        self._end_forward()
+        return output
+
+    def _start_forward(self, compiled: bool = False) -> None:
+        if compiled and self.optimizer is not None:
+            self.optimizer.compiled_forward_starts()
         if self._nonfinite_pending is not None:
             self._raise_if_parameters_not_finite()
         if self.manager.in_progress:
@@ -516,16 +532,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
         self._count_active_ranks(active=True)
         self._sync_buffers(active=True)
-        if torch.compiler.is_compiling():  # (eager calls never touch dynamo: importing it made exits abort)
-            with _compiled_as_ddp(self):
-                output = self.module(*args, **kwargs)
-        else:
-            output = self.module(*args, **kwargs)
+
+    def _end_forward(self) -> None:
         if self.optimizer is not None and self.optimizer.in_flight:
             # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
             self.optimizer.synchronize()
         self._settle()  # the end of forward: the same point on every rank, whatever ended the last step where
-        return output
 
     def _sync_buffers(self, active: bool) -> None:
         """Rank 0's buffers (running statistics) to every rank before a forward, as DDP does.
@@ -744,6 +756,16 @@ def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]
             "reduces one device per process (autograd runs one hook thread per device). Move the model to one "
             "device, and launch one process per device (torchrun --nproc-per-node)."
         )
+
+
+@torch._disable_dynamo
+def _start_compiled_forward(model: DistributedDataParallel) -> None:
+    model._start_forward(compiled=True)
+
+
+@torch._disable_dynamo
+def _end_compiled_forward(model: DistributedDataParallel) -> None:
+    model._end_forward()
 
 
 @contextlib.contextmanager

@@ -116,6 +116,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._defers_now = True  # False: the trial runs, or kept, every bucket finished in backward
         self.schedule_trial: dict[str, Any] | None = None  # what the last trial measured and kept
         self._forward_start: float | None = None
+        self._forward_compiled = False  # the last forward ran under torch.compile (no per-module timeline)
         self._step_seconds = 0.0  # the last step()'s own time
         runtime.finish_in_flight_before_leaving(self._finish_before_leaving)
         groups = _as_groups(model.module.parameters() if params is None else params)
@@ -307,6 +308,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     # -- internals ---------------------------------------------------------------------------------
     def _before_forward_of(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
+        if torch.compiler.is_compiling():
+            return  # inside a compiled graph: every owed update was applied before it (compiled_forward_starts)
         if self._ran is not None:
             self._ran.add(module)
         timeline = self._timeline if self._times_forward() else None
@@ -326,7 +329,24 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._finish(buckets, type(module).__name__)
 
     def _forward_starts(self, model: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # compiled_forward_starts, from the wrapper's forward
         self._forward_start = time.perf_counter()
+        self._forward_compiled = False
+
+    def compiled_forward_starts(self) -> None:
+        """Before the forward of a model under ``torch.compile`` (run as Python, outside the graph).
+
+        A compiled forward is one graph: the per-module waits cannot sit inside it, so every owed
+        update (and, sharded, every all-gather) is finished first. The step keeps the overlap of
+        per-bucket updates with the reductions still in flight during ``step()``, not the one with
+        the next forward. The launch-order planner, which times the forward module by module, then
+        keeps plan order.
+        """
+        self._forward_start = time.perf_counter()
+        self._forward_compiled = True
+        if self.in_flight:
+            self.synchronize()
 
     def _plans_schedule(self) -> bool:
         """True while the forward's use of buckets is being timed: schedule="auto", not yet planned for this plan."""
@@ -342,6 +362,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self.synchronize()
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._times_forward():
             self._timeline.forward_ended()
         if self._ran is None:
@@ -467,7 +489,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """Rank 0's simulated best order (where its timeline is complete), set on every rank."""
         manager, engine, timeline = self.model.manager, self.model.engine, self._timeline
         complete = timeline.complete(stats.backward_start)
-        if not engine.broadcast_ints([int(complete)])[0]:  # rank 0's timeline decides, on every rank
+        # rank 0's timeline decides, on every rank: 1 plan from it, 0 not complete yet, 2 never (compiled forwards)
+        decision = engine.broadcast_ints([2 if self._forward_compiled else int(complete)])[0]
+        if decision == 2:
+            self._scheduled_plan = manager.plan  # plan order, overlapped: nothing to plan from
+            logger.info("collective_ops: DistributedOptimizer keeps plan order (the forward is compiled)")
+        if decision != 1:
             return
         from ..tuning import measure_alpha_beta
 

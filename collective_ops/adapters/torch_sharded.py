@@ -312,6 +312,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _before_forward_of(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: the buckets holding the parameters this module reads are gathered first."""
+        if torch.compiler.is_compiling():
+            return  # inside a compiled graph: every all-gather was finished before it (compiled_forward_starts)
         if self._ran is not None:
             self._ran.add(module)
         timing = self._times_forward()
