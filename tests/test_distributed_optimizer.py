@@ -223,6 +223,74 @@ def nonfinite_step_refused(rank: int, build, make_optimizer, steps: int = 5, bad
     return out
 
 
+def gradients_changed_before_step(rank: int, build, make_optimizer, steps: int = 6) -> dict:
+    """Loops that change gradients in place between backward and step, as DDP loops do: torch's
+    clip_grad_norm_ on the model's parameters, and one parameter's gradient scaled (the first layer's,
+    its bucket reduced last). Where step() refused, and whether any parameter had changed by then."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    out = {}
+    for case in ("torch_clip", "one_gradient"):
+        model = co.wrap(build(), bucket_size_mb=0.004)
+        optimizer = make_optimizer(model)
+        out[case] = {"error": None, "at": None, "unchanged": None}
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if case == "torch_clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            else:
+                model.module.net[0].weight.grad.mul_(0.5)
+            before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+            try:
+                optimizer.step()
+            except RuntimeError as exc:
+                after = dict(model.module.named_parameters())
+                out[case] = {
+                    "error": str(exc),
+                    "at": step,
+                    "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+                }
+                break
+    return out
+
+
+def assert_changed_gradients_refused(results: list[dict], label: str) -> None:
+    """The ``gradients_changed_before_step`` results of every rank: step() refused, nothing applied."""
+    for rank, out in enumerate(result["changed_gradients"] for result in results):
+        for case, got in out.items():
+            assert got["error"] is not None, f"{label}{case}, rank {rank}: trained on silently"
+            assert "changed in place between backward()" in got["error"], got["error"]
+            assert "opt.clip_grad_norm_(max_norm)" in got["error"] and "opt.finish_reductions()" in got["error"]
+            assert got["unchanged"], f"{label}{case}, rank {rank}: a refused step updated parameters"
+        assert "'net.0.weight'" in out["one_gradient"]["error"]
+
+
+def clipped_by_torch_after_finish_reductions(rank: int, build, make_optimizer, steps: int = 5) -> tuple[dict, dict]:
+    """(DDP, ours) clipping with torch.nn.utils.clip_grad_norm_ after opt.finish_reductions(): gradients final."""
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    results = []
+    for ours in (False, True):
+        model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if ours:
+                optimizer.finish_reductions()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            optimizer.step()
+        results.append(snapshot(model if ours else model.module))
+    return results[0], results[1]
+
+
 def _state_arrays(state_dict: dict) -> dict:
     """An optimizer state_dict's tensors, by parameter and key (numpy, for assert_identical)."""
     return {f"{i}/{k}": v.detach().numpy().copy() for i, entry in state_dict["state"].items() for k, v in entry.items()}
@@ -301,6 +369,12 @@ def optimizer_checks(rank: int, world: int) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
     out["nonfinite"] = nonfinite_step_refused(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    )
+    out["changed_gradients"] = gradients_changed_before_step(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    )
+    out["torch_clip_after_finish"] = clipped_by_torch_after_finish_reductions(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
     out["eval_between_steps"] = eval_between_steps(
@@ -483,6 +557,18 @@ def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
 
 def test_check_finite_refuses_a_nan_step_on_every_rank_and_training_goes_on(two_ranks) -> None:
     assert_nonfinite_step_refused(two_ranks, "")
+
+
+def test_gradients_changed_between_backward_and_step_are_refused_not_trained_on(two_ranks) -> None:
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) right after backward() clipped gradients still being
+    reduced, and trained on silently: now step() refuses, before any update."""
+    assert_changed_gradients_refused(two_ranks, "")
+
+
+def test_torch_clipping_after_finish_reductions_equals_ddp(two_ranks) -> None:
+    for rank, out in enumerate(two_ranks):
+        ddp, ours = out["torch_clip_after_finish"]
+        assert_identical(ours, ddp, f"clip_grad_norm_ after finish_reductions(), rank {rank}")
 
 
 def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:

@@ -20,11 +20,13 @@ from tests.test_distributed_optimizer import (
     _make_optimizer,
     _state_arrays,
     _train,
+    assert_changed_gradients_refused,
     assert_evaluations_equal_ddp,
     assert_nonfinite_step_refused,
     assert_scaled_training_equals_ddp,
     clipped_step,
     eval_between_steps,
+    gradients_changed_before_step,
     nonfinite_step_refused,
     scaled_training,
     zero_grad_after_step,
@@ -239,6 +241,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["nonfinite"] = nonfinite_step_refused(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
+    out["changed_gradients"] = gradients_changed_before_step(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
+    )
     out["interleaved"] = _interleaved_user_collectives(rank)
     out["rank0_checkpoints"] = _rank0_checkpoints(rank)
     out["replanned"] = _replanned_mid_training(rank)
@@ -422,6 +427,12 @@ def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
 
 def test_check_finite_refuses_a_nan_step_on_every_rank_and_training_goes_on(two_ranks) -> None:
     assert_nonfinite_step_refused(two_ranks, "sharded, ")
+
+
+def test_gradients_changed_between_backward_and_step_are_refused_not_trained_on(two_ranks) -> None:
+    """Sharded, p.grad is averaged only in this rank's shard: torch's clip_grad_norm_ on it computed a wrong
+    norm and scaled the shard by it, silently; now step() refuses, before any update."""
+    assert_changed_gradients_refused(two_ranks, "sharded, ")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:

@@ -148,6 +148,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._optimizer_ref: weakref.ref | None = None
         self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
         self._nonfinite_local: list[str] = []
+        # bucket -> (its gradient tensors, weakly; the sum of their version counters) while a DistributedOptimizer
+        # owns them: from the end of backward until it has consumed them (check_gradients_untouched)
+        self._grad_versions: dict[int, tuple[list[weakref.ref], int]] = {}
         # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
         self._nonfinite_pending: tuple[list[str], str] | None = None
         # Hooks hold the wrapper weakly: deleting it detaches them and frees its buffers.
@@ -267,6 +270,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._contribute_kept_gradients()
         # With a DistributedOptimizer the step ends bucket by bucket (finish_bucket), as updates need them.
         self.manager.finalize(defer=self.optimizer is not None and self.optimizer.defers)
+        self._grad_versions.clear()
+        if self.manager.deferred_pending or self._owns_reduced_gradients():
+            self.note_gradients_owned(range(len(self.manager.plan.buckets)))
         if not self.manager.deferred_pending:
             self._after_step()
             self._settle(forward_ended=False)
@@ -302,11 +308,64 @@ class DistributedDataParallel(nn.Module, Joinable):
     def finish_bucket(self, bucket_index: int) -> list[int]:
         """Finish one bucket of a deferred step; the indices of its parameters (their gradients now final)."""
         members = list(self.manager.plan.buckets[bucket_index].param_indices)
+        self.check_gradients_untouched([bucket_index])
         self.manager.wait_bucket(bucket_index)
+        if self._owns_reduced_gradients():
+            self.note_gradients_owned([bucket_index])
         self._give_unused_their_gradient(members)
         if not self.manager.deferred_pending:
             self._after_step()
         return members
+
+    # -- gradients a DistributedOptimizer owns between backward and its update -------------------
+    def _gradient_tensors(self, bucket: int) -> list[torch.Tensor]:
+        """What other code changes this bucket's gradients through: its buffer (each ``p.grad`` a view of
+        it), and with ``gradient_as_bucket_view=False`` the members' own ``p.grad`` tensors."""
+        tensors = [self.manager.buffers[bucket]]
+        if not self.gradient_as_bucket_view:
+            members = self.manager.plan.buckets[bucket].param_indices
+            tensors += [self._params[i].grad for i in members if self._params[i].grad is not None]
+        return tensors
+
+    def _owns_reduced_gradients(self) -> bool:
+        """True where the optimizer owns gradients after their reduction too: sharded, ``p.grad`` is averaged
+        only in this rank's shard until the optimizer binds it (unsharded, reduced gradients are final)."""
+        return self.optimizer is not None and self.optimizer.shards
+
+    def note_gradients_owned(self, buckets: Any) -> None:
+        """These buckets' gradients are the optimizer's until it consumes them: their version counters are
+        noted (an in-place change by other code, as ``clip_grad_norm_``'s, moves them)."""
+        for bucket in buckets:
+            tensors = self._gradient_tensors(bucket)
+            self._grad_versions[bucket] = ([weakref.ref(t) for t in tensors], sum(t._version for t in tensors))
+
+    def check_gradients_untouched(self, buckets: Any) -> None:
+        """Raise where code outside the optimizer changed these buckets' gradients in place since they were
+        noted: while their reduction was in flight (it races the reduction), or, sharded, where only this
+        rank's shard is averaged. Either way the update would be silently wrong. (A bucket is checked once.)"""
+        for bucket in buckets:
+            noted = self._grad_versions.pop(bucket, None)
+            if noted is None:
+                continue
+            refs, version = noted
+            tensors = self._gradient_tensors(bucket)
+            if [ref() for ref in refs] != tensors:
+                continue  # not the tensors noted: our own rebuild replaced them
+            if sum(t._version for t in tensors) != version:
+                self._grad_versions.clear()  # one error: what follows (a checkpoint, shutdown) finishes the step
+                raise self._changed_gradients_error(bucket)
+
+    def _changed_gradients_error(self, bucket: int) -> RuntimeError:
+        names = [self._param_names[i] for i in self.manager.plan.buckets[bucket].param_indices]
+        return RuntimeError(
+            f"the gradients of bucket {bucket} ({', '.join(repr(n) for n in names[:5])}"
+            f"{' ...' if len(names) > 5 else ''}) were changed in place between backward() and the "
+            "DistributedOptimizer's step, while it still owned them: its updates overlap the reduction with the "
+            "next forward, so after backward() p.grad is not yet averaged (and with shard=True never is outside "
+            "this rank's shard). Clip with opt.clip_grad_norm_(max_norm) instead of "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), and call opt.finish_reductions() before "
+            "other code that reads or changes gradients between backward() and step() (scaler.unscale_(opt) too)"
+        )
 
     @property
     def optimizer(self) -> Any:

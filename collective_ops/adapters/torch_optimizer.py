@@ -185,6 +185,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
         start = time.perf_counter()
+        # every bucket before any update: a step that would be wrong is refused whole
+        self.model.check_gradients_untouched(range(len(self.model.manager.plan.buckets)))
         if self.model.check_finite:
             self._refuse_nonfinite_gradients()
         self._start_step()

@@ -284,6 +284,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _bind_grads(self, bucket: int) -> None:
         """Each piece's ``.grad``: its part of the reduced shard (cast to the piece's dtype where it differs)."""
         manager = self.model.manager
+        self.model.check_gradients_untouched([bucket])  # p.grad averaged only in this shard: not for other code
         source = self._kept.pop(bucket, None)
         if source is None:
             source = self.model.engine.shard_of(manager.buffers[bucket])
