@@ -201,6 +201,44 @@ def _bf16_loss_curves(rank: int) -> dict:
     return curves
 
 
+def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
+    """Loops that run backward twice per step: without no_sync (accumulating: refused), and with zero_grad()
+    between (the first micro-batch dropped: DDP's result, from the second alone)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    out: dict = {"error": None}
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    try:
+        for step in range(steps):
+            optimizer.zero_grad()
+            for micro in range(2):
+                x, y = rank_batch(MLP, 2 * step + micro, rank)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    except RuntimeError as exc:
+        out["error"], out["at"] = str(exc), step
+    for ours in (False, True):
+        net = build("mlp")
+        model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
+        optimizer = (
+            co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+            if ours
+            else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        )
+        for step in range(steps):
+            for micro in range(2):
+                optimizer.zero_grad()
+                x, y = rank_batch(MLP, 2 * step + micro, rank)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        out["dropped_ours" if ours else "dropped_ddp"] = snapshot(net)
+    return out
+
+
 def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     import torch
 
@@ -241,6 +279,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["nonfinite"] = nonfinite_step_refused(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
+    out["two_backwards"] = _two_backwards_per_step(rank)
     out["changed_gradients"] = gradients_changed_before_step(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
@@ -433,6 +472,15 @@ def test_gradients_changed_between_backward_and_step_are_refused_not_trained_on(
     """Sharded, p.grad is averaged only in this rank's shard: torch's clip_grad_norm_ on it computed a wrong
     norm and scaled the shard by it, silently; now step() refuses, before any update."""
     assert_changed_gradients_refused(two_ranks, "sharded, ")
+
+
+def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(two_ranks) -> None:
+    """Accumulating without no_sync mixed this rank's averaged shard with local gradients, silently (off DDP's
+    accumulation); zero_grad() between the two backwards drops the first, as with DDP."""
+    for rank, out in enumerate(result["two_backwards"] for result in two_ranks):
+        assert out["error"] is not None and out["at"] == 0, f"rank {rank}: trained on silently"
+        assert "backward() ran again before step()" in out["error"] and "model.no_sync()" in out["error"]
+        assert_identical(out["dropped_ours"], out["dropped_ddp"], f"zero_grad() between backwards, rank {rank}")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:

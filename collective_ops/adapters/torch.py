@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -237,6 +237,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.check_finite and not bool(torch.isfinite(grad).all()):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite_local.append(self._param_names[index])
+        if not self._finalize_queued and self.optimizer is not None:  # this backward's first gradient
+            self.optimizer.backward_starts()
         if not self._finalize_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._finalize_queued = True
@@ -332,14 +334,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         only in this rank's shard until the optimizer binds it (unsharded, reduced gradients are final)."""
         return self.optimizer is not None and self.optimizer.shards
 
-    def note_gradients_owned(self, buckets: Any) -> None:
+    def note_gradients_owned(self, buckets: Iterable[int]) -> None:
         """These buckets' gradients are the optimizer's until it consumes them: their version counters are
         noted (an in-place change by other code, as ``clip_grad_norm_``'s, moves them)."""
         for bucket in buckets:
             tensors = self._gradient_tensors(bucket)
             self._grad_versions[bucket] = ([weakref.ref(t) for t in tensors], sum(t._version for t in tensors))
 
-    def check_gradients_untouched(self, buckets: Any) -> None:
+    def check_gradients_untouched(self, buckets: Iterable[int]) -> None:
         """Raise where code outside the optimizer changed these buckets' gradients in place since they were
         noted: while their reduction was in flight (it races the reduction), or, sharded, where only this
         rank's shard is averaged. Either way the update would be silently wrong. (A bucket is checked once.)"""

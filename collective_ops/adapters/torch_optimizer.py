@@ -336,6 +336,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._forward_start = time.perf_counter()
         self._forward_compiled = False
 
+    def backward_starts(self) -> None:
+        """At the first gradient of a backward that reduces (every rank at the same point). Unsharded, a second
+        backward before step() accumulates onto averaged gradients, as under DDP: nothing to do."""
+
     def compiled_forward_starts(self) -> None:
         """Before the forward of a model under ``torch.compile`` (run as Python, outside the graph).
 

@@ -368,8 +368,25 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     # -- what the rest of the loop may call --------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As the class's zero_grad, over the model's parameters (their owed buckets cleared after the update)."""
+        """As the class's zero_grad, over the model's parameters (their owed buckets cleared after the update);
+        gradients reduced but never stepped on are dropped with them."""
         super().zero_grad(set_to_none)
+        if self._steps_applied != self._reduction():
+            self._skip_step()
+
+    def backward_starts(self) -> None:
+        """A backward that reduces, while the last one's reduced gradients wait for step(): refused. Its
+        gradients would add to a buffer averaged in this rank's shard only (the rest holds the last local
+        gradients), and the next reduce-scatter would mix the two: DDP's accumulation would not come out."""
+        if self._steps_applied == self._reduction():
+            return
+        raise RuntimeError(
+            "shard=True: backward() ran again before step() used the gradients it reduced last time. Each "
+            "backward reduce-scatters, so this rank holds the averaged gradient only in its own shard, and a "
+            "second backward would add local gradients to it and mix the two (not DDP's accumulation). "
+            "Accumulate micro-batches under `with model.no_sync():` (every one but the last), or call "
+            "opt.step() (or opt.zero_grad() to drop them) between backward() calls"
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` on the averaged gradients, from the shards (one small allreduce).
