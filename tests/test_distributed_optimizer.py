@@ -291,6 +291,38 @@ def clipped_by_torch_after_finish_reductions(rank: int, build, make_optimizer, s
     return results[0], results[1]
 
 
+def group_added_mid_training(rank: int, build, shard: bool, steps: int = 5, at: int = 2) -> tuple[dict, dict]:
+    """(DDP + SGD, ours) training the last layer first, the others added as a group of their own at step
+    ``at`` (``add_param_group``, as when unfreezing layers)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    results = []
+    for ours in (False, True):
+        net = build()
+        first = list(net.net[4].parameters())
+        rest = [p for layer in (net.net[0], net.net[2]) for p in layer.parameters()]
+        if ours:
+            model = co.wrap(net, bucket_size_mb=0.004)
+            optimizer = co.DistributedOptimizer(
+                model, torch.optim.SGD, params=first, lr=0.05, momentum=0.9, shard=shard
+            )
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(net)
+            optimizer = torch.optim.SGD(first, lr=0.05, momentum=0.9)
+        for step in range(steps):
+            if step == at:
+                optimizer.add_param_group({"params": rest, "lr": 0.01})
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        results.append(snapshot(net))
+    return results[0], results[1]
+
+
 def _state_arrays(state_dict: dict) -> dict:
     """An optimizer state_dict's tensors, by parameter and key (numpy, for assert_identical)."""
     return {f"{i}/{k}": v.detach().numpy().copy() for i, entry in state_dict["state"].items() for k, v in entry.items()}
@@ -374,6 +406,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
     out["changed_gradients"] = gradients_changed_before_step(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
+    out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=False)
     out["torch_clip_after_finish"] = clipped_by_torch_after_finish_reductions(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
@@ -489,7 +522,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", [*CASES, "out_of_order", "zero_grad_after_step_True", "zero_grad_after_step_False"])
+@pytest.mark.parametrize(
+    "case", [*CASES, "out_of_order", "zero_grad_after_step_True", "zero_grad_after_step_False", "group_added"]
+)
 def test_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:
     for rank, out in enumerate(two_ranks):
         ddp, ours = out[case]

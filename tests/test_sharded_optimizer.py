@@ -27,6 +27,7 @@ from tests.test_distributed_optimizer import (
     clipped_step,
     eval_between_steps,
     gradients_changed_before_step,
+    group_added_mid_training,
     nonfinite_step_refused,
     scaled_training,
     zero_grad_after_step,
@@ -280,6 +281,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
     out["two_backwards"] = _two_backwards_per_step(rank)
+    out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=True)
     out["changed_gradients"] = gradients_changed_before_step(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
@@ -442,6 +444,7 @@ def two_ranks(checkpoint) -> list[dict]:
         "no_overlap",
         "zero_grad_after_step_True",
         "zero_grad_after_step_False",
+        "group_added",
     ],
 )
 def test_two_ranks_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:

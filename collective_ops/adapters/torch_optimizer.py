@@ -120,19 +120,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._step_seconds = 0.0  # the last step()'s own time
         runtime.finish_in_flight_before_leaving(self._finish_before_leaving)
         groups = _as_groups(model.module.parameters() if params is None else params)
-        owned = {id(p) for p in model.module.parameters()}
-        for group in groups:
-            for p in group["params"]:
-                if id(p) not in owned:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(p.shape)} given to DistributedOptimizer is not a parameter of the "
-                        "wrapped model: its updates follow the model's buckets, so give only the model's parameters"
-                    )
+        _refuse_foreign_params(model, groups)
         self._index = {id(p): i for i, p in enumerate(model._params)}
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable (Optimizer's init skips its)
         self._optimizer = self._make_optimizer(optimizer_class, groups, args, kwargs)
         super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
-        self.state = self._optimizer.state  # one state, shared with the class's own optimizer
+        self.param_groups = self._optimizer.param_groups  # one list, shared with the class's own optimizer
+        self.state = self._optimizer.state  # one state, too
+        self._built = True  # add_param_group from now on is the user's (torch's __init__ called it above)
         self._pending: PendingUpdates | None = None
         self.update_seconds = 0.0  # time spent in per-bucket updates (the last step)
         model.attach_optimizer(self)
@@ -239,6 +234,21 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         for p in self._model_params():
             if id(p) not in owed:
                 _clear(p, set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's (unfreezing layers as training goes on): a group of the model's parameters, with settings
+        of its own; every owed update is applied first. Every rank calls it at the same point."""
+        if not getattr(self, "_built", False):  # torch's __init__ registering the class's own groups
+            super().add_param_group(param_group)
+            return
+        groups = _as_groups([param_group])
+        _refuse_foreign_params(self.model, groups)
+        self.synchronize()
+        self._add_group(groups[0])
+
+    def _add_group(self, group: dict[str, Any]) -> None:
+        self._optimizer.add_param_group(group)
+        self.param_groups = self._optimizer.param_groups
 
     def state_dict(self) -> dict[str, Any]:
         """The class's own state_dict (loadable into a plain optimizer of the same class), every update applied."""
@@ -717,6 +727,17 @@ def _refuse_group_mutation(name: str, changed: list[tuple[int, str, Any, Any]]) 
 
 
 _MISSING = object()
+
+
+def _refuse_foreign_params(model: Any, groups: list[dict[str, Any]]) -> None:
+    owned = {id(p) for p in model.module.parameters()}
+    for group in groups:
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} given to DistributedOptimizer is not a parameter of the "
+                    "wrapped model: its updates follow the model's buckets, so give only the model's parameters"
+                )
 
 
 def _as_groups(params: Any) -> list[dict[str, Any]]:

@@ -489,6 +489,17 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._lay_out(plan)
         self._install(full, settings)
 
+    def _add_group(self, group: dict[str, Any]) -> None:
+        """The shards laid out again with the new group's pieces, the state gathered and resharded (a collective)."""
+        known = {id(p) for params in self._model_groups for p in params}
+        if any(id(p) in known for p in group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group")
+        full = self._full_state()
+        settings = [_settings(g) for g in self._optimizer.param_groups]
+        settings.append({**self._optimizer.defaults, **_settings(group)})
+        self._model_groups.append(list(group["params"]))
+        self._install(full, settings)
+
     def _install(self, full: dict[int, dict[str, Any]], settings: list[dict[str, Any]]) -> None:
         """A fresh inner optimizer over the current pieces, holding their slices of ``full``."""
         self.reload_model_params()
