@@ -225,8 +225,9 @@ def nonfinite_step_refused(rank: int, build, make_optimizer, steps: int = 5, bad
 
 def gradients_changed_before_step(rank: int, build, make_optimizer, steps: int = 6) -> dict:
     """Loops that change gradients in place between backward and step, as DDP loops do: torch's
-    clip_grad_norm_ on the model's parameters, and one parameter's gradient scaled (the first layer's,
-    its bucket reduced last). Where step() refused, and whether any parameter had changed by then."""
+    clip_grad_norm_ on a list of the parameters taken before training (model.parameters() itself finishes
+    the reductions first), and one parameter's gradient scaled (the first layer's, its bucket reduced
+    last). Where step() refused, and whether any parameter had changed by then."""
     import torch
 
     import collective_ops as co
@@ -236,13 +237,14 @@ def gradients_changed_before_step(rank: int, build, make_optimizer, steps: int =
     for case in ("torch_clip", "one_gradient"):
         model = co.wrap(build(), bucket_size_mb=0.004)
         optimizer = make_optimizer(model)
+        held = list(model.parameters())
         out[case] = {"error": None, "at": None, "unchanged": None}
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             if case == "torch_clip":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                torch.nn.utils.clip_grad_norm_(held, 0.1)
             else:
                 model.module.net[0].weight.grad.mul_(0.5)
             before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
@@ -320,6 +322,30 @@ def group_added_mid_training(rank: int, build, shard: bool, steps: int = 5, at: 
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
         results.append(snapshot(net))
+    return results[0], results[1]
+
+
+def read_through_the_model(rank: int, build, make_optimizer, clip: bool, steps: int = 5) -> tuple[tuple, tuple]:
+    """(DDP, ours): a DDP loop that takes the parameters through the model, torch's clip_grad_norm_ on
+    model.parameters() after backward (with ``clip``) and an EMA (AveragedModel) updated after step(), while
+    updates are still owed. Weights and EMA weights."""
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    results = []
+    for ours in (False, True):
+        model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
+        ema = torch.optim.swa_utils.AveragedModel(model.module if not ours else model.module)
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            optimizer.step()
+            ema.update_parameters(model)
+        results.append((snapshot(model if ours else model.module), snapshot(ema.module)))
     return results[0], results[1]
 
 
@@ -407,6 +433,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=False)
+    out["through_the_model"] = read_through_the_model(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2), clip=True
+    )
     out["torch_clip_after_finish"] = clipped_by_torch_after_finish_reductions(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
@@ -598,6 +627,19 @@ def test_gradients_changed_between_backward_and_step_are_refused_not_trained_on(
     """torch.nn.utils.clip_grad_norm_(model.parameters()) right after backward() clipped gradients still being
     reduced, and trained on silently: now step() refuses, before any update."""
     assert_changed_gradients_refused(two_ranks, "")
+
+
+def test_parameters_taken_through_the_model_are_final(two_ranks) -> None:
+    """model.parameters() finishes the step's work in flight: torch's clip after backward and an EMA after step()
+    see what they see under DDP (before, the clip raced the reductions and the EMA averaged stale weights)."""
+    assert_through_the_model_equals_ddp(two_ranks, "")
+
+
+def assert_through_the_model_equals_ddp(results: list[dict], label: str) -> None:
+    for rank, out in enumerate(results):
+        (ddp, ddp_ema), (ours, our_ema) = out["through_the_model"]
+        assert_identical(ours, ddp, f"{label}weights, rank {rank}")
+        assert_identical(our_ema, ddp_ema, f"{label}EMA of the weights, rank {rank}")
 
 
 def test_torch_clipping_after_finish_reductions_equals_ddp(two_ranks) -> None:

@@ -24,11 +24,13 @@ from tests.test_distributed_optimizer import (
     assert_evaluations_equal_ddp,
     assert_nonfinite_step_refused,
     assert_scaled_training_equals_ddp,
+    assert_through_the_model_equals_ddp,
     clipped_step,
     eval_between_steps,
     gradients_changed_before_step,
     group_added_mid_training,
     nonfinite_step_refused,
+    read_through_the_model,
     scaled_training,
     zero_grad_after_step,
 )
@@ -282,6 +284,12 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     )
     out["two_backwards"] = _two_backwards_per_step(rank)
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=True)
+    out["through_the_model"] = read_through_the_model(  # no clip: sharded, p.grad is not for other code
+        rank,
+        lambda: build("mlp"),
+        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
+        clip=False,
+    )
     out["changed_gradients"] = gradients_changed_before_step(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
@@ -484,6 +492,10 @@ def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(
         assert out["error"] is not None and out["at"] == 0, f"rank {rank}: trained on silently"
         assert "backward() ran again before step()" in out["error"] and "model.no_sync()" in out["error"]
         assert_identical(out["dropped_ours"], out["dropped_ddp"], f"zero_grad() between backwards, rank {rank}")
+
+
+def test_parameters_taken_through_the_model_after_step_are_final(two_ranks) -> None:
+    assert_through_the_model_equals_ddp(two_ranks, "sharded, ")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:

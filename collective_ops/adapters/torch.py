@@ -364,9 +364,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             f"{' ...' if len(names) > 5 else ''}) were changed in place between backward() and the "
             "DistributedOptimizer's step, while it still owned them: its updates overlap the reduction with the "
             "next forward, so after backward() p.grad is not yet averaged (and with shard=True never is outside "
-            "this rank's shard). Clip with opt.clip_grad_norm_(max_norm) instead of "
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), and call opt.finish_reductions() before "
-            "other code that reads or changes gradients between backward() and step() (scaler.unscale_(opt) too)"
+            "this rank's shard). Take the parameters through the model (model.parameters() finishes the "
+            "reductions first), or call opt.finish_reductions() before code that reads or changes gradients "
+            "between backward() and step() (scaler.unscale_(opt) too); with shard=True clip with "
+            "opt.clip_grad_norm_(max_norm)"
         )
 
     @property
@@ -564,6 +565,16 @@ class DistributedDataParallel(nn.Module, Joinable):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally; the first backward after the block synchronizes them all."""
         return self.manager.no_sync()
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As torch's; with a DistributedOptimizer, its work in flight is finished first (reductions waited for,
+        owed updates applied), so code that takes the parameters through the model (``model.parameters()``:
+        an EMA after ``step()``, ``clip_grad_norm_`` after ``backward()``, ``model.zero_grad()``) sees final
+        values, as under DDP. (That step loses its overlap with the next forward.)"""
+        optimizer = self.optimizer
+        if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
+            optimizer.synchronize()
+        return super().named_parameters(*args, **kwargs)
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

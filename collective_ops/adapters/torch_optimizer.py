@@ -135,12 +135,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         # of submodules whose forward never runs (MultiheadAttention reads out_proj.weight itself).
         self._ran: set[nn.Module] | None = set()
         self._needs: dict[nn.Module, list[int]] = {}
-        self._hooks = [module.register_forward_pre_hook(self._before_forward_of) for module in model.module.modules()]
-        self._hooks.append(model.module.register_forward_hook(self._after_forward))
-        self._hooks.append(model.register_forward_pre_hook(self._forward_starts))  # before its buffer broadcast
+        before_forward = _HookOf(self._before_forward_of)
+        self._hooks = [module.register_forward_pre_hook(before_forward) for module in model.module.modules()]
+        self._hooks.append(model.module.register_forward_hook(_HookOf(self._after_forward)))
+        # on the wrapper: runs before its buffer broadcast
+        self._hooks.append(model.register_forward_pre_hook(_HookOf(self._forward_starts)))
         self._timeline = ForwardTimeline()  # the forward's use of buckets over time (schedule="auto" plans from it)
         # The inner module's own state_dict() (a checkpoint of model.module) sees every update too.
-        self._hooks.append(model.module.register_state_dict_pre_hook(self._before_state_dict))
+        self._hooks.append(model.module.register_state_dict_pre_hook(_HookOf(self._before_state_dict)))
 
     def _make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
@@ -727,6 +729,29 @@ def _refuse_group_mutation(name: str, changed: list[tuple[int, str, Any, Any]]) 
 
 
 _MISSING = object()
+
+
+class _HookOf:
+    """A module hook calling a method of the optimizer. A copy of the module (``copy.deepcopy``, as an EMA's
+    ``AveragedModel`` makes; a pickled module) gets a hook that does nothing instead: the copy is not this
+    optimizer's to update, and the optimizer itself does not copy (torch's Optimizer pickles its state only)."""
+
+    def __init__(self, method: Any) -> None:
+        self._method = method
+
+    def __call__(self, *args: Any) -> Any:
+        return self._method(*args)
+
+    def __reduce__(self) -> tuple:  # deepcopy and pickle both rebuild from it
+        return _make_no_hook, ()
+
+
+def _no_hook(*args: Any) -> None:
+    return None
+
+
+def _make_no_hook() -> Any:
+    return _no_hook
 
 
 def _refuse_foreign_params(model: Any, groups: list[dict[str, Any]]) -> None:
