@@ -571,7 +571,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         owed updates applied), so code that takes the parameters through the model (``model.parameters()``:
         an EMA after ``step()``, ``clip_grad_norm_`` after ``backward()``, ``model.zero_grad()``) sees final
         values, as under DDP. (That step loses its overlap with the next forward.)"""
-        optimizer = self.optimizer
+        optimizer = self.optimizer if getattr(self, "_optimizer_ref", None) is not None else None  # (mid-__init__)
         if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
             optimizer.synchronize()
         return super().named_parameters(*args, **kwargs)
