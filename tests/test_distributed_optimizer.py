@@ -273,7 +273,9 @@ def assert_changed_gradients_refused(results: list[dict], label: str) -> None:
 
 
 def clipped_by_torch_after_finish_reductions(rank: int, build, make_optimizer, steps: int = 5) -> tuple[dict, dict]:
-    """(DDP, ours) clipping with torch.nn.utils.clip_grad_norm_ after opt.finish_reductions(): gradients final."""
+    """(DDP, ours) clipping with torch.nn.utils.clip_grad_norm_ after opt.finish_reductions(): gradients final.
+    The clip takes a list of the parameters made before training (model.parameters() would finish the
+    reductions itself)."""
     import torch
 
     from tests.models import MLP, rank_batch
@@ -281,13 +283,14 @@ def clipped_by_torch_after_finish_reductions(rank: int, build, make_optimizer, s
     results = []
     for ours in (False, True):
         model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
+        held = list(model.parameters())
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             if ours:
                 optimizer.finish_reductions()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            torch.nn.utils.clip_grad_norm_(held, 0.1)
             optimizer.step()
         results.append(snapshot(model if ours else model.module))
     return results[0], results[1]
@@ -336,7 +339,7 @@ def read_through_the_model(rank: int, build, make_optimizer, clip: bool, steps: 
     results = []
     for ours in (False, True):
         model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
-        ema = torch.optim.swa_utils.AveragedModel(model.module if not ours else model.module)
+        ema = torch.optim.swa_utils.AveragedModel(model.module)
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
