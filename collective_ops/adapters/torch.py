@@ -237,9 +237,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.check_finite and not bool(torch.isfinite(grad).all()):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite_local.append(self._param_names[index])
-        if not self._finalize_queued and self.optimizer is not None:  # this backward's first gradient
-            self.optimizer.backward_starts()
-        if not self._finalize_queued:
+        if not self._finalize_queued:  # this backward's first gradient
+            if self.optimizer is not None:
+                self.optimizer.backward_starts()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._finalize_queued = True
         self._contribute(index, param)

@@ -249,8 +249,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._add_group(groups[0])
 
     def _add_group(self, group: dict[str, Any]) -> None:
-        self._optimizer.add_param_group(group)
-        self.param_groups = self._optimizer.param_groups
+        self._optimizer.add_param_group(group)  # param_groups is the class's own list: the group shows there
 
     def state_dict(self) -> dict[str, Any]:
         """The class's own state_dict (loadable into a plain optimizer of the same class), every update applied."""
