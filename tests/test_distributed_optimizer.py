@@ -92,14 +92,14 @@ def clipped_step(rank: int, model, optimizer) -> tuple[float, dict]:
     return float(norm), snapshot(model.module)  # the inner module's own state_dict: owed updates land first
 
 
-def _ddp_or_ours(ours: bool, build, make_optimizer) -> tuple:
+def _ddp_or_ours(ours: bool, build, make_optimizer, wrap_kwargs: dict | None = None) -> tuple:
     """(model, optimizer): ``wrap`` + ``make_optimizer(model)``, or the reference, torch DDP + AdamW."""
     import torch
 
     import collective_ops as co
 
     if ours:
-        model = co.wrap(build(), bucket_size_mb=0.004)
+        model = co.wrap(build(), bucket_size_mb=0.004, **(wrap_kwargs or {}))
         return model, make_optimizer(model)
     model = torch.nn.parallel.DistributedDataParallel(build())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -352,6 +352,85 @@ def read_through_the_model(rank: int, build, make_optimizer, clip: bool, steps: 
     return results[0], results[1]
 
 
+class _LateHandle:
+    """A reduction that reports itself complete only ``seconds`` after its launch (and waits that long)."""
+
+    def __init__(self, handle, seconds: float) -> None:
+        import time
+
+        self._handle, self._done_at = handle, time.perf_counter() + seconds
+
+    def is_completed(self) -> bool:
+        import time
+
+        return time.perf_counter() >= self._done_at and self._handle.is_completed()
+
+    def wait(self):
+        import time
+
+        time.sleep(max(0.0, self._done_at - time.perf_counter()))
+        return self._handle.wait()
+
+
+def late_allreduce(ctx):
+    """The default reduction, landing 0.2 s late: a step() right after backward owes every bucket's update
+    whatever the machine's speed (the unsharded path applies those that landed in step() itself)."""
+    from collective_ops.bucketing.hooks import allreduce_hook
+
+    return _LateHandle(allreduce_hook(ctx), 0.2)
+
+
+def params_changed_after_step(
+    rank: int, build, make_optimizer, steps: int = 6, at: int = 3, wrap_kwargs: dict | None = None
+) -> dict:
+    """Loops that change parameters right after step(), while its updates (sharded: all-gathers) are owed.
+    "reloaded": (DDP, ours) after loading a checkpoint of step 1 (the inner module's weights, the optimizer's
+    state) at step ``at``. "edited": one layer's weight scaled in place through the inner module; where it
+    was refused (its error and step), or None if training went on."""
+    import copy
+
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    out: dict = {"reloaded": [], "edited": None}
+    for case in ("ddp", "ours", "edited"):
+        model, optimizer = _ddp_or_ours(case != "ddp", build, make_optimizer, wrap_kwargs)
+        try:
+            for step in range(steps):
+                x, y = rank_batch(MLP, step, rank)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                if step == 1:
+                    saved = copy.deepcopy((model.module.state_dict(), optimizer.state_dict()))
+                if step == at and case == "edited":
+                    with torch.no_grad():
+                        model.module.net[0].weight.mul_(0.5)
+                elif step == at:
+                    model.module.load_state_dict(saved[0])
+                    optimizer.load_state_dict(saved[1])
+        except RuntimeError as exc:
+            if case != "edited":
+                raise
+            out["edited"] = (str(exc), step)
+            continue
+        if case != "edited":
+            out["reloaded"].append(snapshot(model.module))
+    return out
+
+
+def assert_changed_params_handled(results: list[dict], label: str, at: int = 3) -> None:
+    """The ``params_changed_after_step`` results of every rank: the reload as DDP's, the edit refused."""
+    for rank, out in enumerate(result["changed_params"] for result in results):
+        ddp, ours = out["reloaded"]
+        assert_identical(ours, ddp, f"{label}checkpoint loaded after step(), rank {rank}")
+        assert out["edited"] is not None, f"{label}rank {rank}: an in-place change after step() trained on silently"
+        error, step = out["edited"]
+        assert step == at + 1 and "['net.0.weight']" in error and "changed in place after step()" in error, error
+        assert "opt.synchronize()" in error, error
+
+
 def _state_arrays(state_dict: dict) -> dict:
     """An optimizer state_dict's tensors, by parameter and key (numpy, for assert_identical)."""
     return {f"{i}/{k}": v.detach().numpy().copy() for i, entry in state_dict["state"].items() for k, v in entry.items()}
@@ -436,6 +515,12 @@ def optimizer_checks(rank: int, world: int) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=False)
+    out["changed_params"] = params_changed_after_step(
+        rank,
+        lambda: build("mlp"),
+        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
+        wrap_kwargs={"comm_hook": late_allreduce},
+    )
     out["through_the_model"] = read_through_the_model(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2), clip=True
     )
@@ -630,6 +715,12 @@ def test_gradients_changed_between_backward_and_step_are_refused_not_trained_on(
     """torch.nn.utils.clip_grad_norm_(model.parameters()) right after backward() clipped gradients still being
     reduced, and trained on silently: now step() refuses, before any update."""
     assert_changed_gradients_refused(two_ranks, "")
+
+
+def test_parameters_changed_after_step_are_loaded_after_it_or_refused(two_ranks) -> None:
+    """model.module.load_state_dict() right after step() landed under the owed updates (and an in-place edit
+    of a parameter was updated on, silently): the load now comes after them, the edit is refused."""
+    assert_changed_params_handled(two_ranks, "")
 
 
 def test_parameters_taken_through_the_model_are_final(two_ranks) -> None:

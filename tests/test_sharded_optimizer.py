@@ -21,6 +21,7 @@ from tests.test_distributed_optimizer import (
     _state_arrays,
     _train,
     assert_changed_gradients_refused,
+    assert_changed_params_handled,
     assert_evaluations_equal_ddp,
     assert_nonfinite_step_refused,
     assert_scaled_training_equals_ddp,
@@ -30,6 +31,7 @@ from tests.test_distributed_optimizer import (
     gradients_changed_before_step,
     group_added_mid_training,
     nonfinite_step_refused,
+    params_changed_after_step,
     read_through_the_model,
     scaled_training,
     zero_grad_after_step,
@@ -204,6 +206,44 @@ def _bf16_loss_curves(rank: int) -> dict:
     return curves
 
 
+def _bf16_weights_loaded(rank: int, steps: int = 5, at: int = 3) -> dict:
+    """A bf16 model whose weights of step 1 are loaded at step ``at`` (right after step()): alone, then with
+    the optimizer's state loaded first. The fp32 masters after each load, and the weights loaded and the
+    masters saved beside them (float32 numpy arrays, by parameter name)."""
+    import copy
+
+    import torch
+
+    import collective_ops as co
+    from collective_ops.adapters.torch_sharded import MASTER_KEY
+    from tests.models import MLP, build, rank_batch
+
+    def masters(optimizer) -> dict:
+        state = optimizer.state_dict()["state"]
+        return {name: state[i][MASTER_KEY].float().numpy() for i, name in enumerate(names)}
+
+    out = {}
+    for case in ("weights_alone", "optimizer_first"):
+        model = co.wrap(build("mlp").to(torch.bfloat16), **BUCKET)
+        optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+        names = [name for name, _ in model.module.named_parameters()]
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+            optimizer.step()
+            if step == 1:
+                saved = copy.deepcopy((model.module.state_dict(), optimizer.state_dict()))
+                out["saved_weights"] = {name: v.float().numpy() for name, v in saved[0].items()}
+                out["saved_masters"] = masters(optimizer)
+            if step == at:
+                if case == "optimizer_first":
+                    optimizer.load_state_dict(saved[1])
+                model.module.load_state_dict(saved[0])
+                out[case] = masters(optimizer)
+    return out
+
+
 def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
     """Loops that run backward twice per step: without no_sync (accumulating: refused), and with zero_grad()
     between (the first micro-batch dropped: DDP's result, from the second alone)."""
@@ -284,6 +324,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     )
     out["two_backwards"] = _two_backwards_per_step(rank)
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=True)
+    out["changed_params"] = params_changed_after_step(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
+    )
     out["through_the_model"] = read_through_the_model(  # no clip: sharded, p.grad is not for other code
         rank,
         lambda: build("mlp"),
@@ -333,6 +376,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         clipped(model, co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)),
     )
     out["bf16"] = _bf16_loss_curves(rank)
+    out["bf16_loaded"] = _bf16_weights_loaded(rank)
 
     # bucket_size_mb="auto": the online tune weighs each candidate by the simulated sharded step
     model = co.wrap(build("transformer"), bucket_size_mb="auto")
@@ -494,6 +538,12 @@ def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(
         assert_identical(out["dropped_ours"], out["dropped_ddp"], f"zero_grad() between backwards, rank {rank}")
 
 
+def test_parameters_changed_after_step_are_loaded_after_it_or_refused(two_ranks) -> None:
+    """A checkpoint loaded into model.module right after step() was overwritten by the all-gathers in flight:
+    now it lands after them; an in-place edit of a parameter is refused."""
+    assert_changed_params_handled(two_ranks, "sharded, ")
+
+
 def test_parameters_taken_through_the_model_after_step_are_final(two_ranks) -> None:
     assert_through_the_model_equals_ddp(two_ranks, "sharded, ")
 
@@ -557,6 +607,16 @@ def test_bf16_model_with_fp32_master_shards_tracks_fp32(two_ranks) -> None:
         assert "master_param" in keys
         assert abs(np.mean(losses[-8:]) - np.mean(fp32[-8:])) < 0.1 * np.mean(fp32[:4]), label
     assert curves["fp32"][1] == {"torch.float32"} and "master_param" not in curves["fp32"][2]
+
+
+def test_bf16_weights_loaded_into_the_model_reach_the_fp32_masters(two_ranks) -> None:
+    """model.load_state_dict() of a bf16 model: the masters follow the loaded weights (before, the next step
+    wrote the old masters back over them, silently), and keep their fp32 digits where the optimizer's state,
+    which holds them, was loaded too."""
+    for rank, out in enumerate(result["bf16_loaded"] for result in two_ranks):
+        assert_identical(out["weights_alone"], out["saved_weights"], f"masters after loading weights, rank {rank}")
+        assert_identical(out["optimizer_first"], out["saved_masters"], f"masters after loading both, rank {rank}")
+        assert any((out["saved_masters"][n] != out["saved_weights"][n]).any() for n in out["saved_weights"])
 
 
 def test_continued_from_checkpoint_as_unsharded_at_two_ranks(two_ranks) -> None:

@@ -37,6 +37,7 @@ from ..bucketing.hooks import reduces_rows
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, plan_entry
 from ._options import resolve_options
+from .torch_inplace import InPlaceGuard
 
 logger = logging.getLogger("collective_ops")
 
@@ -150,7 +151,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._nonfinite_local: list[str] = []
         # bucket -> (its gradient tensors, weakly; the sum of their version counters) while a DistributedOptimizer
         # owns them: from the end of backward until it has consumed them (check_gradients_untouched)
-        self._grad_versions: dict[int, tuple[list[weakref.ref], int]] = {}
+        self._gradients_guard = InPlaceGuard()  # gradients the optimizer owns, against in-place changes by others
         # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
         self._nonfinite_pending: tuple[list[str], str] | None = None
         # Hooks hold the wrapper weakly: deleting it detaches them and frees its buffers.
@@ -272,7 +273,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._contribute_kept_gradients()
         # With a DistributedOptimizer the step ends bucket by bucket (finish_bucket), as updates need them.
         self.manager.finalize(defer=self.optimizer is not None and self.optimizer.defers)
-        self._grad_versions.clear()
+        self._gradients_guard.clear()
         if self.manager.deferred_pending or self._owns_reduced_gradients():
             self.note_gradients_owned(range(len(self.manager.plan.buckets)))
         if not self.manager.deferred_pending:
@@ -338,23 +339,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         """These buckets' gradients are the optimizer's until it consumes them: their version counters are
         noted (an in-place change by other code, as ``clip_grad_norm_``'s, moves them)."""
         for bucket in buckets:
-            tensors = self._gradient_tensors(bucket)
-            self._grad_versions[bucket] = ([weakref.ref(t) for t in tensors], sum(t._version for t in tensors))
+            self._gradients_guard.note(bucket, self._gradient_tensors(bucket))
 
     def check_gradients_untouched(self, buckets: Iterable[int]) -> None:
         """Raise where code outside the optimizer changed these buckets' gradients in place since they were
         noted: while their reduction was in flight (it races the reduction), or, sharded, where only this
         rank's shard is averaged. Either way the update would be silently wrong. (A bucket is checked once.)"""
         for bucket in buckets:
-            noted = self._grad_versions.pop(bucket, None)
-            if noted is None:
-                continue
-            refs, version = noted
-            tensors = self._gradient_tensors(bucket)
-            if [ref() for ref in refs] != tensors:
-                continue  # not the tensors noted: our own rebuild replaced them
-            if sum(t._version for t in tensors) != version:
-                self._grad_versions.clear()  # one error: what follows (a checkpoint, shutdown) finishes the step
+            if self._gradients_guard.changed(bucket, self._gradient_tensors(bucket)):
                 raise self._changed_gradients_error(bucket)
 
     def _changed_gradients_error(self, bucket: int) -> RuntimeError:

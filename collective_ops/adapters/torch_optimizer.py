@@ -36,6 +36,7 @@ from ..bucketing.row_sparse import wire_nbytes
 from ..bucketing.schedule import OrderPrediction, OrderTrial, StepProfile, plan_order, step_profile
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel
+from .torch_inplace import InPlaceGuard
 
 logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
@@ -129,6 +130,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.state = self._optimizer.state  # one state, too
         self._built = True  # add_param_group from now on is the user's (torch's __init__ called it above)
         self._pending: PendingUpdates | None = None
+        # Parameters this step still writes (their update, sharded their all-gather, lands at the next forward),
+        # against in-place changes by the loop in between, which the owed write would lose or build on.
+        self._params_guard = InPlaceGuard()
         self.update_seconds = 0.0  # time spent in per-bucket updates (the last step)
         model.attach_optimizer(self)
         # Which parameters each module's forward reads is learnt from the first forward: its own, plus those
@@ -143,6 +147,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._timeline = ForwardTimeline()  # the forward's use of buckets over time (schedule="auto" plans from it)
         # The inner module's own state_dict() (a checkpoint of model.module) sees every update too.
         self._hooks.append(model.module.register_state_dict_pre_hook(_HookOf(self._before_state_dict)))
+        # Loading weights into it (the wrapper's load_state_dict too) lands after every owed write, not under one.
+        self._hooks.append(model.module.register_load_state_dict_pre_hook(_HookOf(self._before_load)))
+        self._hooks.append(model.module.register_load_state_dict_post_hook(_HookOf(self._after_load)))
 
     def _make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
@@ -187,6 +194,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self.model.check_finite:
             self._refuse_nonfinite_gradients()
         self._start_step()
+        for bucket in self._owed_buckets():
+            self._params_guard.note(bucket, self._bucket_params(bucket))
         self._step_seconds = time.perf_counter() - start
 
     def _refuse_nonfinite_gradients(self) -> None:
@@ -378,6 +387,38 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self.in_flight:
             self.synchronize()
 
+    def _before_load(self, module: nn.Module, *args: Any) -> None:
+        if self.in_flight:
+            self.synchronize()
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """After weights were loaded into the model (sharded: its fp32 masters follow them)."""
+
+    def _owed_buckets(self) -> list[int]:
+        """The buckets whose parameters this step still writes (at the next forward that reads them)."""
+        return list(self._pending.buckets) if self._pending is not None else []
+
+    def _bucket_params(self, bucket: int) -> list[torch.Tensor]:
+        return [self.model._params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
+
+    def _check_params_untouched(self, buckets: list[int], release: bool = True) -> None:
+        """Raise where the loop changed these buckets' parameters in place while this step still owed them a
+        write: the update would build on the change (or, sharded, the all-gather overwrite it), not follow it."""
+        for bucket in buckets:
+            changed = self._params_guard.changed(bucket, self._bucket_params(bucket), release)
+            if not changed:
+                continue
+            indices = self.model.manager.plan.buckets[bucket].param_indices
+            names = [self.model._param_names[indices[position]] for position in changed]
+            raise RuntimeError(
+                f"parameters {names[:5]}{' ...' if len(names) > 5 else ''} were changed in place after step() "
+                "while their update was still owed: DistributedOptimizer applies each bucket's update (sharded: "
+                "its all-gather) at the next forward that reads it, so the change would be lost or updated on, "
+                "not applied after the step as with a plain optimizer. Take the parameters through the wrapped "
+                "model (model.parameters() and model.load_state_dict() finish the step first) or call "
+                "opt.synchronize() before changing them"
+            )
+
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
@@ -414,6 +455,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         owed = [bucket for bucket in buckets if pending is not None and pending.take(bucket)]
         if not owed:
             return
+        # sharded, the parameters are the step's until their all-gather is waited for, after this
+        self._check_params_untouched(owed, release=not self.shards)
         start = time.perf_counter()
         self._apply_updates(owed, pending.hyperparameters)
         end = time.perf_counter()

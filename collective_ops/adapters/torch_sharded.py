@@ -96,6 +96,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._next_gather = 0  # position in the gather order
         self._steps_applied = 0  # the model's synchronised step whose gradients were last applied
         self._warned_joined = False  # step_while_joined's warning: once
+        self._masters_loaded = False  # load_state_dict() brought fp32 masters since the last step
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
         super().__init__(
@@ -192,6 +193,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._pending is not None or self._gathers:
             self.synchronize()  # a previous step's updates were never needed: owed first
         self.update_seconds = 0.0
+        self._masters_loaded = False
         reduction = self._reduction()
         if reduction == self._steps_applied:
             return  # no gradients reduced since the last step: nothing to apply, as torch skips grad=None
@@ -297,6 +299,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             tensor.grad = grad if grad.dtype == tensor.dtype else grad.to(tensor.dtype)
 
     def _wait_gather(self, bucket: int, module: str = "") -> None:
+        self._check_params_untouched([bucket])
         handle = self._gathers.pop(bucket, None)
         if handle is None:
             return
@@ -472,13 +475,36 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 if number in state_dict["state"]:
                     full[self._index[id(p)]] = state_dict["state"][number]
         self._install(full, [_settings(g) for g in groups])
+        self._masters_loaded = any(MASTER_KEY in state for state in full.values())
+
+    def _owed_buckets(self) -> list[int]:
+        """Buckets whose update or all-gather (launched or not yet) this step still owes."""
+        owed = set(super()._owed_buckets()) | set(self._gathers)
+        if self._steps_applied == self._reduction():
+            owed |= set(self._gather_order[self._next_gather :])
+        return sorted(owed)
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """The model's weights were loaded: the fp32 masters follow them. Where the optimizer's state (which holds
+        the masters) was loaded since the last step, only the elements the loaded weights disagree with are
+        taken: the same checkpoint's masters keep their fp32 digits, whichever of the two was loaded first."""
+        self._refresh_masters(only_changed=self._masters_loaded)
 
     def reload_model_params(self) -> None:
-        """Refresh the fp32 master pieces from the (low-precision) parameters, after loading model weights."""
+        """Refresh the fp32 master pieces from the (low-precision) parameters (the model's ``load_state_dict``
+        does it itself)."""
+        self._refresh_masters(only_changed=False)
+
+    def _refresh_masters(self, only_changed: bool) -> None:
         self.synchronize()
-        for piece, tensor in self._pieces:
-            if _is_master(piece, tensor, self._param_buffers):
-                tensor.detach().copy_(self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel))
+        with torch.no_grad():
+            for piece, tensor in self._pieces:
+                if _is_master(piece, tensor, self._param_buffers):
+                    param = self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel)
+                    values = param.to(tensor.dtype)
+                    if only_changed:
+                        values = torch.where(param != tensor.to(param.dtype), values, tensor)
+                    tensor.copy_(values)
 
     def on_plan_change(self, plan: BucketPlan) -> None:
         """The model's buckets were replanned: lay the shards out anew, moving the state with them."""
