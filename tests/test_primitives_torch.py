@@ -198,3 +198,19 @@ def test_primitives_match_numpy(world: int) -> None:
         assert "cannot communicate a builtins.list" in errors["not_a_tensor"]
         assert "contiguous" in errors["strided_numpy"]
         assert "read-only" in errors["readonly_numpy"] and "a.copy()" in errors["readonly_numpy"]
+
+
+@pytest.mark.parametrize(
+    "message, transport",
+    [
+        ("Application timeout caused pair closure", True),  # Gloo, a peer blocked in another collective
+        ("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40855", True),
+        ("Timed out waiting 60000ms for send operation to complete", True),
+        ("The size of tensor a (3) must match the size of tensor b (4)", False),  # a comm hook's own bug
+    ],
+)
+def test_transport_failures_are_told_from_comm_hook_bugs(message: str, transport: bool) -> None:
+    """What the stall and failure reports blame: Gloo's messages as seen in 2-rank runs, against a hook's error."""
+    from collective_ops.comm.torch_engine import TorchEngine
+
+    assert TorchEngine.is_transport_error(RuntimeError(message)) is transport

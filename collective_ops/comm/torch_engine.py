@@ -240,7 +240,7 @@ class TorchEngine(Engine):
             return True
         text = str(exc).lower()
         return isinstance(exc, RuntimeError) and any(
-            word in text for word in ("gloo", "nccl", "hccl", "connection", "socket", "peer", "timed out")
+            word in text for word in ("gloo", "nccl", "hccl", "connection", "socket", "peer", "timed out", "timeout")
         )
 
     def reduce_floats(self, values: Sequence[float], op: str = "max") -> list[float]:
