@@ -158,6 +158,30 @@ def _rank0_checkpoints(rank: int) -> list[dict]:
     return results
 
 
+def _optimizer_state_on_rank_0_alone(rank: int, stall_s: float = 2.0) -> dict:
+    """Rank 0 alone calls opt.state_dict() (a DDP loop's checkpoint; with shard=True it is a collective) while
+    the other rank waits in a barrier: rank 0's error (None if it returned); then every rank calls it, and
+    each's state (as arrays)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build
+
+    model = co.wrap(build("mlp"), **BUCKET)
+    model.manager.stall_timeout_s = stall_s
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    _train(rank, model, optimizer, MLP, steps=2)
+    out = {"error": None}
+    if rank == 0:
+        try:
+            optimizer.state_dict()
+        except RuntimeError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+    co.barrier()
+    out["state"] = _state_arrays(optimizer.state_dict())
+    return out
+
+
 def _replanned_mid_training(rank: int) -> tuple[dict, dict]:
     """A new bucket size after 3 AdamW steps: the shards are laid out anew with their state moved."""
     import torch
@@ -338,6 +362,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     )
     out["interleaved"] = _interleaved_user_collectives(rank)
     out["rank0_checkpoints"] = _rank0_checkpoints(rank)
+    out["state_on_rank_0"] = _optimizer_state_on_rank_0_alone(rank)
     out["replanned"] = _replanned_mid_training(rank)
 
     # the full state: equal to the unsharded optimizer's after the same training, and it round-trips
@@ -562,6 +587,18 @@ def test_a_checkpoint_on_rank_0_alone_after_step_neither_hangs_nor_differs(two_r
         assert_identical(unsharded, ddp, f"unsharded, rank {rank}")
         assert_identical(held, ddp, f"unsharded, held order, rank {rank}")
         assert_identical(sharded, ddp, f"sharded, rank {rank}")
+
+
+def test_optimizer_state_dict_on_rank_0_alone_is_refused_not_hung(two_ranks) -> None:
+    """opt.state_dict() with shard=True gathers from every rank: called on rank 0 alone (as DDP loops save) it
+    blocked rank 0 in a collective its peer paired with its own next one. Now it raises within the stall
+    timeout (2 s here; a StallError, the process group's own timeout gives another) saying to call it on
+    every rank, and a later call on every rank works."""
+    out = two_ranks[0]["state_on_rank_0"]
+    assert out["error"] is not None and out["error"].startswith("StallError"), out["error"]
+    assert "every rank calls it" in out["error"] and "if rank == 0: torch.save" in out["error"], out["error"]
+    assert two_ranks[1]["state_on_rank_0"]["error"] is None
+    assert_identical(two_ranks[1]["state_on_rank_0"]["state"], out["state"], "the state gathered on every rank")
 
 
 def test_layout_identical_on_every_rank_and_padding_small(two_ranks) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..bucketing.hooks import allreduce_hook, reduce_scatter_hook
 from ..bucketing.interfaces import Handle, wait_with_timeout
+from ..bucketing.manager import StallError
 from ..bucketing.plan import BucketPlan
 from ..bucketing.schedule import OrderPrediction, simulate_sharded
 from ..bucketing.shard import ShardLayout, ShardPiece
@@ -99,6 +100,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._masters_loaded = False  # load_state_dict() brought fp32 masters since the last step
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
+        # Only for "has every rank come to gather the full state?": a rank that never comes (state_dict() called
+        # on rank 0 alone, as a DDP loop saves) cannot pair it with its training collectives, as it would there.
+        self._arrival_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
+        self._arrival: Any = None  # this rank's arrival, posted and not yet matched by every rank
         super().__init__(
             model, optimizer_class, *args, params=params, overlap=overlap, shard=True, schedule=schedule, **kwargs
         )
@@ -444,6 +449,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     # -- checkpoints: the full state, resharded ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The full, unsharded state in the plain optimizer's format, on every rank (a collective)."""
+        self._wait_for_every_rank("state_dict()")
         self.synchronize()
         full = self._full_state()
         state, groups, number = {}, [], 0
@@ -520,6 +526,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         known = {id(p) for params in self._model_groups for p in params}
         if any(id(p) in known for p in group["params"]):
             raise ValueError("some parameters appear in more than one parameter group")
+        self._wait_for_every_rank("add_param_group()")
         full = self._full_state()
         settings = [_settings(g) for g in self._optimizer.param_groups]
         settings.append({**self._optimizer.defaults, **_settings(group)})
@@ -556,6 +563,26 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             else:  # a scalar (step): each piece its own, as the class's load_state_dict would not copy it
                 sliced[key] = value.clone() if isinstance(value, torch.Tensor) else value
         return sliced
+
+    def _wait_for_every_rank(self, call: str) -> None:
+        """Return once every rank has come to ``call`` (which gathers the full state); raise ``StallError``
+        if they do not within the stall timeout (``COLLECTIVE_OPS_STALL_TIMEOUT``), rather than block."""
+        if self._arrival_group is None:
+            return
+        timeout = self.model.manager.stall_timeout_s
+        if self._arrival is None:  # else the arrival of a call that gave up waiting, still posted: matched now
+            token = torch.zeros(1, device=self.model.engine.device)
+            self._arrival = dist.all_reduce(token, group=self._arrival_group, async_op=True)
+        try:
+            wait_with_timeout(self._arrival, timeout)
+            self._arrival = None
+        except TimeoutError as exc:
+            raise StallError(
+                f"rank {self.model.engine.rank} waited {timeout:g} s in opt.{call} for the other ranks: with "
+                "shard=True it gathers the optimizer state from every rank, so every rank calls it at the same "
+                "point (then save the result on one: state = opt.state_dict(); if rank == 0: torch.save(state, "
+                "path)), as FSDP's and DeepSpeed's checkpoints. Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
+            ) from exc
 
     def _full_state(self) -> dict[int, dict[str, Any]]:
         """Every parameter's state (model index -> {key: value}), gathered per bucket (collectives)."""
