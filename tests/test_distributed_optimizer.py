@@ -431,6 +431,34 @@ def assert_changed_params_handled(results: list[dict], label: str, at: int = 3) 
         assert "opt.synchronize()" in error, error
 
 
+def frozen_layer_in_params(rank: int, shard: bool, steps: int = 4) -> tuple[tuple, tuple]:
+    """(DDP + AdamW, ours): the first layer frozen before wrapping and its parameters given to the optimizer
+    anyway (``model.parameters()``, as fine-tuning loops do). Weights and the optimizer's state_dict."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    results = []
+    for ours in (False, True):
+        net = build("mlp")
+        net.net[0].requires_grad_(False)
+        if ours:
+            model = co.wrap(net, bucket_size_mb=0.004)
+            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=shard)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(net)
+            optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        state = optimizer.state_dict()
+        results.append((snapshot(net), _state_arrays(state), state["param_groups"][0]["params"]))
+    return results[0], results[1]
+
+
 def _state_arrays(state_dict: dict) -> dict:
     """An optimizer state_dict's tensors, by parameter and key (numpy, for assert_identical)."""
     return {f"{i}/{k}": v.detach().numpy().copy() for i, entry in state_dict["state"].items() for k, v in entry.items()}
@@ -515,6 +543,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=False)
+    out["frozen_layer"] = frozen_layer_in_params(rank, shard=False)
     out["changed_params"] = params_changed_after_step(
         rank,
         lambda: build("mlp"),
@@ -715,6 +744,18 @@ def test_gradients_changed_between_backward_and_step_are_refused_not_trained_on(
     """torch.nn.utils.clip_grad_norm_(model.parameters()) right after backward() clipped gradients still being
     reduced, and trained on silently: now step() refuses, before any update."""
     assert_changed_gradients_refused(two_ranks, "")
+
+
+def assert_frozen_layer_as_ddp(results: list[dict], label: str) -> None:
+    for rank, out in enumerate(result["frozen_layer"] for result in results):
+        (ddp, ddp_state, ddp_numbers), (ours, our_state, our_numbers) = out
+        assert_identical(ours, ddp, f"{label}weights with a frozen layer, rank {rank}")
+        assert_identical(our_state, ddp_state, f"{label}optimizer state, rank {rank}")
+        assert our_numbers == ddp_numbers, (our_numbers, ddp_numbers)
+
+
+def test_a_frozen_layer_given_to_the_optimizer_trains_and_saves_as_ddp(two_ranks) -> None:
+    assert_frozen_layer_as_ddp(two_ranks, "")
 
 
 def test_parameters_changed_after_step_are_loaded_after_it_or_refused(two_ranks) -> None:

@@ -23,11 +23,13 @@ from tests.test_distributed_optimizer import (
     assert_changed_gradients_refused,
     assert_changed_params_handled,
     assert_evaluations_equal_ddp,
+    assert_frozen_layer_as_ddp,
     assert_nonfinite_step_refused,
     assert_scaled_training_equals_ddp,
     assert_through_the_model_equals_ddp,
     clipped_step,
     eval_between_steps,
+    frozen_layer_in_params,
     gradients_changed_before_step,
     group_added_mid_training,
     nonfinite_step_refused,
@@ -348,6 +350,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     )
     out["two_backwards"] = _two_backwards_per_step(rank)
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=True)
+    out["frozen_layer"] = frozen_layer_in_params(rank, shard=True)
     out["changed_params"] = params_changed_after_step(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
@@ -561,6 +564,11 @@ def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(
         assert out["error"] is not None and out["at"] == 0, f"rank {rank}: trained on silently"
         assert "backward() ran again before step()" in out["error"] and "model.no_sync()" in out["error"]
         assert_identical(out["dropped_ours"], out["dropped_ddp"], f"zero_grad() between backwards, rank {rank}")
+
+
+def test_a_frozen_layer_given_to_the_optimizer_trains_and_saves_as_ddp(two_ranks) -> None:
+    """Before, state_dict() raised KeyError on the frozen parameters (they have no shards)."""
+    assert_frozen_layer_as_ddp(two_ranks, "sharded, ")
 
 
 def test_parameters_changed_after_step_are_loaded_after_it_or_refused(two_ranks) -> None:

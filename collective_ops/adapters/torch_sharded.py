@@ -456,7 +456,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for inner_group, params in zip(self._optimizer.param_groups, self._model_groups):
             ids = []
             for p in params:
-                index = self._index[id(p)]
+                index = self._index.get(id(p))  # None: frozen (requires_grad=False), never stepped, no state
                 if index in full:
                     state[number] = full[index]
                 ids.append(number)
@@ -478,7 +478,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         full = {}
         for group, params in zip(groups, self._model_groups):
             for number, p in zip(group["params"], params):
-                if number in state_dict["state"]:
+                if number in state_dict["state"] and id(p) in self._index:  # a frozen one's is never used
                     full[self._index[id(p)]] = state_dict["state"][number]
         self._install(full, [_settings(g) for g in groups])
         self._masters_loaded = any(MASTER_KEY in state for state in full.values())
