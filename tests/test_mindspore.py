@@ -109,6 +109,18 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: 
     assert len({r["stats"]["plan_fingerprint"] for r in results}) == 1
 
 
+@pytest.mark.parametrize(("world", "part"), [(2, "adapter"), (3, "adapter:1e-06")])
+def test_overlap_refuses_gradients_changed_between_backward_and_reduce(world: int, part: str) -> None:
+    """PyNative with overlap=True (the default on Ascend/GPU): the buckets reduce the gradients the hooks saw,
+    so gradients unscaled out of place before reduce() were silently dropped (the reduction of the unscaled
+    ones came back). Now reduce() raises saying what to do, and the next step reduces as the reducer does."""
+    for rank, out in enumerate(results_of("pynative", world, part)):
+        error = out["changed_grads_error"]
+        assert error is not None, f"rank {rank}: gradients changed before reduce() were silently dropped"
+        assert "not those backward produced" in error and "overlap=False" in error and "no_sync" in error, error
+        assert_identical(out["after_changed"], out["after_changed_dgr"], f"the next step, rank {rank}")
+
+
 def test_benchmark_sweep_under_msrun() -> None:
     from collective_ops.bench import OPS
 
@@ -150,3 +162,17 @@ def test_join_with_uneven_batches_equals_the_hand_computed_average(world: int) -
                 np.testing.assert_allclose(out["ours"][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
     for name in results[0]["ours"]:  # every rank ends with the last joiner's parameters
         assert all(r["ours"][name] == results[0]["ours"][name] for r in results)
+
+
+def test_a_copy_of_a_gradient_passes_and_a_changed_one_does_not() -> None:
+    """The check behind the refusal above: one memory, or equal values (NaN equal to NaN), passes; a backend
+    that hands reduce() copies of what the hooks saw must not be refused."""
+    import mindspore as ms
+
+    from collective_ops.adapters.mindspore import _same_values
+
+    grad = ms.Tensor(np.array([1.0, np.nan, -3.0], np.float32))
+    copy = ms.Tensor(np.array([1.0, np.nan, -3.0], np.float32))
+    assert _same_values(grad, grad) and _same_values(grad, copy)
+    assert not _same_values(grad, grad * 0.5)
+    assert not _same_values(grad, ms.Tensor(np.array([1.0, 2.0, -3.0], np.float32)))

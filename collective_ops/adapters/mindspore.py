@@ -48,6 +48,16 @@ logger = logging.getLogger("collective_ops")
 BROADCAST_BUCKET_MB = 250.0
 
 
+def _same_values(a: ms.Tensor, b: ms.Tensor) -> bool:
+    """True if ``a`` and ``b`` are one tensor's memory, or hold the same values."""
+    if a is b or a.data_ptr() == b.data_ptr():
+        return True
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    same = (a == b) | (a.isnan() & b.isnan())
+    return bool(same.all())
+
+
 def _pynative() -> bool:
     return ms.get_context("mode") == ms.PYNATIVE_MODE
 
@@ -136,6 +146,7 @@ class DataParallel:
         # (plan fingerprint, gradient order) -> CompiledReduction, or None where unsupported
         self._compiled: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._hook_handles = []
+        self._hooked: dict[int, ms.Tensor] = {}  # this step's gradients as the hooks handed them to the buckets
         if self.overlap:
             for i, p in enumerate(self._params):
                 self._hook_handles.append(p.register_hook(self._make_hook(i)))
@@ -188,6 +199,7 @@ class DataParallel:
         def hook(grad: ms.Tensor) -> None:
             if self.manager.sync_enabled:
                 self.manager.mark_ready(index, grad, write_back=False)
+                self._hooked[index] = grad
             return None  # the gradient itself is left as it is
 
         return hook
@@ -225,10 +237,32 @@ class DataParallel:
                 manager.mark_ready(i, by_index[i], write_back=False)
         manager.finalize(force=True)
         self._last_mode = mode
+        hooked, self._hooked = self._hooked, {}
+        self._refuse_changed_gradients(by_index, hooked)
         flat: dict[int, ms.Tensor] = {}
         for bucket_index, bucket in enumerate(manager.plan.buckets):
             flat.update(zip(bucket.param_indices, manager.bucket_results(bucket_index)))
         return tuple(flat[i].reshape(tuple(p.shape)) for i, p in zip(indices, params))
+
+    def _refuse_changed_gradients(self, given: dict[int, ms.Tensor], hooked: dict[int, ms.Tensor]) -> None:
+        """With overlap, the buckets reduced the gradients the hooks saw during backward, not those given to
+        ``reduce()``: where code in between changed them out of place (unscaled a loss scale, clipped, added
+        a second micro-batch's), returning the reduction would silently drop the change. The same tensor
+        (the same memory) passes at once; a copy passes if its values are equal (NaN equal to NaN)."""
+        changed = [
+            self.manager.plan.params[i].name
+            for i, grad in given.items()
+            if i in hooked and not _same_values(grad, hooked[i])
+        ]
+        if changed:
+            raise ValueError(
+                f"the gradients given to reduce() for {changed[:5]}{' ...' if len(changed) > 5 else ''} are not "
+                "those backward produced: with overlap=True each bucket was reduced during backward from the "
+                "gradients as they came, so a change made between backward and reduce() (unscaling a loss "
+                "scale, clipping, summing micro-batches) would be lost. Reduce first and change the averaged "
+                "gradients after (unscaling and summing commute with the average), accumulate micro-batches "
+                "under net.no_sync(), or wrap with overlap=False to reduce what reduce() is given"
+            )
 
     def _indices_of(self, params: Sequence[Any]) -> list[int]:
         indices = []

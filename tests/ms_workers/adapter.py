@@ -126,6 +126,24 @@ for step in range(3):
     step_cell(*batch(step, rank))
 out["train_one_step"] = {p.name: p.asnumpy().tolist() for p in wrapped_cell.network.trainable_params()}
 
+# 6. overlap: gradients changed between backward and reduce() (a loss scale unscaled out of place) are refused;
+#    before, reduce() returned the reduction of backward's gradients, silently dropping the change
+if MODE == "pynative":
+    changed = co.wrap(build(0), bucket_size_mb=BUCKET_MB, overlap=True)
+    changed_grad_fn = ms.value_and_grad(lambda x, y: loss_fn(changed.network(x), y), None, changed.trainable_params())
+    _, grads = changed_grad_fn(*batch(0, rank))
+    try:
+        changed.reduce(tuple(g * 0.5 for g in grads))
+        out["changed_grads_error"] = None
+    except ValueError as exc:
+        out["changed_grads_error"] = str(exc)
+    _, grads = changed_grad_fn(*batch(1, rank))  # the next step: unchanged gradients, reduced as the reducer does
+    out["after_changed"] = [g.asnumpy().tolist() for g in changed.reduce(grads)]
+    reference_net = build(0)
+    reference_fn = ms.value_and_grad(lambda x, y: loss_fn(reference_net(x), y), None, reference_net.trainable_params())
+    _, grads = reference_fn(*batch(1, rank))
+    out["after_changed_dgr"] = [g.asnumpy().tolist() for g in dgr_reducer(reference_net)(grads)]
+
 # 5. bad input: refused on every rank, no hang
 out["errors"] = collect_errors(
     {
