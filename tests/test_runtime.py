@@ -224,7 +224,7 @@ def shutdown_with_work_in_flight(rank: int, world: int) -> dict:
     before = {"in_flight": opt.in_flight, "threads": _gloo_worker_threads()}
     co.shutdown()
     after = {"in_flight": opt.in_flight, "threads": _gloo_worker_threads()}
-    groups = [opt._gather_group, model._buffer_group, model.manager.row_sparse]
+    groups = [opt._gather_group, opt._arrival_group, model._buffer_group, model.manager.row_sparse]
     return {"before": before, "after": after, "groups_left": [g is not None for g in groups]}
 
 
@@ -237,6 +237,7 @@ def test_shutdown_finishes_work_in_flight_and_joins_the_groups_it_made() -> None
     with only the default group: 1 of 80, the default group's own workers, which torch keeps)."""
     for out in run_ranks(2, shutdown_with_work_in_flight, clean_exit=False):
         assert out["before"]["in_flight"] and not out["after"]["in_flight"], out
-        assert out["groups_left"] == [False, False, False], out
-        # default, masks', all-gathers' and buffers' groups: two workers each; only the default group's stay
-        assert out["before"]["threads"] == 8 and out["after"]["threads"] == 2, out
+        assert out["groups_left"] == [False, False, False, False], out
+        # default, masks', all-gathers', checkpoint arrivals' and buffers' groups: two workers each; only the
+        # default group's stay
+        assert out["before"]["threads"] == 10 and out["after"]["threads"] == 2, out

@@ -238,7 +238,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _finish_before_leaving(self) -> None:
         super()._finish_before_leaving()
-        self._gather_group = None
+        self._gather_group = self._arrival_group = self._arrival = None
 
     def synchronize(self) -> None:
         """Finish every reduction, apply every owed update, finish every all-gather (blocking)."""
