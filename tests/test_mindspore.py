@@ -104,6 +104,8 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: 
         assert "bucket_size_mb" in errors["bucket_zero"]
         assert "already wrapped" in errors["already_wrapped"]
         assert "got 1 gradients for" in errors["wrong_count"]
+        assert "not in the order of the parameters" in errors["wrong_order"], errors["wrong_order"]
+        assert "params=optimizer.parameters" in errors["wrong_order"]
         assert "use reduce() from PyNative mode" in errors["graph_reducer_eager_only"]
         assert "every trainable parameter" in errors["graph_reducer_some_params"]
     assert len({r["stats"]["plan_fingerprint"] for r in results}) == 1

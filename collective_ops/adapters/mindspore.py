@@ -48,6 +48,20 @@ logger = logging.getLogger("collective_ops")
 BROADCAST_BUCKET_MB = 250.0
 
 
+def _refuse_misordered(grads: Sequence[ms.Tensor], params: Sequence[Any]) -> None:
+    """Each gradient must have its parameter's shape: a tuple in another order (an optimizer with parameter
+    groups lists its parameters group by group) would otherwise fail deep in the reduction, or, where the
+    shapes happen to agree, reduce each gradient as another parameter's."""
+    for position, (grad, param) in enumerate(zip(grads, params)):
+        if tuple(grad.shape) != tuple(param.shape):
+            raise ValueError(
+                f"gradient {position} has shape {tuple(grad.shape)} but parameter {param.name!r}, the one at that "
+                f"position, has shape {tuple(param.shape)}: the gradients are not in the order of the parameters. "
+                "Pass the parameters they were taken for: reduce(grads, params=optimizer.parameters) (an "
+                "optimizer with parameter groups orders them group by group, unless given 'order_params')"
+            )
+
+
 def _same_values(a: ms.Tensor, b: ms.Tensor) -> bool:
     """True if ``a`` and ``b`` are one tensor's memory, or hold the same values."""
     if a is b or a.data_ptr() == b.data_ptr():
@@ -218,6 +232,7 @@ class DataParallel:
                 f"got {len(grads)} gradients for {len(params)} parameters; pass params= when the gradients "
                 "are not of the network's trainable parameters (e.g. optimizer.parameters)"
             )
+        _refuse_misordered(grads, params)
         indices = self._indices_of(params)
         manager = self.manager
         if not manager.sync_enabled:

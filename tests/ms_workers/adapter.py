@@ -151,6 +151,10 @@ out["errors"] = collect_errors(
         "bucket_zero": lambda: co.wrap(build(0), bucket_size_mb=0),
         "already_wrapped": lambda: co.wrap(wrapped),
         "wrong_count": lambda: wrapped.reduce((ms.Tensor(np.ones(1, np.float32)),)),
+        # gradients in another order than the parameters (as an optimizer's parameter groups list them)
+        "wrong_order": lambda: wrapped.reduce(
+            tuple(ms.Tensor(np.zeros(p.shape, np.float32)) for p in reversed(wrapped.trainable_params()))
+        ),
         "graph_reducer_eager_only": lambda: co.wrap(build(0), compile_reduction=False).graph_reducer(),
         "graph_reducer_some_params": lambda: wrapped.graph_reducer(wrapped.trainable_params()[:1]),
     },
