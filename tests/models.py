@@ -96,6 +96,28 @@ class Reordered(nn.Module):
     batch = MLP.batch
 
 
+class ClassicNormsMLP(nn.Module):
+    """The MLP with the classic ``torch.nn.utils.weight_norm`` and ``spectral_norm``: each computes its layer's
+    weight from parameters in a forward pre-hook of its own (GAN and vocoder code still uses them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils import spectral_norm, weight_norm
+
+        self.net = nn.Sequential(
+            weight_norm(nn.Linear(16, 64)),
+            nn.ReLU(),
+            spectral_norm(nn.Linear(64, 64)),
+            nn.ReLU(),
+            weight_norm(nn.Linear(64, 4)),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    batch = MLP.batch
+
+
 class UntiedLM(nn.Module):
     """An embedding of its own (not tied): a batch looks up ~20 of its 200 rows, so its gradient is row-sparse."""
 
@@ -141,7 +163,13 @@ class PeekingLM(UntiedLM):
         return out
 
 
-MODELS = {"mlp": MLP, "cnn": SmallCNN, "transformer": TinyTransformer, "untied-lm": UntiedLM}
+MODELS = {
+    "mlp": MLP,
+    "cnn": SmallCNN,
+    "transformer": TinyTransformer,
+    "untied-lm": UntiedLM,
+    "classic-norms": ClassicNormsMLP,
+}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

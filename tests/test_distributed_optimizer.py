@@ -494,6 +494,11 @@ def optimizer_checks(rank: int, world: int) -> dict:
         scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8),
     )
     out["accumulation"] = _pair(rank, lambda: build("mlp"), "sgd", model_cls=MLP, accumulate=3, steps=6)
+    # classic weight_norm / spectral_norm derive weights in pre-hooks of their own: ours must run first (the owed
+    # updates land 0.2 s late, so they are owed at every forward, whatever the machine's speed)
+    out["classic_norms"] = _pair(
+        rank, lambda: build("classic-norms"), "adamw", model_cls=MLP, wrap_kwargs={"comm_hook": late_allreduce}
+    )
 
     def held_back(wrapped) -> None:  # what schedule="auto" sets up: the first and last buckets held
         from collective_ops.bucketing.schedule import held_order
@@ -669,7 +674,15 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    "case", [*CASES, "out_of_order", "zero_grad_after_step_True", "zero_grad_after_step_False", "group_added"]
+    "case",
+    [
+        *CASES,
+        "out_of_order",
+        "zero_grad_after_step_True",
+        "zero_grad_after_step_False",
+        "group_added",
+        "classic_norms",
+    ],
 )
 def test_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:
     for rank, out in enumerate(two_ranks):

@@ -48,7 +48,7 @@ def _ddp_and_sharded(rank: int, name: str, opt_kind: str, **train_kwargs) -> tup
     import collective_ops as co
     from tests.models import MLP, SmallCNN, TinyTransformer
 
-    model_cls = {"transformer": TinyTransformer, "cnn": SmallCNN, "mlp": MLP, "unused": MLP}[name]
+    model_cls = {"transformer": TinyTransformer, "cnn": SmallCNN, "mlp": MLP, "unused": MLP, "classic-norms": MLP}[name]
     scheduler_of = train_kwargs.pop("scheduler_of", None)
     cls, kwargs = _make_optimizer(opt_kind)
     find_unused = name == "unused"
@@ -323,6 +323,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         rank, "mlp", "adamw", scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8)
     )
     out["accumulation"] = _ddp_and_sharded(rank, "mlp", "sgd", accumulate=3, steps=6)
+    out["classic_norms"] = _ddp_and_sharded(rank, "classic-norms", "adamw")  # weights from pre-hooks of their own
     # the branch unused by rank 1 on some steps (reduced from rank 0's), by every rank on others (no update)
     out["unused"] = _ddp_and_sharded(
         rank, "unused", "adamw", unused=lambda r, s: not (s % 4 == 2 or (r == 1 and s % 3 == 1))
@@ -514,6 +515,7 @@ def two_ranks(checkpoint) -> list[dict]:
 @pytest.mark.parametrize(
     "case",
     [
+        "classic_norms",
         "transformer_sgd",
         "transformer_adamw",
         "cnn_sgd",

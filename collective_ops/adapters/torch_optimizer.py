@@ -140,7 +140,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._ran: set[nn.Module] | None = set()
         self._needs: dict[nn.Module, list[int]] = {}
         before_forward = _HookOf(self._before_forward_of)
-        self._hooks = [module.register_forward_pre_hook(before_forward) for module in model.module.modules()]
+        # First among each module's pre-hooks: those already there compute from the parameters too (the classic
+        # torch.nn.utils.weight_norm / spectral_norm derive the weight from them there).
+        self._hooks = [
+            module.register_forward_pre_hook(before_forward, prepend=True) for module in model.module.modules()
+        ]
         self._hooks.append(model.module.register_forward_hook(_HookOf(self._after_forward)))
         # on the wrapper: runs before its buffer broadcast
         self._hooks.append(model.register_forward_pre_hook(_HookOf(self._forward_starts)))
