@@ -459,6 +459,34 @@ def frozen_layer_in_params(rank: int, shard: bool, steps: int = 4) -> tuple[tupl
     return results[0], results[1]
 
 
+def step_after_no_sync_only(rank: int, build, make_optimizer) -> dict:
+    """A step whose only backward ran under no_sync(): its error, and whether the parameters stayed as they were."""
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    model, optimizer = _ddp_or_ours(True, build, make_optimizer)
+    x, y = rank_batch(MLP, 0, rank)
+    optimizer.zero_grad()
+    with model.no_sync():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    before = [p.detach().clone() for p in model.module.parameters()]
+    try:
+        optimizer.step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
+    return {"error": error, "unchanged": unchanged}
+
+
+def assert_step_after_no_sync_only_refused(results: list[dict], label: str) -> None:
+    for rank, out in enumerate(result["no_sync_only"] for result in results):
+        assert out["error"] is not None, f"{label}rank {rank}: stepped on gradients never averaged"
+        assert "no backward outside it has averaged" in out["error"] and "outside no_sync()" in out["error"]
+        assert out["unchanged"], f"{label}rank {rank}: the refused step changed parameters"
+
+
 def _state_arrays(state_dict: dict) -> dict:
     """An optimizer state_dict's tensors, by parameter and key (numpy, for assert_identical)."""
     return {f"{i}/{k}": v.detach().numpy().copy() for i, entry in state_dict["state"].items() for k, v in entry.items()}
@@ -549,6 +577,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
     )
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=False)
     out["frozen_layer"] = frozen_layer_in_params(rank, shard=False)
+    out["no_sync_only"] = step_after_no_sync_only(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    )
     out["changed_params"] = params_changed_after_step(
         rank,
         lambda: build("mlp"),
@@ -765,6 +796,12 @@ def assert_frozen_layer_as_ddp(results: list[dict], label: str) -> None:
         assert_identical(ours, ddp, f"{label}weights with a frozen layer, rank {rank}")
         assert_identical(our_state, ddp_state, f"{label}optimizer state, rank {rank}")
         assert our_numbers == ddp_numbers, (our_numbers, ddp_numbers)
+
+
+def test_a_step_on_gradients_never_averaged_is_refused(two_ranks) -> None:
+    """Every backward of the step under no_sync(): DDP + a plain optimizer trains each rank on its own data
+    (the replicas part, silently); the DistributedOptimizer refuses, nothing applied."""
+    assert_step_after_no_sync_only_refused(two_ranks, "")
 
 
 def test_a_frozen_layer_given_to_the_optimizer_trains_and_saves_as_ddp(two_ranks) -> None:

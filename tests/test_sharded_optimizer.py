@@ -26,6 +26,7 @@ from tests.test_distributed_optimizer import (
     assert_frozen_layer_as_ddp,
     assert_nonfinite_step_refused,
     assert_scaled_training_equals_ddp,
+    assert_step_after_no_sync_only_refused,
     assert_through_the_model_equals_ddp,
     clipped_step,
     eval_between_steps,
@@ -36,6 +37,7 @@ from tests.test_distributed_optimizer import (
     params_changed_after_step,
     read_through_the_model,
     scaled_training,
+    step_after_no_sync_only,
     zero_grad_after_step,
 )
 
@@ -352,6 +354,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["two_backwards"] = _two_backwards_per_step(rank)
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=True)
     out["frozen_layer"] = frozen_layer_in_params(rank, shard=True)
+    out["no_sync_only"] = step_after_no_sync_only(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
+    )
     out["changed_params"] = params_changed_after_step(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
@@ -566,6 +571,11 @@ def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(
         assert out["error"] is not None and out["at"] == 0, f"rank {rank}: trained on silently"
         assert "backward() ran again before step()" in out["error"] and "model.no_sync()" in out["error"]
         assert_identical(out["dropped_ours"], out["dropped_ddp"], f"zero_grad() between backwards, rank {rank}")
+
+
+def test_a_step_on_gradients_never_averaged_is_refused(two_ranks) -> None:
+    """Before, the sharded step found nothing reduced and skipped, silently not training."""
+    assert_step_after_no_sync_only_refused(two_ranks, "sharded, ")
 
 
 def test_a_frozen_layer_given_to_the_optimizer_trains_and_saves_as_ddp(two_ranks) -> None:

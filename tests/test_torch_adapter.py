@@ -97,6 +97,8 @@ def test_wrap_equals_ddp_and_single_process(world: int) -> None:
 
 
 def feature_checks(rank: int, world: int) -> dict:
+    import warnings
+
     import torch
     from torch import nn
 
@@ -118,10 +120,26 @@ def feature_checks(rank: int, world: int) -> dict:
         optimizer.step()
         return snapshot(model.module)
 
-    # no_sync accumulation, in view and copy mode, against DDP's no_sync
+    # no_sync accumulation, in view and copy mode, against DDP's no_sync (no warning: the last backward reduces)
     out["no_sync_ddp"] = accumulate(torch.nn.parallel.DistributedDataParallel(build("mlp")))
-    out["no_sync_view"] = accumulate(co.wrap(build("mlp"), bucket_size_mb=0.01))
-    out["no_sync_copy"] = accumulate(co.wrap(build("mlp"), bucket_size_mb=0.01, gradient_as_bucket_view=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["no_sync_view"] = accumulate(co.wrap(build("mlp"), bucket_size_mb=0.01))
+        out["no_sync_copy"] = accumulate(co.wrap(build("mlp"), bucket_size_mb=0.01, gradient_as_bucket_view=False))
+    out["no_sync_warnings"] = [str(w.message) for w in caught]
+
+    # every backward under no_sync (the last one too): the step trains on gradients never averaged, warned once
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = co.wrap(build("mlp"), bucket_size_mb=0.01)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            with model.no_sync():
+                loss_fn(model(x), y).backward()
+            optimizer.step()
+    out["local_step_warnings"] = [str(w.message) for w in caught]
 
     # unused parameters: rank 1 skips the branch at step 0 and 2; compare with DDP(find_unused_parameters=True)
     def unused_run(model) -> dict:
@@ -261,6 +279,9 @@ def test_adapter_features(world: int) -> None:
     for out in results:
         assert_identical(out["no_sync_view"], out["no_sync_ddp"], "no_sync (view) vs DDP")
         assert_identical(out["no_sync_copy"], out["no_sync_ddp"], "no_sync (copy) vs DDP")
+        assert not [w for w in out["no_sync_warnings"] if "no_sync()" in w], out["no_sync_warnings"]
+        local = [w for w in out["local_step_warnings"] if "no_sync()" in w]
+        assert len(local) == 1 and "weights now differ" in local[0], out["local_step_warnings"]
         assert_identical(out["unused_ours"], out["unused_ddp"], "find_unused_parameters vs DDP")
         assert_identical(out["zero_grad_kept_ours"], out["zero_grad_kept_ddp"], "zero_grad(set_to_none=False) vs DDP")
         assert_identical(

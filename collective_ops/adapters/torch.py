@@ -14,6 +14,7 @@ import collections
 import contextlib
 import logging
 import os
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import runtime, tracing
 from ..bucketing import (
@@ -149,9 +151,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._optimizer_ref: weakref.ref | None = None
         self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
         self._nonfinite_local: list[str] = []
-        # bucket -> (its gradient tensors, weakly; the sum of their version counters) while a DistributedOptimizer
-        # owns them: from the end of backward until it has consumed them (check_gradients_untouched)
-        self._gradients_guard = InPlaceGuard()  # gradients the optimizer owns, against in-place changes by others
+        # Each bucket's gradient tensors while a DistributedOptimizer owns them, from the end of backward until
+        # it has consumed them, against in-place changes by other code (check_gradients_untouched).
+        self._gradients_guard = InPlaceGuard()
+        self._warned_local_step = False  # a plain optimizer stepped on gradients never averaged: warned once
+        _watch_optimizer_steps()
         # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
         self._nonfinite_pending: tuple[list[str], str] | None = None
         # Hooks hold the wrapper weakly: deleting it detaches them and frees its buffers.
@@ -863,6 +867,38 @@ class _ShadowingHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.model._sync_final_model(is_last_joiner)
+
+
+_STEP_WATCH: Any = None  # torch's global optimizer step pre-hook, registered at the first wrap()
+
+
+def _watch_optimizer_steps() -> None:
+    global _STEP_WATCH
+    if _STEP_WATCH is None:
+        _STEP_WATCH = register_optimizer_step_pre_hook(_warn_unreduced_step)
+
+
+def _warn_unreduced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any optimizer's step: one that steps a wrapped model on gradients accumulated under no_sync() and
+    never averaged (every backward of the step ran inside it) trains each rank on its own data, and the
+    replicas part silently, as under DDP. Warned once per model, not refused: local SGD does it on purpose.
+    (A DistributedOptimizer refuses it in its own step.)"""
+    for ref in list(_LIVE_WRAPPERS.values()):
+        wrapper = ref()
+        if wrapper is None or wrapper._warned_local_step or not wrapper.manager.has_unreduced_accumulation:
+            continue
+        if wrapper.optimizer is not None:
+            continue
+        owned = {id(p) for p in wrapper._params}
+        if any(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
+            wrapper._warned_local_step = True
+            warnings.warn(
+                f"{type(optimizer).__name__}.step() is using gradients accumulated under model.no_sync() that no "
+                "backward outside it has averaged across ranks: each rank trains on its own data and the ranks' "
+                "weights now differ. Run the last micro-batch's backward outside no_sync() (it reduces "
+                "everything accumulated). (Warned once; ignore it if you train locally on purpose.)",
+                stacklevel=3,
+            )
 
 
 def _weak_hook(wrapper_ref: weakref.ref, index: int):

@@ -192,6 +192,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             return
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
+        if self.model.manager.has_unreduced_accumulation:
+            raise RuntimeError(
+                "step() on gradients accumulated under model.no_sync() that no backward outside it has averaged "
+                "across ranks: each rank would train on its own data and the replicas would part. Run the last "
+                "micro-batch's backward outside no_sync() (it reduces everything accumulated), or drop them "
+                "with opt.zero_grad() and a backward outside no_sync()"
+            )
         start = time.perf_counter()
         # every bucket before any update: a step that would be wrong is refused whole
         self.model.check_gradients_untouched(range(len(self.model.manager.plan.buckets)))

@@ -309,6 +309,13 @@ class BucketManager:
             timing.last_ready = now
             self._launch_ready_buckets()
 
+    @property
+    def has_unreduced_accumulation(self) -> bool:
+        """True if gradients were accumulated under ``no_sync()`` since the last synchronised step: averaged
+        by no collective yet, so a step on them trains each rank on its own data (the replicas part). A
+        synchronised backward whose buckets are still being finished (a deferred step) is reducing them."""
+        return bool(self._accumulated) and not self._deferred
+
     def _check_gradient(self, index: int, grad: Any) -> None:
         numel, dtype, device = self.engine.describe(grad)
         spec = self.plan.params[index]
