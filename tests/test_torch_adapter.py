@@ -242,6 +242,42 @@ def feature_checks(rank: int, world: int) -> dict:
         _train(torch.nn.parallel.DistributedDataParallel(build("mlp")), MLP, rank, world, "sgd").module
     )
 
+    # torch DDP's register_comm_hook with torch's own hooks: as DDP with the same hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hooked(model, hook, optimizer_of=None) -> dict:
+        model.register_comm_hook(None, hook)
+        optimizer = (optimizer_of or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)))(model)
+        for step in range(4):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        return snapshot(model.module)
+
+    for name, hook in (("fp16", default_hooks.fp16_compress_hook), ("allreduce", default_hooks.allreduce_hook)):
+        out[f"ddp_hook_{name}"] = (
+            hooked(torch.nn.parallel.DistributedDataParallel(build("mlp"), bucket_cap_mb=0.004), hook),
+            hooked(co.wrap(build("mlp"), bucket_size_mb=0.004), hook),
+        )
+    out["ddp_hook_fp16_optimizer"] = hooked(
+        co.wrap(build("mlp"), bucket_size_mb=0.004),
+        default_hooks.fp16_compress_hook,
+        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
+    )
+    twice = co.wrap(build("mlp"))
+    twice.register_comm_hook(None, default_hooks.allreduce_hook)
+    late = co.wrap(build("mlp"))
+    x, y = rank_batch(MLP, 0, rank)
+    loss_fn(late(x), y).backward()
+    out["ddp_hook_errors"] = collect_errors(
+        {
+            "twice": lambda: twice.register_comm_hook(None, default_hooks.fp16_compress_hook),
+            "after_backward": lambda: late.register_comm_hook(None, default_hooks.fp16_compress_hook),
+        },
+        (RuntimeError,),
+    )
+
     # the unwrapped model's face
     original = build("mlp")
     wrapped = co.wrap(original)
@@ -280,6 +316,14 @@ def test_adapter_features(world: int) -> None:
         assert_identical(out["no_sync_view"], out["no_sync_ddp"], "no_sync (view) vs DDP")
         assert_identical(out["no_sync_copy"], out["no_sync_ddp"], "no_sync (copy) vs DDP")
         assert not [w for w in out["no_sync_warnings"] if "no_sync()" in w], out["no_sync_warnings"]
+        for name in ("fp16", "allreduce"):
+            ddp, ours = out[f"ddp_hook_{name}"]
+            assert_identical(ours, ddp, f"register_comm_hook({name}) vs DDP with the same hook")
+        assert_identical(
+            out["ddp_hook_fp16_optimizer"], out["ddp_hook_fp16"][0], "fp16 DDP hook + DistributedOptimizer"
+        )
+        assert "one per model" in out["ddp_hook_errors"]["twice"], out["ddp_hook_errors"]
+        assert "before the first backward" in out["ddp_hook_errors"]["after_backward"], out["ddp_hook_errors"]
         local = [w for w in out["local_step_warnings"] if "no_sync()" in w]
         assert len(local) == 1 and "weights now differ" in local[0], out["local_step_warnings"]
         assert_identical(out["unused_ours"], out["unused_ddp"], "find_unused_parameters vs DDP")

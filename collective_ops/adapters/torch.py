@@ -35,10 +35,11 @@ from ..bucketing import (
     plan_buckets,
     validate_bucket_mb,
 )
-from ..bucketing.hooks import reduces_rows
+from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, plan_entry
 from ._options import resolve_options
+from .torch_ddp_hooks import DDPCommHook, ddp_comm_hook
 from .torch_inplace import InPlaceGuard
 
 logger = logging.getLogger("collective_ops")
@@ -623,6 +624,29 @@ class DistributedDataParallel(nn.Module, Joinable):
             src = self._highest_rank_where(active)
         with torch.no_grad():
             self._broadcast(buffers, src, self._buffer_group)
+
+    def register_comm_hook(self, state: Any, hook: DDPCommHook) -> None:
+        """As DDP's: ``hook(state, bucket)`` reduces each bucket and returns a ``torch.futures.Future`` of the
+        reduced flat buffer (it averages itself, as under DDP). torch's own hooks work, e.g.
+        ``model.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook)``
+        or PowerSGD with its state. Once, before the first backward, as with DDP."""
+        manager = self.manager
+        if manager.steps_synced or manager.in_progress or manager.deferred_pending:
+            raise RuntimeError("register_comm_hook() must be called before the first backward, as with DDP")
+        if self.compression or manager.comm_hook is not allreduce_hook:
+            raise RuntimeError(
+                "this model already has a comm hook (wrap's comm_hook= or compression=, or an earlier "
+                "register_comm_hook()): one per model, as with DDP"
+            )
+        if self.optimizer is not None and self.optimizer.shards:
+            raise ValueError(
+                "shard=True reduce-scatters gradients with its own hook: a DDP comm hook cannot replace it"
+            )
+        manager.set_comm_hook(
+            ddp_comm_hook(
+                state, hook, lambda indices: [self._params[i] for i in indices], lambda: len(manager.plan.buckets)
+            )
+        )
 
     # -- uneven inputs (torch.distributed.algorithms.Join) ---------------------------------
     def join(
