@@ -97,6 +97,7 @@ def test_wrap_equals_ddp_and_single_process(world: int) -> None:
 
 
 def feature_checks(rank: int, world: int) -> dict:
+    import time
     import warnings
 
     import torch
@@ -245,21 +246,44 @@ def feature_checks(rank: int, world: int) -> dict:
     # torch DDP's register_comm_hook with torch's own hooks: as DDP with the same hook
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    def hooked(model, hook, optimizer_of=None) -> dict:
+    def hooked(model, hook, optimizer_of=None, pause: float = 0.0) -> dict:
         model.register_comm_hook(None, hook)
         optimizer = (optimizer_of or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)))(model)
         for step in range(4):
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
             loss_fn(model(x), y).backward()
+            time.sleep(pause)  # the loop's own work between backward and step (logging)
             optimizer.step()
         return snapshot(model.module)
+
+    def written_back_late(state, bucket):
+        """A DDP hook that reduces a copy and writes the result into the bucket from its completion callback,
+        0.1 s late: after backward has ended, while the loop is between backward and step."""
+        reduced = bucket.buffer() / world
+
+        def write_back(fut):
+            time.sleep(0.1)
+            return bucket.buffer().copy_(fut.value()[0])
+
+        return torch.distributed.all_reduce(reduced, async_op=True).get_future().then(write_back)
 
     for name, hook in (("fp16", default_hooks.fp16_compress_hook), ("allreduce", default_hooks.allreduce_hook)):
         out[f"ddp_hook_{name}"] = (
             hooked(torch.nn.parallel.DistributedDataParallel(build("mlp"), bucket_cap_mb=0.004), hook),
             hooked(co.wrap(build("mlp"), bucket_size_mb=0.004), hook),
         )
+    # the hook's own late write into the gradients is the reduction's: the DistributedOptimizer's guard against
+    # gradients changed between backward and step must not take it for one (it did, by timing)
+    out["ddp_hook_late"] = (
+        hooked(torch.nn.parallel.DistributedDataParallel(build("mlp"), bucket_cap_mb=0.004), written_back_late),
+        hooked(
+            co.wrap(build("mlp"), bucket_size_mb=0.004),
+            written_back_late,
+            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
+            pause=0.3,
+        ),
+    )
     out["ddp_hook_fp16_optimizer"] = hooked(
         co.wrap(build("mlp"), bucket_size_mb=0.004),
         default_hooks.fp16_compress_hook,
@@ -316,7 +340,7 @@ def test_adapter_features(world: int) -> None:
         assert_identical(out["no_sync_view"], out["no_sync_ddp"], "no_sync (view) vs DDP")
         assert_identical(out["no_sync_copy"], out["no_sync_ddp"], "no_sync (copy) vs DDP")
         assert not [w for w in out["no_sync_warnings"] if "no_sync()" in w], out["no_sync_warnings"]
-        for name in ("fp16", "allreduce"):
+        for name in ("fp16", "allreduce", "late"):
             ddp, ours = out[f"ddp_hook_{name}"]
             assert_identical(ours, ddp, f"register_comm_hook({name}) vs DDP with the same hook")
         assert_identical(

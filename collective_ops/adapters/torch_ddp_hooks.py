@@ -23,8 +23,11 @@ DDPCommHook = Callable[[Any, Any], torch.futures.Future]
 class GradBucketView:
     """One bucket as DDP hooks see a ``torch.distributed.GradBucket``."""
 
-    def __init__(self, ctx: BucketContext, params: Sequence[torch.Tensor], bucket_count: int) -> None:
+    def __init__(
+        self, ctx: BucketContext, buffer: torch.Tensor, params: Sequence[torch.Tensor], bucket_count: int
+    ) -> None:
         self._ctx = ctx
+        self._buffer = buffer
         self._params = list(params)
         self._count = bucket_count
 
@@ -35,17 +38,17 @@ class GradBucketView:
         return self._ctx.bucket.index == self._count - 1
 
     def buffer(self) -> torch.Tensor:
-        return self._ctx.buffer
+        return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._ctx.buffer.copy_(tensor)
+        self._buffer.copy_(tensor)
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._params)
 
     def gradients(self) -> list[torch.Tensor]:
         """Each parameter's gradient as a view of the buffer, shaped as the parameter."""
-        buffer = self._ctx.buffer
+        buffer = self._buffer
         return [
             buffer.narrow(0, offset, p.numel()).view_as(p) for p, offset in zip(self._params, self._ctx.bucket.offsets)
         ]
@@ -82,8 +85,12 @@ def ddp_comm_hook(
     """Our comm hook calling the DDP hook ``hook(state, bucket)`` on each bucket."""
 
     def comm_hook(ctx: BucketContext) -> FutureHandle:
-        bucket = GradBucketView(ctx, params_of(ctx.bucket.param_indices), bucket_count())
-        return FutureHandle(hook(state, bucket), ctx.buffer)
+        # The same memory under a version counter of its own: the hook writes the reduced values back in place
+        # from a completion callback, at any time, and those writes are the reduction's, not the in-place
+        # changes by other code that the gradient guard looks for (model.check_gradients_untouched).
+        buffer = ctx.buffer.data
+        bucket = GradBucketView(ctx, buffer, params_of(ctx.bucket.param_indices), bucket_count())
+        return FutureHandle(hook(state, bucket), buffer)
 
     comm_hook.ddp_hook = hook  # type: ignore[attr-defined]
     return comm_hook
