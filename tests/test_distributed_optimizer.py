@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -356,18 +357,12 @@ class _LateHandle:
     """A reduction that reports itself complete only ``seconds`` after its launch (and waits that long)."""
 
     def __init__(self, handle, seconds: float) -> None:
-        import time
-
         self._handle, self._done_at = handle, time.perf_counter() + seconds
 
     def is_completed(self) -> bool:
-        import time
-
         return time.perf_counter() >= self._done_at and self._handle.is_completed()
 
     def wait(self):
-        import time
-
         time.sleep(max(0.0, self._done_at - time.perf_counter()))
         return self._handle.wait()
 
