@@ -78,6 +78,8 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: 
         assert_identical(out["ours"], out["dgr"], "parameters after 3 steps vs DistributedGradReducer")
         assert_identical(out["unused_ours"], out["unused_dgr"], "unused parameter on one rank")
         assert_identical(out["accum_ours"], out["accum_dgr"], "gradient accumulation")
+        if mode == "pynative":
+            assert_identical(out["grouped_ours"], out["grouped_dgr"], "parameter groups, params=optimizer.parameters")
         assert_identical(out["after_compiled"], out["dgr"], "after backward, compiled, vs DistributedGradReducer")
         assert_identical(out["after_eager"], out["dgr"], "after backward, eager, vs DistributedGradReducer")
         assert out["after_compiled_stats"]["mode"] == "fused-after-backward (compiled)"

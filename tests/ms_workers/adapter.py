@@ -144,6 +144,32 @@ if MODE == "pynative":
     _, grads = reference_fn(*batch(1, rank))
     out["after_changed_dgr"] = [g.asnumpy().tolist() for g in dgr_reducer(reference_net)(grads)]
 
+
+# 7. an optimizer with parameter groups (no 'order_params') lists its parameters, so value_and_grad over them its
+#    gradients, group by group: reduce(grads, params=optimizer.parameters) is DistributedGradReducer's over them
+def grouped_train(net, reduce_of):
+    params = net.trainable_params()
+    groups = [
+        {"params": [p for p in params if "weight" in p.name], "weight_decay": 0.01},
+        {"params": [p for p in params if "weight" not in p.name]},
+    ]
+    opt = nn.Momentum(groups, learning_rate=0.1, momentum=0.9)
+    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
+    reduce = reduce_of(opt)
+    for step in range(3):
+        _, grads = grad_fn(*batch(step, rank))
+        opt(reduce(grads))
+    return {p.name: p.asnumpy().tolist() for p in params}
+
+
+if MODE == "pynative":  # the parameter mapping is mode-independent Python; GRAPH would compile the lambdas
+    reference_net = build(0)
+    out["grouped_dgr"] = grouped_train(
+        reference_net, lambda opt: nn.DistributedGradReducer(opt.parameters, mean=True, degree=world)
+    )
+    grouped = co.wrap(build(0), bucket_size_mb=BUCKET_MB, overlap=True)
+    out["grouped_ours"] = grouped_train(grouped.network, lambda opt: lambda g: grouped.reduce(g, params=opt.parameters))
+
 # 5. bad input: refused on every rank, no hang
 out["errors"] = collect_errors(
     {
