@@ -57,6 +57,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     so checkpoints load into an unwrapped model.
     """
 
+    # The attached DistributedOptimizer, weakly (attach_optimizer); a class default, so that the optimizer
+    # property (which named_parameters asks) answers None on an instance whose __init__ has not set it yet.
+    _optimizer_ref: weakref.ref | None = None
+
     def __init__(
         self,
         module: nn.Module,
@@ -149,7 +153,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._views: list[torch.Tensor] = []
         self._make_views()
         self._finalize_queued = False
-        self._optimizer_ref: weakref.ref | None = None
         self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
         self._nonfinite_local: list[str] = []
         # Each bucket's gradient tensors while a DistributedOptimizer owns them, from the end of backward until
@@ -568,7 +571,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         owed updates applied), so code that takes the parameters through the model (``model.parameters()``:
         an EMA after ``step()``, ``clip_grad_norm_`` after ``backward()``, ``model.zero_grad()``) sees final
         values, as under DDP. (That step loses its overlap with the next forward.)"""
-        optimizer = self.optimizer if getattr(self, "_optimizer_ref", None) is not None else None  # (mid-__init__)
+        optimizer = self.optimizer
         if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
             optimizer.synchronize()
         return super().named_parameters(*args, **kwargs)
@@ -910,9 +913,9 @@ def _warn_unreduced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
     (A DistributedOptimizer refuses it in its own step.)"""
     for ref in list(_LIVE_WRAPPERS.values()):
         wrapper = ref()
-        if wrapper is None or wrapper._warned_local_step or not wrapper.manager.has_unreduced_accumulation:
+        if wrapper is None or wrapper._warned_local_step or wrapper.optimizer is not None:
             continue
-        if wrapper.optimizer is not None:
+        if not wrapper.manager.has_unreduced_accumulation:
             continue
         owned = {id(p) for p in wrapper._params}
         if any(id(p) in owned for group in optimizer.param_groups for p in group["params"]):

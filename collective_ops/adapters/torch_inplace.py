@@ -42,8 +42,5 @@ class InPlaceGuard:
             self._noted.clear()
         return changed
 
-    def forget(self, key: Hashable) -> None:
-        self._noted.pop(key, None)
-
     def clear(self) -> None:
         self._noted.clear()

@@ -482,9 +482,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _apply_updates(self, buckets: list[int], hyperparameters: list[dict]) -> None:
         """The class's step over these buckets' parameters."""
-        plan = self.model.manager.plan
-        params = {id(self.model._params[i]) for b in buckets for i in plan.buckets[b].param_indices}
-        self._timed_step(params, hyperparameters)
+        self._timed_step(self._params_of(buckets), hyperparameters)
 
     def _timed_step(self, only: set[int] | None, hyperparameters: list[dict] | None) -> None:
         """The class's step over ``only`` (parameter ids; None: all) with ``hyperparameters`` (None: current)."""
@@ -509,8 +507,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             _refuse_group_mutation(type(self._optimizer).__name__, changed)
 
     def _params_of(self, buckets: list[int]) -> set[int]:
-        plan = self.model.manager.plan
-        return {id(self.model._params[i]) for b in buckets for i in plan.buckets[b].param_indices}
+        return {id(p) for bucket in buckets for p in self._bucket_params(bucket)}
 
     # -- torch.distributed.algorithms.Join: Join([model, opt]) as with DDP-style code ---------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
