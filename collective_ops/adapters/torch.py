@@ -632,8 +632,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """As DDP's: ``hook(state, bucket)`` reduces each bucket and returns a ``torch.futures.Future`` of the
         reduced flat buffer (it averages itself, as under DDP). torch's own hooks work, e.g.
         ``model.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook)``
-        (PowerSGD too, with one bucket on Gloo: with several its collectives, issued from completion callbacks,
-        fell out of step there, in DDP as here). Once, before the first backward, as with DDP."""
+        (tested with fp16_compress_hook and allreduce_hook; PowerSGD is not). Once, before the first backward,
+        as with DDP."""
         manager = self.manager
         if manager.steps_synced or manager.in_progress or manager.deferred_pending:
             raise RuntimeError("register_comm_hook() must be called before the first backward, as with DDP")
