@@ -18,6 +18,33 @@ from tests.harness import free_port, run_faulty_ranks, run_ranks
 STALL_ENV = {"COLLECTIVE_OPS_STALL_TIMEOUT": "3"}
 
 
+PEER_REPORTED_KEY = "tests/rank0_reported"
+
+
+def _rank0_reported() -> None:
+    """Rank 0 has its error: a peer kept alive for it (``_stay_alive_for_rank0``) may go."""
+    import torch
+
+    torch.distributed.distributed_c10d._get_default_store().set(PEER_REPORTED_KEY, "1")
+
+
+def _stay_alive_for_rank0(limit: float = 8) -> None:
+    """Stay alive, out of any reduction (as a rank whose caller handles its error, or that finished early),
+    until rank 0 has reported what it saw: a peer that exited would turn rank 0's stall into a lost
+    connection. At most ``limit`` seconds; a store gone with rank 0 also ends it."""
+    import torch
+
+    store = torch.distributed.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if store.check([PEER_REPORTED_KEY]):
+                return
+        except Exception:  # rank 0, the store's host, is gone
+            return
+        time.sleep(0.1)
+
+
 def _train(rank: int, steps_by_rank: dict, use_branch_by_rank: dict | None = None, find_unused: bool = False):
     import torch
 
@@ -39,12 +66,12 @@ def _train(rank: int, steps_by_rank: dict, use_branch_by_rank: dict | None = Non
         seconds = time.monotonic() - start
         store = torch.distributed.distributed_c10d._get_default_store()
         left = [r for r in range(2) if store.check([f"collective_ops/progress/{r}"])]
-        if rank != 0:
-            time.sleep(
-                8
-            )  # stays alive (as a rank whose caller handles the error would): its peer must still see a stall
+        if rank == 0:
+            _rank0_reported()
+        else:
+            _stay_alive_for_rank0()  # its peer must still see a stall
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": seconds, "progress_keys_left": left}
-    time.sleep(8)  # a rank that finished early stays alive (not in a reduction) while its peers wait
+    _stay_alive_for_rank0()  # finished early: alive while its peer waits
     return {"error": None}
 
 
@@ -71,8 +98,9 @@ def _skip_at_a_row_sparse_table(rank: int, zero_grad: bool) -> dict:
             torch.nn.functional.cross_entropy(model(x), y).backward()
     except Exception as exc:
         error = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+        _rank0_reported()
         return {**error, "untrusted": sorted(model.manager.row_sparse.untrusted)}
-    time.sleep(8)  # alive, not in a reduction, while its peer waits
+    _stay_alive_for_rank0()
     return {"error": None}
 
 

@@ -686,7 +686,10 @@ class BucketManager:
                 "(its own log says why), or the network between ranks failed."
             )
         exchange = getattr(self.engine, "exchange_progress", None)
-        peers: dict[int, dict | None] = exchange(self._progress(bucket_index)) if exchange else {}
+        # peers stalled on the same bucket time out within moments of each other; a short timeout asks for a
+        # prompt answer, so the wait for their reports is a quarter of it, at most 2 s
+        grace_s = min(2.0, (self.stall_timeout_s or 8.0) / 4)
+        peers: dict[int, dict | None] = exchange(self._progress(bucket_index), grace_s) if exchange else {}
         lines = []
         mine = self.steps_synced
         for peer, info in sorted(peers.items()):
