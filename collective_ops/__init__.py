@@ -45,9 +45,11 @@ def tune(model: Any, step_fn: Any, **options: Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     # Loaded on first use: importing collective_ops imports no deep-learning framework.
-    if name == "DistributedOptimizer":
-        from .adapters.torch_optimizer import DistributedOptimizer
-
+    if name == "DistributedOptimizer":  # torch's class, which hands a MindSpore network to MindSpore's
+        try:
+            from .adapters.torch_optimizer import DistributedOptimizer
+        except ModuleNotFoundError:  # MindSpore without torch
+            from .adapters.mindspore_optimizer import DistributedOptimizer
         return DistributedOptimizer
     raise AttributeError(f"module 'collective_ops' has no attribute {name!r}")
 

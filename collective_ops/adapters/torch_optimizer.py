@@ -35,6 +35,7 @@ from ..bucketing.hooks import allreduce_hook
 from ..bucketing.row_sparse import wire_nbytes
 from ..bucketing.schedule import OrderPrediction, OrderTrial, StepProfile, plan_order, step_profile
 from ..bucketing.updates import PendingUpdates
+from . import _framework_of
 from .torch import DistributedDataParallel
 from .torch_inplace import InPlaceGuard
 
@@ -69,6 +70,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     _step_supports_amp_scaling = True
 
     def __new__(cls, *args: Any, shard: bool = False, **kwargs: Any) -> DistributedOptimizer:
+        if args and _is_mindspore(args[0]):  # a MindSpore network: MindSpore's DistributedOptimizer
+            from .mindspore_optimizer import DistributedOptimizer as MindSporeDistributedOptimizer
+
+            return MindSporeDistributedOptimizer(*args, shard=shard, **kwargs)
         if shard and cls is DistributedOptimizer:
             from .torch_sharded import ShardedDistributedOptimizer
 
@@ -734,6 +739,11 @@ def _shortlist(predictions: list[OrderPrediction], count: int) -> list[tuple[int
         if not prediction.is_plan_order and prediction.order not in out:
             out.append(prediction.order)
     return out
+
+
+def _is_mindspore(model: Any) -> bool:
+    """A MindSpore network, wrapped or not (its module is mindspore's or our MindSpore adapter's)."""
+    return _framework_of(model) == "mindspore" or type(model).__module__ == "collective_ops.adapters.mindspore"
 
 
 def _needs_closure(optimizer_class: type) -> bool:

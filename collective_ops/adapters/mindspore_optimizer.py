@@ -1,0 +1,325 @@
+"""MindSpore: ``DistributedOptimizer(net, nn.Adam, shard=True, ...)``, optimizer state sharded over the ranks (ZeRO-1).
+
+The wrapped network's bucket plan is cut by the core's :class:`~collective_ops.bucketing.ShardLayout`
+(Megatron-core's layout: each bucket padded to a multiple of the world size, rank ``r`` owning
+the ``r``-th equal slice). Each rank keeps a float32 ``Parameter`` for every piece of a
+parameter inside its shards and gives only those to the wrapped MindSpore optimizer, so its
+state (Adam's two moments, Momentum's accumulator) is about 1/N of the plain optimizer's.
+
+A step (``opt(grads)``, where a MindSpore optimizer is called): per bucket, the gradients are
+packed and reduce-scattered (summed, then times ``1/world`` as ``DistributedGradReducer``
+averages), the wrapped optimizer updates this rank's pieces, and the updated shards are
+all-gathered into every rank's network parameters. MindSpore's CPU backend (MCCL) has no
+ReduceScatter kernel: the engine there reduces the whole bucket and keeps this rank's slice,
+which moves twice a reduce-scatter's bytes (a warning says so once); the state saving holds.
+
+Element-wise optimizers only (Momentum, SGD, Adam, AdamWeightDecay, ...): ``Lamb`` and
+``LARS`` read whole-parameter norms that a piece does not have, and are refused, as is
+``grad_centralization``. PyNative mode; the wrapper must reduce after backward
+(``overlap=False``), since the optimizer does the reduction itself.
+
+``shard=False`` is the same call on the network's parameters after ``net.reduce(grads)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, nn
+
+from ..bucketing.shard import ShardLayout, ShardPiece
+from .mindspore import DataParallel, _pynative
+
+logger = logging.getLogger("collective_ops")
+
+# mindspore.nn optimizers whose update of an element reads only that element's gradient and state (and the
+# group's hyperparameters): run on flat pieces of parameters, their arithmetic is unchanged
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(nn, name)
+    for name in (
+        "SGD",
+        "Momentum",
+        "Adam",
+        "AdamWeightDecay",
+        "AdaMax",
+        "Adagrad",
+        "Adadelta",
+        "RMSProp",
+        "Rprop",
+        "ASGD",
+    )
+)
+_warned_mccl = False
+
+
+def _group_list(params: Any, default: list) -> tuple[list[dict], list[Parameter]]:
+    """The parameter groups (dicts, MindSpore's format) and the order of ``opt.parameters``."""
+    if params is None:
+        params = default
+    params = list(params)
+    if not params or not isinstance(params[0], dict):
+        return [{"params": params}], params
+    groups = [dict(g) for g in params if "order_params" not in g]
+    order = next((list(g["order_params"]) for g in params if "order_params" in g), None)
+    for group in groups:
+        if group.get("grad_centralization"):
+            raise ValueError(
+                "grad_centralization needs each gradient's whole shape, which a shard's piece does not have: "
+                "leave it off with shard=True"
+            )
+    flat = [p for g in groups for p in g["params"]]
+    return groups, order if order is not None else flat
+
+
+class DistributedOptimizer:
+    """A MindSpore optimizer over a wrapped network: ``opt(grads)`` reduces and updates, as
+    ``optimizer(net.reduce(grads))`` does; with ``shard=True`` each rank keeps the state of its shards only.
+
+    ``optimizer_class`` is a ``mindspore.nn.Optimizer`` subclass, built with ``params`` (default:
+    the network's trainable parameters; MindSpore's group dicts work) and ``kwargs``. Take
+    gradients with respect to ``opt.parameters`` (``ms.value_and_grad(fn, None, opt.parameters)``).
+    """
+
+    def __init__(
+        self,
+        network: DataParallel,
+        optimizer_class: type,
+        params: Any = None,
+        *,
+        shard: bool = False,
+        assume_elementwise: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(network, DataParallel):
+            raise TypeError(
+                f"DistributedOptimizer takes a network wrapped by collective_ops.wrap(), got {type(network).__name__}; "
+                "wrap it first: net = collective_ops.wrap(net, overlap=False)"
+            )
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, nn.Optimizer)):
+            raise TypeError(
+                f"optimizer_class must be a mindspore.nn.Optimizer subclass (e.g. nn.Adam), got {optimizer_class!r}"
+            )
+        self.network = network
+        self.shard = shard
+        groups, order = _group_list(params, network.trainable_params())
+        self.parameters = tuple(order)
+        self._indices = network._indices_of(self.parameters)
+        if not shard:
+            self.optimizer = optimizer_class(params if params is not None else list(self.parameters), **kwargs)
+            return
+        self._refuse_unshardable(optimizer_class, assume_elementwise)
+        engine = network.engine
+        self._layout = ShardLayout(network.manager.plan, engine.world_size)
+        self._rank_pieces = self._layout.pieces(engine.rank)
+        self._pieces = {piece: self._piece_parameter(piece) for piece in self._rank_pieces}
+        group_of = {network._index[p.name]: k for k, g in enumerate(groups) for p in g["params"]}
+        inner_groups = [
+            {**g, "params": [param for piece, param in self._pieces.items() if group_of[piece.param_index] == k]}
+            for k, g in enumerate(groups)
+        ]
+        inner_groups = [g for g in inner_groups if g["params"]]  # a rank may own nothing of a small group
+        if params is None or not isinstance(list(params)[0], dict):
+            self.optimizer = optimizer_class([p for g in inner_groups for p in g["params"]], **kwargs)
+        else:
+            self.optimizer = optimizer_class(inner_groups, **kwargs)
+        self._warn_mccl()
+
+    # -- construction ----------------------------------------------------------------
+    def _refuse_unshardable(self, optimizer_class: type, assume_elementwise: bool) -> None:
+        network = self.network
+        if not _pynative():
+            raise ValueError("DistributedOptimizer(shard=True) needs PyNative mode: its step runs from Python")
+        if network.overlap:
+            raise ValueError(
+                "shard=True reduce-scatters each bucket itself after backward: wrap the network with "
+                "overlap=False (the wrapper's own hooks would all-reduce the gradients a second time)"
+            )
+        if network.compression is not None or network.manager.comm_hook is not _default_hook():
+            raise ValueError("shard=True reduces in the gradients' dtype: leave compression and comm_hook unset")
+        if sorted(self._indices) != list(range(len(network._params))):
+            raise ValueError("shard=True needs every trainable parameter of the network, each once, in params")
+        if optimizer_class not in ELEMENTWISE_OPTIMIZERS and not assume_elementwise:
+            name = optimizer_class.__name__
+            raise ValueError(
+                f"shard=True runs {name} on flat pieces of parameters (a shard boundary may cut one), and {name} is "
+                "not known to update each element from its own gradient and state alone: one that reads across a "
+                "parameter (Lamb and LARS scale by a parameter's norm) would train differently on pieces, without an "
+                f"error. Use shard=False, or pass assume_elementwise=True if {name}'s update is element-wise (known: "
+                f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; subclasses of them too need it)"
+            )
+        wrong = [p.name for p in network._params if p.dtype != ms.float32]
+        if wrong:
+            raise ValueError(f"shard=True supports float32 parameters; {wrong[:3]} are not (cast them, or shard=False)")
+
+    def _piece_parameter(self, piece: ShardPiece) -> Parameter:
+        """A float32 Parameter holding one piece of a network parameter, named after it (so MindSpore's
+        name-based weight-decay filter, 'beta'/'gamma', treats it as its parameter)."""
+        param = self.network._params[piece.param_index]
+        values = param.value().reshape(-1)[piece.param_start : piece.param_end].copy()
+        return Parameter(values, name=f"{param.name}.shard_{piece.param_start}")
+
+    def _warn_mccl(self) -> None:
+        global _warned_mccl
+        engine = self.network.engine
+        if engine.backend == "mccl" and engine.world_size > 1 and not _warned_mccl:
+            _warned_mccl = True
+            logger.warning(
+                "shard=True on MindSpore's CPU backend (MCCL): it has no ReduceScatter, so each bucket is "
+                "all-reduced and this rank keeps its shard (twice a reduce-scatter's bytes); the state is still sharded"
+            )
+
+    # -- the step --------------------------------------------------------------------
+    def __call__(self, grads: Sequence[ms.Tensor]) -> Any:
+        if not self.shard:
+            return self.optimizer(self.network.reduce(grads, self.parameters))
+        grads = tuple(grads)
+        if len(grads) != len(self.parameters):
+            raise ValueError(f"got {len(grads)} gradients for {len(self.parameters)} parameters (opt.parameters)")
+        by_index = dict(zip(self._indices, grads))
+        piece_grads = {}
+        for bucket in range(len(self._layout.buckets)):
+            shard = self._reduce_scatter(bucket, by_index)
+            for piece in self._layout.bucket_pieces(bucket, self.network.engine.rank):
+                piece_grads[piece] = shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        order = {id(param): piece for piece, param in self._pieces.items()}
+        result = self.optimizer(tuple(piece_grads[order[id(p)]] for p in self.optimizer.parameters))
+        self._all_gather_parameters()
+        return result
+
+    def _reduce_scatter(self, bucket: int, by_index: dict[int, ms.Tensor]) -> ms.Tensor:
+        """This rank's shard of bucket ``bucket``'s averaged gradients."""
+        engine, manager = self.network.engine, self.network.manager
+        spec, shards = manager.plan.buckets[bucket], self._layout.buckets[bucket]
+        parts = [by_index[i].reshape(-1) for i in spec.param_indices]
+        padding = shards.padded_numel - shards.numel
+        if padding:
+            parts.append(ms.ops.zeros(padding, parts[0].dtype))
+        shard = engine.reduce_scatter(ms.ops.cat(parts), "sum")
+        if manager.reduce_op == "avg":
+            engine.scale_(shard, 1.0 / engine.world_size)  # DistributedGradReducer's average: sum, then * 1/world
+        return shard
+
+    def _all_gather_parameters(self) -> None:
+        """Every rank's updated shards into every rank's network parameters."""
+        for index, values in self._gather(lambda piece: self._pieces[piece].value()):
+            param = self.network._params[index]
+            param.set_data(values.reshape(param.shape).copy())
+
+    def _gather(self, value_of: Any) -> Iterator[tuple[int, ms.Tensor]]:
+        """(parameter index, its flat values) for every parameter, all-gathered bucket by bucket from every
+        rank's ``value_of(piece)``."""
+        plan = self.network.manager.plan
+        for bucket in range(len(self._layout.buckets)):
+            full = self.network.engine.allgather(self._shard_values(bucket, value_of))
+            spec = plan.buckets[bucket]
+            for index, offset in zip(spec.param_indices, spec.offsets):
+                yield index, full[offset : offset + plan.params[index].numel]
+
+    def _shard_values(self, bucket: int, value_of: Any) -> ms.Tensor:
+        """A float32 shard of bucket ``bucket`` holding ``value_of(piece)`` for this rank's pieces (zeros elsewhere)."""
+        shards = self._layout.buckets[bucket]
+        parts, filled = [], 0
+        for piece in self._layout.bucket_pieces(bucket, self.network.engine.rank):
+            if piece.shard_offset > filled:
+                parts.append(ms.ops.zeros(piece.shard_offset - filled, ms.float32))
+            parts.append(value_of(piece).reshape(-1))
+            filled = piece.shard_offset + piece.numel
+        if filled < shards.shard_numel:
+            parts.append(ms.ops.zeros(shards.shard_numel - filled, ms.float32))
+        return ms.ops.cat(parts)
+
+    # -- state -----------------------------------------------------------------------
+    def state_elements(self) -> int:
+        """Elements of optimizer state this rank holds (Adam's moments, Momentum's accumulator: one tensor per
+        parameter or piece; not step counters or learning rates). With ``shard=True`` it also holds
+        :attr:`piece_elements`: float32 copies of its pieces of the parameters, which the optimizer updates
+        (MindSpore has no views to give it)."""
+        if self.shard:
+            by_prefix, _ = self._state_by_prefix()
+            return sum(int(p.size) for of_piece in by_prefix.values() for p in of_piece.values())
+        names = {p.name for p in self.parameters}
+        state = [p for p in self.optimizer.get_parameters() if p.name.partition(".")[2] in names]
+        return sum(int(p.size) for p in state if not self._is_own(p))
+
+    @property
+    def piece_elements(self) -> int:
+        """Elements of this rank's parameter pieces (0 unsharded: the optimizer updates the network's own)."""
+        return sum(p.numel for p in self._rank_pieces) if self.shard else 0
+
+    def gathered_state(self) -> dict[str, np.ndarray]:
+        """The optimizer's whole state, named as a plain optimizer of the same class over the network's parameters
+        names it (``moment1.fc1.weight``, ``global_step``, ...): every rank must call it (all-gathers), and each
+        gets the same dict. Save it on one rank (``ms.save_checkpoint([{"name": k, "data": ms.Tensor(v)} ...])``);
+        a plain optimizer loads it with ``ms.load_param_into_net``, this one at any world size with
+        :meth:`load_gathered_state`."""
+        if not self.shard:
+            return {p.name: p.asnumpy().copy() for p in self.optimizer.get_parameters() if not self._is_own(p)}
+        by_prefix, scalars = self._state_by_prefix()
+        state = {name: value.asnumpy().copy() for name, value in scalars.items()}  # asnumpy() may share memory
+        for prefix, of_piece in by_prefix.items():
+            for index, values in self._gather(lambda piece, of_piece=of_piece: of_piece[piece].value()):
+                param = self.network._params[index]
+                state[f"{prefix}.{param.name}"] = values.asnumpy().reshape(param.shape)
+        return state
+
+    def load_gathered_state(self, state: dict[str, Any]) -> None:
+        """Load a whole state (from :meth:`gathered_state`, at any world size, or a plain optimizer's
+        Parameters by name): each rank takes its pieces."""
+        if not self.shard:
+            ms.load_param_into_net(
+                self.optimizer, {k: Parameter(ms.Tensor(np.asarray(v)), name=k) for k, v in state.items()}
+            )
+            return
+        by_prefix, scalars = self._state_by_prefix()
+        missing = [name for name in scalars if name not in state]
+        missing += [
+            f"{prefix}.{self.network._params[p.param_index].name}"
+            for prefix, of_piece in by_prefix.items()
+            for p in of_piece
+            if f"{prefix}.{self.network._params[p.param_index].name}" not in state
+        ]
+        if missing:
+            raise KeyError(
+                f"the state lacks {sorted(set(missing))[:5]}: was it saved from an optimizer of the same class?"
+            )
+        for name, param in scalars.items():
+            param.set_data(ms.Tensor(np.asarray(state[name]), param.dtype))
+        for prefix, of_piece in by_prefix.items():
+            for piece, param in of_piece.items():
+                full = np.asarray(state[f"{prefix}.{self.network._params[piece.param_index].name}"]).reshape(-1)
+                param.set_data(ms.Tensor(full[piece.param_start : piece.param_end].copy(), param.dtype))
+
+    def _is_own(self, param: Parameter) -> bool:
+        return any(param is p for p in self.optimizer.parameters)
+
+    def _state_by_prefix(self) -> tuple[dict[str, dict[ShardPiece, Parameter]], dict[str, Parameter]]:
+        """The optimizer's state Parameters: per-piece ones by prefix (``moment1`` of ``moment1.<piece name>``)
+        and the rest (step counters, powers, learning rates) by name."""
+        piece_of_name = {param.name: piece for piece, param in self._pieces.items()}
+        by_prefix: dict[str, dict[ShardPiece, Parameter]] = {}
+        scalars: dict[str, Parameter] = {}
+        for param in self.optimizer.get_parameters():
+            if self._is_own(param):
+                continue
+            prefix, _, rest = param.name.partition(".")
+            if rest in piece_of_name:
+                by_prefix.setdefault(prefix, {})[piece_of_name[rest]] = param
+            else:
+                scalars[param.name] = param
+        return by_prefix, scalars
+
+    def __getattr__(self, name: str) -> Any:
+        # the wrapped optimizer's own attributes (learning_rate, get_lr, global_step, ...)
+        if name in ("optimizer", "network"):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+def _default_hook() -> Any:
+    from ..bucketing import allreduce_hook
+
+    return allreduce_hook
