@@ -76,10 +76,6 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: 
                 np.testing.assert_allclose(out["fused"][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
         assert_identical(out["ours_grads"], out["dgr_grads"], "first-step gradients vs DistributedGradReducer")
         assert_identical(out["ours"], out["dgr"], "parameters after 3 steps vs DistributedGradReducer")
-        assert_identical(out["unused_ours"], out["unused_dgr"], "unused parameter on one rank")
-        assert_identical(out["accum_ours"], out["accum_dgr"], "gradient accumulation")
-        if mode == "pynative":
-            assert_identical(out["grouped_ours"], out["grouped_dgr"], "parameter groups, params=optimizer.parameters")
         assert_identical(out["after_compiled"], out["dgr"], "after backward, compiled, vs DistributedGradReducer")
         assert_identical(out["after_eager"], out["dgr"], "after backward, eager, vs DistributedGradReducer")
         assert out["after_compiled_stats"]["mode"] == "fused-after-backward (compiled)"
@@ -96,21 +92,30 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: 
         for s in (stats, out["after_compiled_stats"], out["after_eager_stats"]):
             assert s["buckets"] > 1 and s["collectives_per_step"] == s["buckets"]
         assert stats["backend"] == "mccl"
-        assert_identical(out["train_one_step"], out["dgr"], f"TrainOneStepCell ({mode})")
-        if mode == "graph":
-            assert_identical(
-                out["train_one_step_dgr"], out["dgr"], "nn.TrainOneStepCell with its own DGR, data-parallel mode"
-            )
-        errors = out["errors"]
-        assert "ModelMismatchError" in errors["mismatch"] and "rank 1" in errors["mismatch"]
-        assert "bucket_size_mb" in errors["bucket_zero"]
-        assert "already wrapped" in errors["already_wrapped"]
-        assert "got 1 gradients for" in errors["wrong_count"]
-        assert "not in the order of the parameters" in errors["wrong_order"], errors["wrong_order"]
-        assert "params=optimizer.parameters" in errors["wrong_order"]
-        assert "use reduce() from PyNative mode" in errors["graph_reducer_eager_only"]
-        assert "every trainable parameter" in errors["graph_reducer_some_params"]
+        if world == 2:  # other routes to the same reduction, and bad input (the worker runs them at 2 only)
+            _assert_other_routes_and_errors(out, mode)
     assert len({r["stats"]["plan_fingerprint"] for r in results}) == 1
+
+
+def _assert_other_routes_and_errors(out: dict, mode: str) -> None:
+    assert_identical(out["unused_ours"], out["unused_dgr"], "unused parameter on one rank")
+    assert_identical(out["accum_ours"], out["accum_dgr"], "gradient accumulation")
+    if mode == "pynative":
+        assert_identical(out["grouped_ours"], out["grouped_dgr"], "parameter groups, params=optimizer.parameters")
+    assert_identical(out["train_one_step"], out["dgr"], f"TrainOneStepCell ({mode})")
+    if mode == "graph":
+        assert_identical(
+            out["train_one_step_dgr"], out["dgr"], "nn.TrainOneStepCell with its own DGR, data-parallel mode"
+        )
+    errors = out["errors"]
+    assert "ModelMismatchError" in errors["mismatch"] and "rank 1" in errors["mismatch"]
+    assert "bucket_size_mb" in errors["bucket_zero"]
+    assert "already wrapped" in errors["already_wrapped"]
+    assert "got 1 gradients for" in errors["wrong_count"]
+    assert "not in the order of the parameters" in errors["wrong_order"], errors["wrong_order"]
+    assert "params=optimizer.parameters" in errors["wrong_order"]
+    assert "use reduce() from PyNative mode" in errors["graph_reducer_eager_only"]
+    assert "every trainable parameter" in errors["graph_reducer_some_params"]
 
 
 @pytest.mark.parametrize(("world", "part"), [(2, "adapter"), (3, "adapter:1e-06")])
