@@ -9,6 +9,10 @@ ends with ``mindspore.runtime.synchronize()`` (on CPU ``CommHandle.wait()`` does
 block, and MindSpore's runtime would otherwise let one step's reductions run into the
 next step), and the median step of each is reported.
 
+``--shard`` adds ``DistributedOptimizer(net, cls, shard=True)`` (ZeRO-1; its wrapper reduces after
+backward) and a column of optimizer state per rank (``--optimizer adam`` makes that state two
+tensors per parameter; the sharded setup also holds float32 copies of its pieces).
+
 ``--paths`` adds reference paths built from raw MindSpore calls (no reduction at all, one
 fused ``ops.AllReduce`` after backward, one async ``mint.distributed.all_reduce`` per
 gradient from a parameter hook) and splits every step into phases: ``backward`` (until
@@ -56,6 +60,8 @@ def parse_args(argv=None):
         help="whole steps as nn.TrainOneStepCell (one graph per step in GRAPH mode) with each reducer inside",
     )
     parser.add_argument("--paths", action="store_true", help="also time raw reference paths, per phase")
+    parser.add_argument("--shard", action="store_true", help="also time DistributedOptimizer(shard=True)")
+    parser.add_argument("--optimizer", choices=["momentum", "adam"], default="momentum")
     parser.add_argument("--json")
     parser.add_argument(
         "--link",
@@ -102,6 +108,8 @@ def launch(args) -> int:
         + (["--graph"] if args.graph else [])
         + (["--paths"] if args.paths else [])
         + (["--train-cell"] if args.train_cell else [])
+        + (["--shard"] if args.shard else [])
+        + ["--optimizer", args.optimizer]
         + (["--compression", args.compression] if args.compression else [])
     )
     if args.link != "none":
@@ -158,12 +166,24 @@ def run(args) -> None:
         raise SystemExit("--paths times the functional loop's phases; it does not combine with --train-cell")
     if args.paths:
         kinds += ["no reduction", "fused ops.AllReduce", "per-gradient hook launch"]
+    if args.shard and args.train_cell:
+        raise SystemExit("--shard times the functional loop (opt(grads)); it does not combine with --train-cell")
+    if args.shard:
+        kinds.append(SHARDED)
+    optimizer_class, optimizer_kwargs = {
+        "momentum": (nn.Momentum, {"learning_rate": 0.01, "momentum": 0.9}),
+        "adam": (nn.Adam, {"learning_rate": 1e-3, "weight_decay": 0.01}),
+    }[args.optimizer]
     for kind in kinds:
         ms.set_seed(0)
         net = build()
-        opt = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
+        opt = optimizer_class(net.trainable_params(), **optimizer_kwargs)
         wrapped = None
-        if kind == "collective_ops":
+        if kind == SHARDED:
+            wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=False)
+            opt = co.DistributedOptimizer(wrapped, optimizer_class, shard=True, **optimizer_kwargs)
+            reduce = lambda grads: grads  # noqa: E731  (the sharded optimizer reduces them itself)
+        elif kind == "collective_ops":
             overlap = {"auto": None, "on": True, "off": False}[args.overlap]
             wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=overlap, compression=args.compression)
             reduce = wrapped.reduce
@@ -231,6 +251,9 @@ def run(args) -> None:
             "no reduction": "0",
             "fused ops.AllReduce": "1 (after backward)",
             "per-gradient hook launch": f"{n_grads} (during backward)",
+            SHARDED: f"{2 * len(setups[SHARDED][3].manager.plan.buckets)} (reduce-scatter + all-gather per bucket)"
+            if SHARDED in setups
+            else "",
         }
         lines = [
             f"# mindspore_compare: {ctx.world_size} ranks, backend {ctx.backend}, {link_label()}, "
@@ -246,12 +269,30 @@ def run(args) -> None:
                 line += f" {phases['backward']:>10.1f} {phases['reduce']:>8.1f} {phases['update']:>8.1f}"
             lines.append(line)
         lines.append(f"# ratio collective_ops / DistributedGradReducer = {ours / ref:.3f}")
+        if SHARDED in setups:
+            lines.append(_state_line(setups, median_ms, ref))
         table = "\n".join(lines)
         if args.json:
             Path(args.json).write_text(json.dumps({"table": table, "times_s": times, "ratio": ours / ref}))
         else:
             print(table)
     co.shutdown()
+
+
+SHARDED = "collective_ops shard=True"
+
+
+def _state_line(setups: dict, median_ms: dict, ref_ms: float) -> str:
+    """The sharded setup's step against DGR's, and each one's optimizer state on this rank (MiB of float32)."""
+    plain, sharded = setups["DistributedGradReducer"][2], setups[SHARDED][2]
+    own = {id(p) for p in plain.parameters}
+    plain_elements = sum(int(p.size) for p in plain.get_parameters() if id(p) not in own and p.name.partition(".")[2])
+    mib = 4 / 2**20
+    return (
+        f"# {SHARDED}: {median_ms[SHARDED]['step'] / ref_ms:.3f}x DistributedGradReducer's step; optimizer state "
+        f"on rank 0: {sharded.state_elements() * mib:.2f} MiB (+ {sharded.piece_elements * mib:.2f} MiB of "
+        f"parameter pieces) against {plain_elements * mib:.2f} MiB unsharded"
+    )
 
 
 def reference_path(kind: str, params, world_size: int):

@@ -29,9 +29,10 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, nn
+from mindspore import Parameter, mint, nn
 
 from ..bucketing.shard import ShardLayout, ShardPiece
+from ..comm.mindspore_engine import fresh_copy
 from .mindspore import DataParallel, _pynative
 
 logger = logging.getLogger("collective_ops")
@@ -159,7 +160,7 @@ class DistributedOptimizer:
         """A float32 Parameter holding one piece of a network parameter, named after it (so MindSpore's
         name-based weight-decay filter, 'beta'/'gamma', treats it as its parameter)."""
         param = self.network._params[piece.param_index]
-        values = param.value().reshape(-1)[piece.param_start : piece.param_end].copy()
+        values = fresh_copy(param.value().reshape(-1)[piece.param_start : piece.param_end])
         return Parameter(values, name=f"{param.name}.shard_{piece.param_start}")
 
     def _warn_mccl(self) -> None:
@@ -181,10 +182,11 @@ class DistributedOptimizer:
             raise ValueError(f"got {len(grads)} gradients for {len(self.parameters)} parameters (opt.parameters)")
         by_index = dict(zip(self._indices, grads))
         piece_grads = {}
-        for bucket in range(len(self._layout.buckets)):
-            shard = self._reduce_scatter(bucket, by_index)
-            for piece in self._layout.bucket_pieces(bucket, self.network.engine.rank):
-                piece_grads[piece] = shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        for bucket, shards in enumerate(self._layout.buckets):
+            pieces = self._layout.bucket_pieces(bucket, self.network.engine.rank)
+            sizes = [piece.numel for piece in pieces]  # the pieces fill the shard from its start; padding after
+            parts = _split(self._reduce_scatter(bucket, by_index), [*sizes, shards.shard_numel - sum(sizes)])
+            piece_grads.update((piece, fresh_copy(part)) for piece, part in zip(pieces, parts))
         order = {id(param): piece for piece, param in self._pieces.items()}
         result = self.optimizer(tuple(piece_grads[order[id(p)]] for p in self.optimizer.parameters))
         self._all_gather_parameters()
@@ -207,17 +209,19 @@ class DistributedOptimizer:
         """Every rank's updated shards into every rank's network parameters."""
         for index, values in self._gather(lambda piece: self._pieces[piece].value()):
             param = self.network._params[index]
-            param.set_data(values.reshape(param.shape).copy())
+            param.set_data(values.reshape(param.shape))
 
     def _gather(self, value_of: Any) -> Iterator[tuple[int, ms.Tensor]]:
-        """(parameter index, its flat values) for every parameter, all-gathered bucket by bucket from every
-        rank's ``value_of(piece)``."""
+        """(parameter index, a copy of its flat values) for every parameter, all-gathered bucket by bucket from
+        every rank's ``value_of(piece)``."""
         plan = self.network.manager.plan
-        for bucket in range(len(self._layout.buckets)):
+        for bucket, shards in enumerate(self._layout.buckets):
             full = self.network.engine.allgather(self._shard_values(bucket, value_of))
             spec = plan.buckets[bucket]
-            for index, offset in zip(spec.param_indices, spec.offsets):
-                yield index, full[offset : offset + plan.params[index].numel]
+            sizes = [plan.params[i].numel for i in spec.param_indices]  # the parameters fill the bucket; padding after
+            parts = _split(full, [*sizes, shards.padded_numel - shards.numel])
+            for index, part in zip(spec.param_indices, parts):
+                yield index, fresh_copy(part)
 
     def _shard_values(self, bucket: int, value_of: Any) -> ms.Tensor:
         """A float32 shard of bucket ``bucket`` holding ``value_of(piece)`` for this rank's pieces (zeros elsewhere)."""
@@ -317,6 +321,12 @@ class DistributedOptimizer:
         if name in ("optimizer", "network"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+
+def _split(tensor: ms.Tensor, sizes: list[int]) -> tuple[ms.Tensor, ...]:
+    """``tensor`` cut into consecutive parts of ``sizes`` (a last size of 0 dropped): one ``mint.split``, where
+    a slice per part costs ~0.1 ms each in PyNative."""
+    return mint.split(tensor, sizes if sizes[-1] else sizes[:-1])
 
 
 def _default_hook() -> Any:

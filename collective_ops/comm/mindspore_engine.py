@@ -29,6 +29,13 @@ from .base import Engine, finish
 _BACKEND_BY_TARGET = {"ascend": "hccl", "gpu": "nccl", "cpu": "mccl"}
 
 
+def fresh_copy(tensor: ms.Tensor) -> ms.Tensor:
+    """``tensor``'s values in memory of their own. ``mint.cat`` of the one tensor, not ``Tensor.copy()``: on
+    CPU (mindspore 2.10) that took ~4.4 ms per call whatever the size (49 copies of 80 KB: 215 ms), the
+    concatenation 0.3 ms."""
+    return mint.cat([tensor])
+
+
 def dtype_name(dtype: Any) -> str:
     return str(dtype).lower()  # Float32 -> float32, BFloat16 -> bfloat16
 
@@ -160,7 +167,7 @@ class MindSporeEngine(Engine):
                 f"({self._world}); each rank receives one equal chunk"
             )
         # MCCL has no reduce-scatter kernel: reduce a copy, keep this rank's chunk.
-        work = t.copy()
+        work = fresh_copy(t)
         handle = self.allreduce(work, op, async_op=True, group=group)
         chunk = t.shape[0] // self._world
 
@@ -222,8 +229,8 @@ class MindSporeEngine(Engine):
 
     @staticmethod
     def _piece(buffer: ms.Tensor, offset: int, numel: int) -> ms.Tensor:
-        # .copy(): a slice starting at 0 keeps the whole buffer's memory and breaks copy_ (mindspore 2.10, CPU)
-        return buffer[offset : offset + numel].copy()
+        # a copy: a slice starting at 0 keeps the whole buffer's memory and breaks copy_ (mindspore 2.10, CPU)
+        return fresh_copy(buffer[offset : offset + numel])
 
     def segment(self, buffer: ms.Tensor, offset: int, numel: int, shape: Sequence[int] | None = None) -> ms.Tensor:
         piece = self._piece(buffer, offset, numel)  # a copy: MindSpore has no flat views to hand out
