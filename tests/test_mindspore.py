@@ -218,6 +218,7 @@ def test_sharded_optimizer_trains_as_distributed_grad_reducer_with_the_same_opti
             assert_identical(out["momentum_ours"], out["momentum_ref"], "Momentum, 2 workers")
             assert_identical(out["momentum_ours_state"], out["momentum_ref_state"], "Momentum's gathered state")
             assert_identical(out["unsharded_ours"], out["adam_ref"], "shard=False: net.reduce + Adam")
+            assert_identical(out["replanned_ours"], out["momentum_ref"], "Momentum, the wrapper replanned")
             _assert_close(out["grouped_ours"], out["grouped_ref"], "parameter groups (weight decay, lr)")
 
 
@@ -241,3 +242,4 @@ def test_sharded_optimizer_refuses_what_it_cannot_do() -> None:
         assert "mindspore.nn.Optimizer subclass" in errors["not_an_optimizer"]
         assert "got 1 gradients for" in errors["wrong_count"]
         assert errors["bad_state"].startswith("KeyError") and "moment1." in errors["bad_state"]
+        assert "join() with DistributedOptimizer(shard=True) is not supported" in errors["join"]

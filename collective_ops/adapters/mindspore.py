@@ -167,6 +167,7 @@ class DataParallel:
         self._last_mode = "overlap" if self.overlap else "fused-after-backward"
         self._joining = False
         self._own_steps = 0  # steps this rank ran inside join()
+        self._sharded_optimizer = False  # a DistributedOptimizer(shard=True) reduces this network's gradients
 
     def _broadcast_parameters(self, src: int) -> None:
         """Rank ``src``'s parameters to every rank, in few fused collectives."""
@@ -193,6 +194,12 @@ class DataParallel:
             raise ValueError("net.join() needs PyNative mode: a rank that ran out of data shadows steps from Python")
         if self._joining:
             raise RuntimeError("already inside net.join()")
+        if self._sharded_optimizer:
+            raise ValueError(
+                "net.join() with DistributedOptimizer(shard=True) is not supported: a rank out of data would have "
+                "to shadow the optimizer's reduce-scatters and all-gathers, which it does not. Give every rank the "
+                "same number of batches, or use shard=False"
+            )
         self._joining, self._own_steps = True, 0
         try:
             yield self

@@ -114,6 +114,8 @@ class DistributedOptimizer:
             return
         self._refuse_unshardable(optimizer_class, assume_elementwise)
         engine = network.engine
+        # the plan as it is now, for good: a later replan of the wrapper (reduce() rebuilds buckets after its first
+        # step, set_bucket_size) must not move the shards this rank's state belongs to
         self._layout = ShardLayout(network.manager.plan, engine.world_size)
         self._rank_pieces = self._layout.pieces(engine.rank)
         self._pieces = {piece: self._piece_parameter(piece) for piece in self._rank_pieces}
@@ -127,6 +129,7 @@ class DistributedOptimizer:
             self.optimizer = optimizer_class([p for g in inner_groups for p in g["params"]], **kwargs)
         else:
             self.optimizer = optimizer_class(inner_groups, **kwargs)
+        network._sharded_optimizer = True  # join() refuses: a joined rank cannot shadow this optimizer's steps
         self._warn_mccl()
 
     # -- construction ----------------------------------------------------------------
@@ -195,7 +198,7 @@ class DistributedOptimizer:
     def _reduce_scatter(self, bucket: int, by_index: dict[int, ms.Tensor]) -> ms.Tensor:
         """This rank's shard of bucket ``bucket``'s averaged gradients."""
         engine, manager = self.network.engine, self.network.manager
-        spec, shards = manager.plan.buckets[bucket], self._layout.buckets[bucket]
+        spec, shards = self._layout.plan.buckets[bucket], self._layout.buckets[bucket]
         parts = [by_index[i].reshape(-1) for i in spec.param_indices]
         padding = shards.padded_numel - shards.numel
         if padding:
@@ -214,7 +217,7 @@ class DistributedOptimizer:
     def _gather(self, value_of: Any) -> Iterator[tuple[int, ms.Tensor]]:
         """(parameter index, a copy of its flat values) for every parameter, all-gathered bucket by bucket from
         every rank's ``value_of(piece)``."""
-        plan = self.network.manager.plan
+        plan = self._layout.plan
         for bucket, shards in enumerate(self._layout.buckets):
             full = self.network.engine.allgather(self._shard_values(bucket, value_of))
             spec = plan.buckets[bucket]

@@ -115,6 +115,13 @@ if world == 2:  # world-independent checks: once
     out["grouped_ref"], out["grouped_ours"] = weights(ref_net), weights(net.network)
     net, _ = ours(*ADAM, shard=False)
     out["unsharded_ours"] = weights(net.network)
+    # the wrapper replanned after the optimizer was built (as reduce()'s rebuild or a new size would): the
+    # shards, and the state that belongs to them, stay on the plan they were cut from
+    net = co.wrap(build(rank), bucket_size_mb=BUCKET_MB, overlap=False)
+    opt = co.DistributedOptimizer(net, MOMENTUM[0], shard=True, **MOMENTUM[1])
+    net.manager.replan(25.0)
+    train(net.network, opt, lambda grads: grads, range(3))
+    out["replanned_ours"] = weights(net.network)
 
     # 3. checkpoint: the gathered state after 2 steps, loaded into a plain optimizer (the reference's loop) and into a
     #    new sharded one; both continue 2 steps as the sharded optimizer that saved it does
@@ -164,6 +171,7 @@ if world == 2:  # world-independent checks: once
             "bad_state": lambda: co.DistributedOptimizer(small, nn.Adam, shard=True).load_gathered_state(
                 {"global_step": 0}
             ),
+            "join": lambda: small.join().__enter__(),  # small has sharded optimizers (above)
         },
         (ValueError, TypeError, KeyError),
     )
