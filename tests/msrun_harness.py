@@ -56,6 +56,10 @@ def _launch(script: str, world: int, timeout: float, args: tuple[str, ...], env:
     env["COLLECTIVE_OPS_TEST_OUT"] = str(out_dir)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["GLOG_v"] = "3"  # MindSpore's INFO logs are loud
+    # the workers' registration with msrun's scheduler retries every 3-5 s by default: a start took ~18 s
+    # here for a script that only initializes, ~14 s with these (the suite starts msrun three times)
+    env.setdefault("MS_RETRY_INTERVAL_LOWER", "1")
+    env.setdefault("MS_RETRY_INTERVAL_UPPER", "2")
     cmd = [
         "msrun",
         f"--worker_num={world}",
