@@ -206,21 +206,23 @@ def test_sharded_optimizer_trains_as_distributed_grad_reducer_with_the_same_opti
     (size mod 8) elements in a scalar loop that rounds differently from its vector body (single process: one
     1000-element tensor against two pieces of it, Adam without weight decay, 4 steps: element 329 of 333, the
     first piece's tail, off by 3e-8), so an element at a piece's end may differ in the last bit. At 3 workers the
-    padded buckets are summed in another order than DGR's per-gradient calls: within rounding too."""
+    padded buckets are summed in another order than DGR's per-gradient calls: within rounding too; there a plain
+    Adam's state, resharded over 3, is trained on (the 3-worker start is costly: the other checks run at 2)."""
     results = results_of("pynative", world, "sharded")
     for rank, out in enumerate(results):
         what = f"rank {rank} of {world}"
-        _assert_close(out["adam_ours"], out["adam_ref"], f"Adam, {what}")
-        _assert_close(out["adam_ours_state"], out["adam_ref_state"], f"Adam's gathered state, {what}")
         _assert_close(out["resharded_ours"], out["resharded_ref"], f"a plain Adam state resharded, {what}")
-        state = out["adam_state"]
+        state = out["resharded_state"]
         assert state["sharded"] == 2 * state["pieces"], state  # two moments of this rank's pieces, nothing more
     # every element's state on exactly one rank, in equal shards (padding at bucket ends): 1/N of plain + padding
-    states = [out["adam_state"] for out in results]
+    states = [out["resharded_state"] for out in results]
     assert sum(s["sharded"] for s in states) == states[0]["plain"] == 2 * states[0]["params"], states
     assert len({s["pieces"] + s["padding"] for s in states}) == 1, states
     if world == 2:
-        for out in results:
+        for rank, out in enumerate(results):
+            _assert_close(out["adam_ours"], out["adam_ref"], f"Adam, rank {rank}")
+            _assert_close(out["adam_ours_state"], out["adam_ref_state"], f"Adam's gathered state, rank {rank}")
+            assert out["adam_state"] == out["resharded_state"], "the state's size is the same however it began"
             assert_identical(out["momentum_ours"], out["momentum_ref"], "Momentum, 2 workers")
             assert_identical(out["momentum_ours_state"], out["momentum_ref_state"], "Momentum's gathered state")
             assert_identical(out["unsharded_ours"], out["adam_ref"], "shard=False: net.reduce + Adam")

@@ -51,13 +51,14 @@ for step in range(LONGEST):
         local = [g.asnumpy() for g in grad_fn(*batch(step, rank))[1]]
     else:
         local = [np.zeros(p.shape, np.float32) for p in optimizer.parameters]
-    averaged = []
-    for g in local:
-        parts = co.allgather(g.reshape(1, -1)).reshape(world, *g.shape)
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        averaged.append(ms.Tensor(total * np.float32(1.0 / world)))
+    flat = np.concatenate([g.reshape(-1) for g in local])  # one all-gather per step for every gradient
+    parts = co.allgather(flat.reshape(1, -1)).reshape(world, -1)
+    total = parts[0]
+    for part in parts[1:]:  # summed in rank order, element by element as before
+        total = total + part
+    total = total * np.float32(1.0 / world)
+    sizes = np.cumsum([g.size for g in local])[:-1]
+    averaged = [ms.Tensor(t.reshape(g.shape)) for t, g in zip(np.split(total, sizes), local)]
     optimizer(tuple(averaged))
 out["reference"] = weights(reference)
 
