@@ -31,6 +31,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, mint, nn
 
+from ..bucketing import allreduce_hook
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..comm.mindspore_engine import fresh_copy
 from .mindspore import DataParallel, _pynative
@@ -111,6 +112,7 @@ class DistributedOptimizer:
         self._indices = network._indices_of(self.parameters)
         if not shard:
             self.optimizer = optimizer_class(params if params is not None else list(self.parameters), **kwargs)
+            self._own = {id(p) for p in self.optimizer.parameters}
             return
         self._refuse_unshardable(optimizer_class, assume_elementwise)
         engine = network.engine
@@ -129,6 +131,9 @@ class DistributedOptimizer:
             self.optimizer = optimizer_class([p for g in inner_groups for p in g["params"]], **kwargs)
         else:
             self.optimizer = optimizer_class(inner_groups, **kwargs)
+        self._own = {id(p) for p in self.optimizer.parameters}
+        piece_of = {id(param): piece for piece, param in self._pieces.items()}
+        self._inner_order = [piece_of[id(p)] for p in self.optimizer.parameters]  # the pieces as it lists them
         network._sharded_optimizer = True  # join() refuses: a joined rank cannot shadow this optimizer's steps
         self._warn_mccl()
 
@@ -142,7 +147,7 @@ class DistributedOptimizer:
                 "shard=True reduce-scatters each bucket itself after backward: wrap the network with "
                 "overlap=False (the wrapper's own hooks would all-reduce the gradients a second time)"
             )
-        if network.compression is not None or network.manager.comm_hook is not _default_hook():
+        if network.compression is not None or network.manager.comm_hook is not allreduce_hook:
             raise ValueError("shard=True reduces in the gradients' dtype: leave compression and comm_hook unset")
         if sorted(self._indices) != list(range(len(network._params))):
             raise ValueError("shard=True needs every trainable parameter of the network, each once, in params")
@@ -190,8 +195,7 @@ class DistributedOptimizer:
             sizes = [piece.numel for piece in pieces]  # the pieces fill the shard from its start; padding after
             parts = _split(self._reduce_scatter(bucket, by_index), [*sizes, shards.shard_numel - sum(sizes)])
             piece_grads.update((piece, fresh_copy(part)) for piece, part in zip(pieces, parts))
-        order = {id(param): piece for piece, param in self._pieces.items()}
-        result = self.optimizer(tuple(piece_grads[order[id(p)]] for p in self.optimizer.parameters))
+        result = self.optimizer(tuple(piece_grads[piece] for piece in self._inner_order))
         self._all_gather_parameters()
         return result
 
@@ -227,16 +231,13 @@ class DistributedOptimizer:
                 yield index, fresh_copy(part)
 
     def _shard_values(self, bucket: int, value_of: Any) -> ms.Tensor:
-        """A float32 shard of bucket ``bucket`` holding ``value_of(piece)`` for this rank's pieces (zeros elsewhere)."""
-        shards = self._layout.buckets[bucket]
-        parts, filled = [], 0
-        for piece in self._layout.bucket_pieces(bucket, self.network.engine.rank):
-            if piece.shard_offset > filled:
-                parts.append(ms.ops.zeros(piece.shard_offset - filled, ms.float32))
-            parts.append(value_of(piece).reshape(-1))
-            filled = piece.shard_offset + piece.numel
-        if filled < shards.shard_numel:
-            parts.append(ms.ops.zeros(shards.shard_numel - filled, ms.float32))
+        """A float32 shard of bucket ``bucket``: ``value_of(piece)`` for this rank's pieces, which fill it from its
+        start, then zeros for the padding."""
+        pieces = self._layout.bucket_pieces(bucket, self.network.engine.rank)
+        parts = [value_of(piece).reshape(-1) for piece in pieces]
+        padding = self._layout.buckets[bucket].shard_numel - sum(piece.numel for piece in pieces)
+        if padding:
+            parts.append(ms.ops.zeros(padding, ms.float32))
         return ms.ops.cat(parts)
 
     # -- state -----------------------------------------------------------------------
@@ -301,7 +302,7 @@ class DistributedOptimizer:
                 param.set_data(ms.Tensor(full[piece.param_start : piece.param_end].copy(), param.dtype))
 
     def _is_own(self, param: Parameter) -> bool:
-        return any(param is p for p in self.optimizer.parameters)
+        return id(param) in self._own
 
     def _state_by_prefix(self) -> tuple[dict[str, dict[ShardPiece, Parameter]], dict[str, Parameter]]:
         """The optimizer's state Parameters: per-piece ones by prefix (``moment1`` of ``moment1.<piece name>``)
@@ -321,7 +322,7 @@ class DistributedOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         # the wrapped optimizer's own attributes (learning_rate, get_lr, global_step, ...)
-        if name in ("optimizer", "network"):
+        if name in ("optimizer", "network", "_own"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
@@ -330,9 +331,3 @@ def _split(tensor: ms.Tensor, sizes: list[int]) -> tuple[ms.Tensor, ...]:
     """``tensor`` cut into consecutive parts of ``sizes`` (a last size of 0 dropped): one ``mint.split``, where
     a slice per part costs ~0.1 ms each in PyNative."""
     return mint.split(tensor, sizes if sizes[-1] else sizes[:-1])
-
-
-def _default_hook() -> Any:
-    from ..bucketing import allreduce_hook
-
-    return allreduce_hook

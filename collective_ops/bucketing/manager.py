@@ -688,7 +688,7 @@ class BucketManager:
         exchange = getattr(self.engine, "exchange_progress", None)
         # peers stalled on the same bucket time out within moments of each other; a short timeout asks for a
         # prompt answer, so the wait for their reports is a quarter of it, at most 2 s
-        grace_s = min(2.0, (self.stall_timeout_s or 8.0) / 4)
+        grace_s = min(2.0, self.stall_timeout_s / 4) if self.stall_timeout_s else 2.0
         peers: dict[int, dict | None] = exchange(self._progress(bucket_index), grace_s) if exchange else {}
         lines = []
         mine = self.steps_synced
