@@ -249,5 +249,6 @@ def test_sharded_optimizer_refuses_what_it_cannot_do() -> None:
         assert errors["not_wrapped"].startswith("TypeError") and "collective_ops.wrap(net" in errors["not_wrapped"]
         assert "mindspore.nn.Optimizer subclass" in errors["not_an_optimizer"]
         assert "got 1 gradients for" in errors["wrong_count"]
+        assert "not in the order of the parameters" in errors["wrong_order"], errors["wrong_order"]
         assert errors["bad_state"].startswith("KeyError") and "moment1." in errors["bad_state"]
         assert "join() with DistributedOptimizer(shard=True) is not supported" in errors["join"]

@@ -34,7 +34,7 @@ from mindspore import Parameter, mint, nn
 from ..bucketing import allreduce_hook
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..comm.mindspore_engine import fresh_copy
-from .mindspore import DataParallel, _pynative
+from .mindspore import DataParallel, _pynative, _refuse_misordered
 
 logger = logging.getLogger("collective_ops")
 
@@ -188,6 +188,7 @@ class DistributedOptimizer:
         grads = tuple(grads)
         if len(grads) != len(self.parameters):
             raise ValueError(f"got {len(grads)} gradients for {len(self.parameters)} parameters (opt.parameters)")
+        _refuse_misordered(grads, self.parameters)  # packed by size alone, misordered ones would be used silently
         by_index = dict(zip(self._indices, grads))
         piece_grads = {}
         for bucket, shards in enumerate(self._layout.buckets):

@@ -178,6 +178,9 @@ if world == 2:  # world-independent checks: once
             "bad_state": lambda: co.DistributedOptimizer(small, nn.Adam, shard=True).load_gathered_state(
                 {"global_step": 0}
             ),
+            "wrong_order": lambda: co.DistributedOptimizer(small, nn.Adam, shard=True)(
+                tuple(ms.Tensor(np.zeros(p.shape, np.float32)) for p in reversed(small.trainable_params()))
+            ),
             "join": lambda: small.join().__enter__(),  # small has sharded optimizers (above)
         },
         (ValueError, TypeError, KeyError),
