@@ -8,6 +8,10 @@ there is no allocator counter; on GPU/NPU the allocator's peak is used).
 
     python benchmarks/ddp_compare.py --world 2 --models transformer cnn --steps 30
     python benchmarks/ddp_compare.py --bucket-size-mb 5 --json out.json
+    python benchmarks/ddp_compare.py --models mlp transformer --step-check-cost --no-memory
+
+``--step-check-cost`` also times collective_ops with ``check_step_alignment=False`` in the same alternation:
+the price of the per-step check that the ranks reduce the same iteration (one small all-reduce per step).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn  # noqa: E402
 from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
 
 MODELS = ("transformer", "cnn", "mlp", "transformer-5m")
+UNCHECKED = "collective_ops_unchecked"  # check_step_alignment=False
 
 
 def build_model(name: str) -> tuple[nn.Module, callable]:
@@ -83,7 +88,7 @@ def wrap_with(kind: str, model: nn.Module, bucket_size_mb: float) -> nn.Module:
         return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_size_mb)
     import collective_ops as co
 
-    return co.wrap(model, bucket_size_mb=bucket_size_mb)
+    return co.wrap(model, bucket_size_mb=bucket_size_mb, check_step_alignment=kind != UNCHECKED)
 
 
 def one_step(model, optimizer, batch) -> float:
@@ -181,10 +186,9 @@ def time_rank(rank: int, world: int, port: int, args, queue) -> None:
     torch.set_num_threads(args.threads)
     device = co.init(args.backend, rank=rank, world_size=world, master_port=port).device
     results = {}
+    kinds = ("ddp", "collective_ops") + ((UNCHECKED,) if args.step_check_cost else ())
     for name in args.models:
-        setups = {
-            kind: training_setup(name, kind, args.bucket_size_mb, rank, device) for kind in ("ddp", "collective_ops")
-        }
+        setups = {kind: training_setup(name, kind, args.bucket_size_mb, rank, device) for kind in kinds}
         times = alternate_steps(setups, max(args.steps // args.block, 1), args.block)
         results[name] = {
             kind: {"median_step_ms": statistics.median(v) * 1e3, "steps": len(v)} for kind, v in times.items()
@@ -249,6 +253,9 @@ def main(argv=None) -> int:
         "--backend", default="gloo", help="gloo (CPU, the default), nccl (one GPU per rank) or hccl (one NPU per rank)"
     )
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--step-check-cost", action="store_true", help="also time collective_ops with check_step_alignment=False"
+    )
     parser.add_argument("--json")
     add_link_option(parser)
     args = parser.parse_args(argv)
@@ -282,6 +289,12 @@ def main(argv=None) -> int:
             dm, om = ddp["growth_over_unwrapped_mb"], ours["growth_over_unwrapped_mb"]
             line += f" {dm:>9.1f} {om:>9.1f} {om / dm if dm > 0 else float('nan'):>9.3f}"
         print(line)
+        if UNCHECKED in r:
+            unchecked = r[UNCHECKED]["median_step_ms"]
+            print(
+                f"    step-alignment check: {ours['median_step_ms']:.2f} ms with it, {unchecked:.2f} ms without "
+                f"(ratio {ours['median_step_ms'] / unchecked:.3f})"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))
     return 0

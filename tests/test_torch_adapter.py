@@ -78,7 +78,8 @@ def test_wrap_equals_ddp_and_single_process(world: int) -> None:
         assert len(fingerprints) == 1, f"{key}: bucket plans differ across ranks"
         for rank, res in enumerate(results):
             entry = res[key]
-            assert entry["buckets"] > 1 and entry["collectives"] == entry["buckets"]
+            # one collective per bucket, and the step-alignment check's small all-reduce
+            assert entry["buckets"] > 1 and entry["collectives"] == entry["buckets"] + 1
             for tensor_name, ddp_value in entry["ddp"].items():
                 ours = entry["ours"][tensor_name]
                 where = f"{key} rank {rank} {tensor_name}"

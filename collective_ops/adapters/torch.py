@@ -78,6 +78,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         trace: bool | None = None,
         auto_tune_step: int = 2,
         row_sparse_embeddings: bool | str = "auto",
+        check_step_alignment: bool = True,
     ) -> None:
         super().__init__()
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
@@ -146,6 +147,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             rebuild_after_first_step=rebuild_buckets,
             on_rebuild=self._on_rebuild,
             observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
+            check_step_alignment=check_step_alignment,
         )
         if tables:  # the masks' own group: made on every rank alike (the tables are in the checked plan)
             self.manager.row_sparse = RowSparseReduction(self.engine.new_group())
@@ -601,6 +603,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "forward() called while the previous backward's reduction is unfinished; "
                 "in a custom loop call sync_gradients() after backward"
             )
+        if self.manager.alignment is not None and self.module.training and torch.is_grad_enabled():
+            self.manager.alignment.count_forward()  # a forward a backward may follow (step alignment)
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
         self._count_active_ranks(active=True)
         self._sync_buffers(active=True)

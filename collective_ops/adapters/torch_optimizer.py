@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
 from .. import runtime
+from ..bucketing.alignment import StepMisalignedError
 from ..bucketing.hooks import allreduce_hook
 from ..bucketing.row_sparse import wire_nbytes
 from ..bucketing.schedule import OrderPrediction, OrderTrial, StepProfile, plan_order, step_profile
@@ -462,7 +463,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         for bucket in buckets:
             if manager.deferred_pending and not manager.bucket_finished(bucket):
                 start = time.perf_counter()
-                self.model.finish_bucket(bucket)
+                try:
+                    self.model.finish_bucket(bucket)
+                except StepMisalignedError:  # raised before the step's first bucket finished: none of it applies
+                    self._pending = None
+                    self._skip_step()
+                    raise
                 end = time.perf_counter()
                 self._timeline.waited(end - start)
                 if tracer is not None and module:

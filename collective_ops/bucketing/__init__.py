@@ -3,6 +3,7 @@
 Nothing here imports a deep-learning framework; adapters pass a ``BucketEngine``.
 """
 
+from .alignment import StepAlignment, StepMisalignedError
 from .fusion import fused_collective
 from .gradient_bucket import GradientBucket
 from .hooks import BucketContext, CommHook, allreduce_hook, compression_hook, hook_for_compression
@@ -22,6 +23,8 @@ __all__ = [
     "CommHookError",
     "CommunicationError",
     "StallError",
+    "StepAlignment",
+    "StepMisalignedError",
     "CommHook",
     "CompletedHandle",
     "GradientBucket",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .alignment import StepAlignment
 from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale, reduces_rows
 from .interfaces import BucketEngine, Handle, env_seconds, wait_with_timeout
 from .plan import BucketPlan, BucketSpec, complete_order, plan_buckets
@@ -99,6 +100,7 @@ class BucketManager:
         on_rebuild: Callable[[BucketPlan], None] | None = None,
         observer: Any = None,
         stall_timeout_s: float | None | str = "env",
+        check_step_alignment: bool = False,
     ) -> None:
         if reduce_op not in REDUCE_OPS:
             raise ValueError(f"reduce_op must be one of {REDUCE_OPS} for gradient reduction, got {reduce_op!r}")
@@ -129,6 +131,9 @@ class BucketManager:
         self.pad_multiple = 1
         # Row-sparse tables reduced by rows (set by the adapter where the engine can): RowSparseReduction.
         self.row_sparse: RowSparseReduction | None = None
+        # The adapter counts forwards (count_forward); each step's counts are compared across ranks.
+        self.alignment = StepAlignment() if check_step_alignment and engine.world_size > 1 else None
+        self._shadowing = False  # shadow_step(): this rank's counts take no part
         self._set_plan(plan)
         self.buffers = [self._new_buffer(b) for b in plan.buckets]
         self._reset_iteration()
@@ -202,7 +207,9 @@ class BucketManager:
         self._deferred = False
         self._used_map: tuple[Any, Handle] | None = None
         self._next_launch = 0
-        self._rows_exchanged = False
+        self._step_started = False
+        if self.alignment is not None:
+            self.alignment.drop()
         self._stats = StepStats(step=self.steps_synced, buckets=[BucketTiming() for _ in buckets])
 
     @property
@@ -260,6 +267,8 @@ class BucketManager:
         (accumulated earlier), contributed although this step did not use the parameter;
         with ``find_unused_parameters`` it does not count as used in the usage map.
         """
+        if self.alignment is not None:
+            self.alignment.backward_started()
         if not self.sync_enabled:
             self._accumulated.add(index)
             return
@@ -293,7 +302,7 @@ class BucketManager:
                 self._copy_targets[index] = grad
         if not self._marked:
             self._stats.backward_start = now
-            self._start_row_exchanges()
+            self._start_step_collectives()
         self._marked.add(index)
         if not used:
             self._not_used.add(index)
@@ -372,15 +381,22 @@ class BucketManager:
         self._launch_order = order
         self._launch_position = None if order is None else {bucket: i for i, bucket in enumerate(order)}
 
-    def _start_row_exchanges(self) -> None:
+    def _start_step_collectives(self) -> None:
         """Once per synchronised step, on every rank (its first gradient, or its first launch where a rank that
-        computed none takes part): the row-sparse tables' looked-up rows start on their way."""
-        if self.row_sparse is not None and not self._rows_exchanged:
+        computed none takes part), before any bucket: the step-alignment table and the row-sparse tables'
+        looked-up rows start on their way."""
+        if self._step_started:
+            return
+        self._step_started = True
+        if self.alignment is not None:
+            device = self.plan.buckets[0].device
+            self.alignment.launch(self.engine, device, self.steps_synced, taking_part=not self._shadowing)
+            self._stats.collectives += 1
+        if self.row_sparse is not None:
             self.row_sparse.start_exchanges(self.engine)
-        self._rows_exchanged = True
 
     def _launch(self, bucket_index: int) -> None:
-        self._start_row_exchanges()
+        self._start_step_collectives()
         bucket = self.plan.buckets[bucket_index]
         if self._assembles and any(i in self._staged for i in bucket.param_indices):
             members = []
@@ -487,9 +503,13 @@ class BucketManager:
             raise RuntimeError("cannot shadow a step while this rank's own gradients are being reduced")
         for bucket, buffer in zip(self.plan.buckets, self.buffers):
             self.engine.fill_zero(buffer, 0, bucket.numel)
-        for bucket in self.launch_order:
-            for index in self.plan.buckets[bucket].param_indices:
-                self.mark_ready(index, used=False)
+        self._shadowing = True
+        try:
+            for bucket in self.launch_order:
+                for index in self.plan.buckets[bucket].param_indices:
+                    self.mark_ready(index, used=False)
+        finally:
+            self._shadowing = False
         self.finalize(force=True)
 
     @property
@@ -517,6 +537,7 @@ class BucketManager:
             return
         if not self._launched(bucket_index):
             self._launch_through(bucket_index)  # waited for before the step's end launched it
+        self._settle_alignment(bucket_index)
         handle = self._handles[bucket_index]
         if handle is not None:
             try:
@@ -540,6 +561,18 @@ class BucketManager:
             self._resolve_used_map()
             stats.finalize_end = time.perf_counter()
             self._end_step(stats)
+
+    def _settle_alignment(self, bucket_index: int) -> None:
+        """Before the step's first bucket is finished: every rank raises if the step mixes iterations."""
+        if self.alignment is None or not self.alignment.pending:
+            return
+        try:
+            misaligned = self.alignment.settle(self.engine, self.stall_timeout_s)
+        except Exception as exc:  # issued before this bucket on the same group: its stall is the bucket's
+            raise self._give_up(bucket_index, exc) from exc
+        if misaligned is not None:
+            self._abandon_iteration(None)
+            raise misaligned
 
     def _resolve_used_map(self) -> None:
         if self._used_map is None:
