@@ -603,8 +603,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "forward() called while the previous backward's reduction is unfinished; "
                 "in a custom loop call sync_gradients() after backward"
             )
-        if self.manager.alignment is not None and self.module.training and torch.is_grad_enabled():
-            self.manager.alignment.count_forward()  # a forward a backward may follow (step alignment)
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
         self._count_active_ranks(active=True)
         self._sync_buffers(active=True)
@@ -614,6 +612,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
             self.optimizer.synchronize()
         self._settle()  # the end of forward: the same point on every rank, whatever ended the last step where
+        if self.manager.alignment is not None and self.module.training and torch.is_grad_enabled():
+            # a forward a backward may follow; counted once it completed: one that raised (a refused step's
+            # error, met in its first wait) is run again or skipped by the loop, and must not count twice
+            self.manager.alignment.count_forward()
 
     def _sync_buffers(self, active: bool) -> None:
         """Rank 0's buffers (running statistics) to every rank before a forward, as DDP does.
