@@ -86,6 +86,10 @@ class BucketManager:
     ``stall_timeout_s`` (default: ``COLLECTIVE_OPS_STALL_TIMEOUT``, else 300 s; None or
     0 waits forever) bounds the wait for one bucket: past it every waiting rank raises a
     :class:`StallError` naming the ranks that are not in the same reduction.
+    ``check_step_alignment`` compares, once per synchronised step, how many forwards each
+    rank ran behind its backward (the adapter calls ``alignment.count_forward()``): where they
+    differ, every rank raises :class:`~collective_ops.bucketing.StepMisalignedError` before the
+    step's first bucket is finished (see :mod:`.alignment`).
     """
 
     def __init__(
