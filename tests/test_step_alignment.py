@@ -117,6 +117,34 @@ def _join_with_varying_forwards(rank: int) -> dict:
     return {"weights": [p.detach().tolist() for p in model.parameters()]}
 
 
+def _host_group_beside_a_device_backend(rank: int) -> dict:
+    """An engine on an accelerator (here its device type only: no accelerator on this machine) sends the tables
+    on a Gloo group of its own, on host tensors, so that reading them never waits for the device's queue."""
+    import copy
+
+    import torch
+
+    from collective_ops.bucketing import StepAlignment
+    from collective_ops.runtime import get_engine
+
+    gloo_engine = get_engine("torch")
+    device_engine = copy.copy(gloo_engine)
+    device_engine.device = torch.device("cuda")
+    group, device = device_engine.host_group()
+    alignment = StepAlignment(group, device)
+    for _ in range(1 + rank):  # rank 1 ran one forward more behind its backward
+        alignment.count_forward()
+    alignment.backward_started()
+    alignment.launch(device_engine, step=7, taking_part=True)
+    error = alignment.settle(device_engine, timeout_s=30)
+    return {
+        "gloo": gloo_engine.host_group(),
+        "device": device,
+        "backend": None if group is None else torch.distributed.get_backend(group),
+        "error": str(error),
+    }
+
+
 def alignment_checks(rank: int, world: int) -> dict:
     return {
         "plain": _loop(rank, "plain"),
@@ -125,6 +153,7 @@ def alignment_checks(rank: int, world: int) -> dict:
         "unchecked": _loop(rank, "plain", check=False),
         "legitimate": _legitimate_differences(rank),
         "joined": _join_with_varying_forwards(rank),
+        "host_group": _host_group_beside_a_device_backend(rank),
     }
 
 
@@ -147,3 +176,8 @@ def test_a_skipped_backward_is_refused_on_every_rank_and_training_goes_on() -> N
     assert unchecked[0]["errors"] == unchecked[1]["errors"] == [], "without the check it trains on, as DDP"
     for kind in ("legitimate", "joined"):
         assert results[0][kind]["weights"] == results[1][kind]["weights"], kind
+    for rank in range(2):
+        host = results[rank]["host_group"]
+        assert host["gloo"] == (None, "cpu"), "on Gloo the default group serves"
+        assert (host["device"], host["backend"]) == ("cpu", "gloo"), host
+        assert "reduced step 7" in host["error"] and "rank 0: 1, rank 1: 2" in host["error"], host

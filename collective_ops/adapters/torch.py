@@ -151,6 +151,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         if tables:  # the masks' own group: made on every rank alike (the tables are in the checked plan)
             self.manager.row_sparse = RowSparseReduction(self.engine.new_group())
+        alignment = self.manager.alignment
+        if tables or (alignment is not None and alignment.group is not None):
             runtime.finish_in_flight_before_leaving(self._let_go_of_groups)
         self._views: list[torch.Tensor] = []
         self._make_views()
@@ -300,6 +302,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         threads now."""
         self.manager.row_sparse = None
         self._buffer_group = None
+        self.manager.alignment = None  # its host group (beside NCCL/HCCL) goes too: no step after shutdown
 
     def _after_step(self) -> None:
         """Once every bucket of a synchronised step is finished (local work only)."""

@@ -25,7 +25,8 @@ class StepMisalignedError(RuntimeError):
 class StepAlignment:
     """The forward passes behind each rank's backward, compared across ranks once per synchronised step."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None, device: str = "cpu") -> None:
+        self.group, self.device = group, device  # where the tables go (the engine's host group, if it has one)
         self._forwards = 0  # counted since the last backward started
         self._behind_backward = 0  # behind the latest backward
         self._in_flight: tuple[Any, Handle, int] | None = None  # (table, handle, step)
@@ -38,7 +39,7 @@ class StepAlignment:
         if self._forwards:
             self._behind_backward, self._forwards = self._forwards, 0
 
-    def launch(self, engine: BucketEngine, device: str, step: int, taking_part: bool) -> Handle:
+    def launch(self, engine: BucketEngine, step: int, taking_part: bool) -> Handle:
         """Issue the step's table (rank r's count at r, whether it takes part at world + r) as an async sum.
 
         A rank that shadows the step (it joined: no data of its own) takes no part in the comparison.
@@ -47,8 +48,8 @@ class StepAlignment:
         table = [0] * (2 * world)
         if taking_part:
             table[rank], table[world + rank] = self._behind_backward, 1
-        tensor = engine.int_tensor(table, device)
-        handle = engine.allreduce(tensor, "sum", async_op=True)
+        tensor = engine.int_tensor(table, self.device)
+        handle = engine.allreduce(tensor, "sum", async_op=True, group=self.group)
         self._in_flight = (tensor, handle, step)
         return handle
 

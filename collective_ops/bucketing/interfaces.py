@@ -99,6 +99,10 @@ class BucketEngine(Protocol):
     def all_gather_shard(self, buffer: Any, async_op: bool = False, group: Any = None) -> Handle | None:
         """Every rank's shard of ``buffer`` into ``buffer`` on every rank (over ``group``: default, all)."""
 
+    # Optional: small bookkeeping on host tensors (step alignment); without it, the buckets' group and device.
+    def host_group(self) -> tuple[Any, str]:
+        """(group, device) whose collectives take host tensors (a collective where it makes a group)."""
+
     # Optional, for row-sparse tables (row_sparse.py; an adapter enables them only where its engine has these):
     def new_group(self) -> Any:
         """A process group of all ranks of its own (a collective: every rank calls it)."""

@@ -136,7 +136,10 @@ class BucketManager:
         # Row-sparse tables reduced by rows (set by the adapter where the engine can): RowSparseReduction.
         self.row_sparse: RowSparseReduction | None = None
         # The adapter counts forwards (count_forward); each step's counts are compared across ranks.
-        self.alignment = StepAlignment() if check_step_alignment and engine.world_size > 1 else None
+        self.alignment = None
+        if check_step_alignment and engine.world_size > 1:
+            host_group = getattr(engine, "host_group", None)
+            self.alignment = StepAlignment(*(host_group() if host_group else (None, plan.buckets[0].device)))
         self._shadowing = False  # shadow_step(): this rank's counts take no part
         self._set_plan(plan)
         self.buffers = [self._new_buffer(b) for b in plan.buckets]
@@ -393,8 +396,7 @@ class BucketManager:
             return
         self._step_started = True
         if self.alignment is not None:
-            device = self.plan.buckets[0].device
-            self.alignment.launch(self.engine, device, self.steps_synced, taking_part=not self._shadowing)
+            self.alignment.launch(self.engine, self.steps_synced, taking_part=not self._shadowing)
             self._stats.collectives += 1
         if self.row_sparse is not None:
             self.row_sparse.start_exchanges(self.engine)

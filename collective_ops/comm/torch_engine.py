@@ -319,6 +319,14 @@ class TorchEngine(Engine):
         """A process group of all ranks of its own, on this engine's backend (a collective: every rank calls it)."""
         return dist.new_group(backend=dist.get_backend())
 
+    def host_group(self) -> tuple[Any, str]:
+        """(group, device) for small bookkeeping collectives on host tensors, whose results the host reads at
+        once: the default group on Gloo; beside NCCL/HCCL a Gloo group of its own (a collective: every rank
+        calls it), so that reading them never waits for the device's queued work (a D2H copy would)."""
+        if self.device.type == "cpu":
+            return None, "cpu"
+        return dist.new_group(backend="gloo"), "cpu"
+
     def nonzero_rows(self, buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """The mask of the rows of ``buffer`` (a ``rows`` x ``cols`` table) that hold a non-zero (or a NaN)."""
         return _nonzero_rows(buffer, rows, cols)
