@@ -168,6 +168,10 @@ def correctness_checks(rank: int, world: int) -> dict:
             frozen.net[0].weight.requires_grad_(False)
         out["frozen_on_one_rank"] = _error(lambda: co.wrap(frozen))
         out["bucket_size_differs"] = _error(lambda: co.wrap(build("mlp"), bucket_size_mb=0.01 * (rank + 1)))
+        # options that change a step's collectives: one rank's extra all-reduce would pair with another's bucket
+        for option, values in DIFFERING_OPTIONS.items():
+            options = {option: values[rank]}
+            out[f"{option}_differs"] = _error(lambda options=options: co.wrap(build("mlp"), **options))
 
     _run_section(out, "section_2", section_2)
 
@@ -268,6 +272,15 @@ def correctness_checks(rank: int, world: int) -> dict:
     return out
 
 
+# wrap options that change a step's collectives, as rank 0 and rank 1 pass them in section 2
+DIFFERING_OPTIONS = {
+    "find_unused_parameters": (False, True),
+    "check_step_alignment": (True, False),
+    "compression": (None, "fp16"),
+    "broadcast_buffers": (True, False),
+}
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_ranks(2, correctness_checks, timeout=300)
@@ -292,6 +305,10 @@ def test_ranks_that_plan_differently_are_refused_at_wrap(results) -> None:
         assert "'net.0.weight'" in error and "requires_grad False" in error and "rank 1" in error
         error = out["bucket_size_differs"]
         assert error and error.startswith("ModelMismatchError") and "bucket_size_mb 0.02" in error, error
+        for option, values in DIFFERING_OPTIONS.items():
+            error = out[f"{option}_differs"]
+            assert error and error.startswith("ModelMismatchError") and "wrap options" in error, error
+            assert all(f"{option} {value}" in error for value in values), error
 
 
 def test_requires_grad_changed_after_wrap_is_an_error(results) -> None:

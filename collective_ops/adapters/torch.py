@@ -137,7 +137,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             for n, p in named
         ]
         plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
-        self._verify_and_broadcast(plan)
+        # the options that decide which collectives a step issues: a rank that differs would pair them wrongly
+        collectives = {
+            "find_unused_parameters": find_unused_parameters,
+            "check_step_alignment": check_step_alignment,
+            "broadcast_buffers": broadcast_buffers,
+            "rebuild_buckets": rebuild_buckets,
+            "check_finite": check_finite,
+            "bucket_size_mb auto": self._auto_tune_at,
+            "reduce_op": reduce_op,
+            "compression": compression,
+            "comm_hook": None if comm_hook is None else getattr(comm_hook, "__qualname__", type(comm_hook).__name__),
+        }
+        self._verify_and_broadcast(plan, ("wrap options", "wrap", collectives))
         self.manager = BucketManager(
             plan,
             self.engine,
@@ -179,8 +191,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             logger.info("%s", plan.describe())
 
     # -- wrap time -----------------------------------------------------------------
-    def _verify_and_broadcast(self, plan: BucketPlan) -> None:
-        """Every rank must hold the same model and plan the same buckets, or none starts training."""
+    def _verify_and_broadcast(self, plan: BucketPlan, options: tuple) -> None:
+        """Every rank must hold the same model, plan the same buckets and pass the same collective-deciding
+        options (an entry), or none starts training."""
         signature = [
             ("parameter", n, {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "requires_grad": p.requires_grad})
             for n, p in self.module.named_parameters()
@@ -189,7 +202,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             ("buffer", n, {"shape": list(b.shape), "dtype": dtype_name(b.dtype)})
             for n, b in self.module.named_buffers()
         ]
-        signature.append(plan_entry(plan))
+        signature += [plan_entry(plan), options]
         check_same_on_all_ranks(signature, self.engine.allgather_bytes)
         if self.engine.world_size > 1:
             self._broadcast_model(src=0)
