@@ -115,6 +115,9 @@ def _assert_other_routes_and_errors(out: dict, mode: str) -> None:
         )
     errors = out["errors"]
     assert "ModelMismatchError" in errors["mismatch"] and "rank 1" in errors["mismatch"]
+    differ = errors["options_differ"]
+    assert "ModelMismatchError" in differ and "wrap options" in differ, differ
+    assert "find_unused_parameters False" in differ and "find_unused_parameters True" in differ, differ
     assert "bucket_size_mb" in errors["bucket_zero"]
     assert "already wrapped" in errors["already_wrapped"]
     assert "got 1 gradients for" in errors["wrong_count"]

@@ -141,7 +141,19 @@ class DataParallel:
             )
             for p in network.get_parameters()
         ]
-        check_same_on_all_ranks([*signature, plan_entry(plan)], self.engine.allgather_bytes)
+        # the options that decide a step's collectives: a rank that differs would pair them wrongly
+        collectives = {
+            "find_unused_parameters": find_unused_parameters,
+            "broadcast_parameters": broadcast_parameters,
+            "rebuild_buckets": rebuild_buckets,
+            "overlap": overlap,
+            "compile_reduction": compile_reduction,
+            "reduce_op": reduce_op,
+            "compression": compression,
+            "comm_hook": None if comm_hook is None else getattr(comm_hook, "__qualname__", type(comm_hook).__name__),
+        }
+        options = ("wrap options", "wrap", collectives)
+        check_same_on_all_ranks([*signature, plan_entry(plan), options], self.engine.allgather_bytes)
         if broadcast_parameters and self.engine.world_size > 1:
             self._broadcast_parameters(src=0)
         self.manager = BucketManager(

@@ -188,6 +188,8 @@ if ROUTES:
     out["errors"] = collect_errors(
         {
             "mismatch": lambda: co.wrap(nn.Dense(4, 5 if rank == 0 else 6)),
+            # an option that adds a collective (the usage map's all-reduce) on one rank only
+            "options_differ": lambda: co.wrap(build(0), find_unused_parameters=rank == 1),
             "bucket_zero": lambda: co.wrap(build(0), bucket_size_mb=0),
             "already_wrapped": lambda: co.wrap(wrapped),
             "wrong_count": lambda: wrapped.reduce((ms.Tensor(np.ones(1, np.float32)),)),
