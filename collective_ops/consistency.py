@@ -35,6 +35,12 @@ def plan_entry(plan: Any) -> Entry:
     return ("bucket plan", "buckets", {**details, "fingerprint": plan.fingerprint()[:16]})
 
 
+def options_entry(options: dict[str, Any]) -> Entry:
+    """The wrap options that decide which collectives a step issues, as an entry (a callable by its name)."""
+    shown = {key: getattr(v, "__qualname__", type(v).__name__) if callable(v) else v for key, v in options.items()}
+    return ("wrap options", "wrap", shown)
+
+
 def check_same_on_all_ranks(local: Sequence[Entry], allgather_bytes: Callable[[bytes], list[bytes]]) -> None:
     """Raise :class:`ModelMismatchError` on every rank unless all ranks' ``local`` agree."""
     gathered = [json.loads(blob) for blob in allgather_bytes(encode_signature(local))]

@@ -40,7 +40,7 @@ from ..bucketing import (
 )
 from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
-from ..consistency import check_same_on_all_ranks, plan_entry
+from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ._options import resolve_options
 
 logger = logging.getLogger("collective_ops")
@@ -142,7 +142,7 @@ class DataParallel:
             for p in network.get_parameters()
         ]
         # the options that decide a step's collectives: a rank that differs would pair them wrongly
-        collectives = {
+        options = {
             "find_unused_parameters": find_unused_parameters,
             "broadcast_parameters": broadcast_parameters,
             "rebuild_buckets": rebuild_buckets,
@@ -150,10 +150,9 @@ class DataParallel:
             "compile_reduction": compile_reduction,
             "reduce_op": reduce_op,
             "compression": compression,
-            "comm_hook": None if comm_hook is None else getattr(comm_hook, "__qualname__", type(comm_hook).__name__),
+            "comm_hook": comm_hook,
         }
-        options = ("wrap options", "wrap", collectives)
-        check_same_on_all_ranks([*signature, plan_entry(plan), options], self.engine.allgather_bytes)
+        check_same_on_all_ranks([*signature, plan_entry(plan), options_entry(options)], self.engine.allgather_bytes)
         if broadcast_parameters and self.engine.world_size > 1:
             self._broadcast_parameters(src=0)
         self.manager = BucketManager(

@@ -37,7 +37,7 @@ from ..bucketing import (
 )
 from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..comm.torch_engine import TorchEngine, dtype_name
-from ..consistency import check_same_on_all_ranks, plan_entry
+from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ._options import resolve_options
 from .torch_ddp_hooks import DDPCommHook, ddp_comm_hook
 from .torch_inplace import InPlaceGuard
@@ -138,7 +138,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         ]
         plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
         # the options that decide which collectives a step issues: a rank that differs would pair them wrongly
-        collectives = {
+        options = {
             "find_unused_parameters": find_unused_parameters,
             "check_step_alignment": check_step_alignment,
             "broadcast_buffers": broadcast_buffers,
@@ -147,9 +147,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             "bucket_size_mb auto": self._auto_tune_at,
             "reduce_op": reduce_op,
             "compression": compression,
-            "comm_hook": None if comm_hook is None else getattr(comm_hook, "__qualname__", type(comm_hook).__name__),
+            "comm_hook": comm_hook,
         }
-        self._verify_and_broadcast(plan, ("wrap options", "wrap", collectives))
+        self._verify_and_broadcast(plan, options_entry(options))
         self.manager = BucketManager(
             plan,
             self.engine,
