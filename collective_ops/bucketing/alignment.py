@@ -39,7 +39,7 @@ class StepAlignment:
         if self._forwards:
             self._behind_backward, self._forwards = self._forwards, 0
 
-    def launch(self, engine: BucketEngine, step: int, taking_part: bool) -> Handle:
+    def launch(self, engine: BucketEngine, step: int, taking_part: bool) -> None:
         """Issue the step's table (rank r's count at r, whether it takes part at world + r) as an async sum.
 
         A rank that shadows the step (it joined: no data of its own) takes no part in the comparison.
@@ -51,7 +51,6 @@ class StepAlignment:
         tensor = engine.int_tensor(table, self.device)
         handle = engine.allreduce(tensor, "sum", async_op=True, group=self.group)
         self._in_flight = (tensor, handle, step)
-        return handle
 
     @property
     def pending(self) -> bool:

@@ -140,7 +140,6 @@ class BucketManager:
         if check_step_alignment and engine.world_size > 1:
             host_group = getattr(engine, "host_group", None)
             self.alignment = StepAlignment(*(host_group() if host_group else (None, plan.buckets[0].device)))
-        self._shadowing = False  # shadow_step(): this rank's counts take no part
         self._set_plan(plan)
         self.buffers = [self._new_buffer(b) for b in plan.buckets]
         self._reset_iteration()
@@ -388,15 +387,16 @@ class BucketManager:
         self._launch_order = order
         self._launch_position = None if order is None else {bucket: i for i, bucket in enumerate(order)}
 
-    def _start_step_collectives(self) -> None:
+    def _start_step_collectives(self, taking_part: bool = True) -> None:
         """Once per synchronised step, on every rank (its first gradient, or its first launch where a rank that
         computed none takes part), before any bucket: the step-alignment table and the row-sparse tables'
-        looked-up rows start on their way."""
+        looked-up rows start on their way. ``taking_part=False``: a shadowed step, whose counts are not this
+        rank's."""
         if self._step_started:
             return
         self._step_started = True
         if self.alignment is not None:
-            self.alignment.launch(self.engine, self.steps_synced, taking_part=not self._shadowing)
+            self.alignment.launch(self.engine, self.steps_synced, taking_part)
             self._stats.collectives += 1
         if self.row_sparse is not None:
             self.row_sparse.start_exchanges(self.engine)
@@ -509,13 +509,10 @@ class BucketManager:
             raise RuntimeError("cannot shadow a step while this rank's own gradients are being reduced")
         for bucket, buffer in zip(self.plan.buckets, self.buffers):
             self.engine.fill_zero(buffer, 0, bucket.numel)
-        self._shadowing = True
-        try:
-            for bucket in self.launch_order:
-                for index in self.plan.buckets[bucket].param_indices:
-                    self.mark_ready(index, used=False)
-        finally:
-            self._shadowing = False
+        self._start_step_collectives(taking_part=False)  # this rank ran no forward of the step
+        for bucket in self.launch_order:
+            for index in self.plan.buckets[bucket].param_indices:
+                self.mark_ready(index, used=False)
         self.finalize(force=True)
 
     @property
