@@ -92,6 +92,66 @@ def test_trace_of_a_real_run(tmp_path: Path, world: int) -> None:
     assert width > height > 100
 
 
+def traced_slow_layers(rank: int, world: int) -> dict:
+    """Every layer's backward takes 0.1 s (a sleep between layers, on every rank); a bucket per layer."""
+    import time
+
+    import torch
+
+    import collective_ops as co
+
+    class SleepInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.1)  # far above a few-KB allreduce's latency here, even on 2 loaded cores
+            return grad
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            return SleepInBackward.apply(x)
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16)]
+    for _ in range(3):
+        layers += [Slow(), torch.nn.Linear(16, 16)]
+    # 2 KiB buckets: a layer's weight and bias (1088 bytes) fill one, the next layer's weight does not fit
+    model = co.wrap(torch.nn.Sequential(*layers), bucket_size_mb=0.002, first_bucket_mb=0.002, rebuild_buckets=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 10 + rank))
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    return {"buckets": model.comm_stats()["buckets"]}
+
+
+def test_a_buckets_span_ends_where_its_collective_completed(tmp_path: Path) -> None:
+    """A bucket that completed while backward went on ends its span then, not at backward's end.
+
+    Each layer's bucket is launched as its gradients are ready and completes during the next
+    layer's 0.1 s of backward, so the next gradient sees it complete before the next bucket is
+    launched. Before, every span ended when backward's end finished the bucket: after every launch.
+    Step 0 is left out: a rank that starts late (seen: 0.56 s) holds its peer's first buckets back.
+    """
+    trace_file = tmp_path / "comm_trace.json"
+    env = {"COLLECTIVE_OPS_TRACE": "1", "COLLECTIVE_OPS_TRACE_FILE": str(trace_file)}
+    assert run_ranks(2, traced_slow_layers, env=env)[0]["buckets"] == 4
+    events = [e for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("cat") == "bucket"]
+    for rank in range(2):
+        for step in range(1, STEPS):  # the ranks left step 0 together: its last bucket waited for both
+            spans = sorted(
+                (e["ts"], e["ts"] + e["dur"]) for e in events if e["pid"] == rank and e["args"]["step"] == step
+            )
+            assert len(spans) == 4
+            # the last two buckets are launched together, after the last sleep (autograd's order): not compared
+            for (_, end), (next_launch, _) in zip(spans[:2], spans[1:3]):
+                assert end <= next_launch, (rank, step, spans)
+
+
 def untraced(rank: int, world: int) -> dict:
     import torch
 

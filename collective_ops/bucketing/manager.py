@@ -53,6 +53,8 @@ class BucketTiming:
     first_ready: float | None = None
     last_ready: float | None = None
     launched: float | None = None
+    # when its collective was first seen complete: with an observer (the tracer) the manager looks at every
+    # gradient and every bucket finished; without one, and for handles that cannot be polled, when finished
     completed: float | None = None
 
 
@@ -292,6 +294,8 @@ class BucketManager:
                 "iteration's reduction has not been finalized. Call backward() once per step, or wrap "
                 "extra backward passes in no_sync(); in a custom loop call sync_gradients() after each backward."
             )
+        if self.observer is not None:
+            self._note_completions()
         now = time.perf_counter()
         bucket_index, _slot = self.plan.location[index]
         if grad is not None:
@@ -536,6 +540,8 @@ class BucketManager:
 
         The last bucket finished ends the step (usage map, counters, rebuild).
         """
+        if self.observer is not None:
+            self._note_completions()
         if self._done[bucket_index]:
             return
         if not self._launched(bucket_index):
@@ -548,7 +554,8 @@ class BucketManager:
             except Exception as exc:
                 raise self._give_up(bucket_index, exc) from exc
         stats = self._stats
-        stats.buckets[bucket_index].completed = time.perf_counter()
+        timing = stats.buckets[bucket_index]
+        timing.completed = timing.completed or time.perf_counter()  # seen complete earlier, or just now
         if self.observer is not None:
             self.observer.bucket_completed(self, bucket_index)
         members = self.plan.buckets[bucket_index].param_indices
@@ -564,6 +571,19 @@ class BucketManager:
             self._resolve_used_map()
             stats.finalize_end = time.perf_counter()
             self._end_step(stats)
+
+    def _note_completions(self) -> None:
+        """Stamp the launched buckets whose collective has completed since the last look.
+
+        Called, with an observer, at every gradient and every bucket finished, so a bucket's span in
+        the trace ends about where its communication did, not where backward's end or the next
+        forward finished it (a bucket that completed early in backward showed as long as backward).
+        """
+        now = None
+        for handle, timing in zip(self._handles, self._stats.buckets):
+            if timing.launched is not None and timing.completed is None and (handle is None or handle.is_completed()):
+                now = now or time.perf_counter()
+                timing.completed = now
 
     def _settle_alignment(self, bucket_index: int) -> None:
         """Before the step's first bucket is finished: every rank raises if the step mixes iterations."""
