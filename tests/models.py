@@ -118,6 +118,35 @@ class ClassicNormsMLP(nn.Module):
     batch = MLP.batch
 
 
+class CheckpointedMLP(nn.Module):
+    """An MLP whose two middle blocks run under activation checkpointing: their forward (and every forward
+    pre-hook on them) runs again inside backward, to recompute what was not kept."""
+
+    reentrant = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 64)
+        self.block1 = nn.Sequential(nn.ReLU(), nn.Linear(64, 64))
+        self.block2 = nn.Sequential(nn.ReLU(), nn.Linear(64, 64))
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        # the first layer outside: a reentrant checkpoint needs an input that requires grad
+        h = checkpoint(self.block1, self.first(x), use_reentrant=self.reentrant)
+        return self.head(checkpoint(self.block2, h, use_reentrant=self.reentrant))
+
+    batch = MLP.batch
+
+
+class ReentrantCheckpointedMLP(CheckpointedMLP):
+    """The same with the reentrant implementation: the recomputation runs a backward of its own."""
+
+    reentrant = True
+
+
 class UntiedLM(nn.Module):
     """An embedding of its own (not tied): a batch looks up ~20 of its 200 rows, so its gradient is row-sparse."""
 
@@ -169,6 +198,8 @@ MODELS = {
     "transformer": TinyTransformer,
     "untied-lm": UntiedLM,
     "classic-norms": ClassicNormsMLP,
+    "checkpointed": CheckpointedMLP,
+    "checkpointed-reentrant": ReentrantCheckpointedMLP,
 }
 
 

@@ -522,6 +522,12 @@ def optimizer_checks(rank: int, world: int) -> dict:
     out["classic_norms"] = _pair(
         rank, lambda: build("classic-norms"), "adamw", model_cls=MLP, wrap_kwargs={"comm_hook": late_allreduce}
     )
+    # activation checkpointing: the blocks' forward, and our pre-hooks on them, run again inside backward while
+    # this step's buckets are in flight (updates owed at every forward, as above)
+    for name in ("checkpointed", "checkpointed-reentrant"):
+        out[name] = _pair(
+            rank, lambda n=name: build(n), "adamw", model_cls=MLP, steps=6, wrap_kwargs={"comm_hook": late_allreduce}
+        )
 
     def held_back(wrapped) -> None:  # what schedule="auto" sets up: the first and last buckets held
         from collective_ops.bucketing.schedule import held_order
@@ -708,6 +714,8 @@ CASES = [
         "zero_grad_after_step_False",
         "group_added",
         "classic_norms",
+        "checkpointed",
+        "checkpointed-reentrant",
     ],
 )
 def test_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:

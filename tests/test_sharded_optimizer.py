@@ -50,7 +50,7 @@ def _ddp_and_sharded(rank: int, name: str, opt_kind: str, **train_kwargs) -> tup
     import collective_ops as co
     from tests.models import MLP, SmallCNN, TinyTransformer
 
-    model_cls = {"transformer": TinyTransformer, "cnn": SmallCNN, "mlp": MLP, "unused": MLP, "classic-norms": MLP}[name]
+    model_cls = {"transformer": TinyTransformer, "cnn": SmallCNN}.get(name, MLP)
     scheduler_of = train_kwargs.pop("scheduler_of", None)
     cls, kwargs = _make_optimizer(opt_kind)
     find_unused = name == "unused"
@@ -326,6 +326,8 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     )
     out["accumulation"] = _ddp_and_sharded(rank, "mlp", "sgd", accumulate=3, steps=6)
     out["classic_norms"] = _ddp_and_sharded(rank, "classic-norms", "adamw")  # weights from pre-hooks of their own
+    for name in ("checkpointed", "checkpointed-reentrant"):  # blocks whose forward runs again inside backward
+        out[name] = _ddp_and_sharded(rank, name, "adamw", steps=6)
     # the branch unused by rank 1 on some steps (reduced from rank 0's), by every rank on others (no update)
     out["unused"] = _ddp_and_sharded(
         rank, "unused", "adamw", unused=lambda r, s: not (s % 4 == 2 or (r == 1 and s % 3 == 1))
@@ -521,6 +523,8 @@ def two_ranks(checkpoint) -> list[dict]:
     "case",
     [
         "classic_norms",
+        "checkpointed",
+        "checkpointed-reentrant",
         "transformer_sgd",
         "transformer_adamw",
         "cnn_sgd",
