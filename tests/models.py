@@ -147,6 +147,23 @@ class ReentrantCheckpointedMLP(CheckpointedMLP):
     reentrant = True
 
 
+class CheckpointedHeadMLP(nn.Module):
+    """The output layer inside a reentrant checkpoint: the first gradients come from the backward that the
+    checkpoint runs inside the outer one, which ends before the outer one reaches the first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 64)
+        self.rest = nn.Sequential(nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.rest, self.first(x), use_reentrant=True)
+
+    batch = MLP.batch
+
+
 class UntiedLM(nn.Module):
     """An embedding of its own (not tied): a batch looks up ~20 of its 200 rows, so its gradient is row-sparse."""
 
@@ -200,6 +217,7 @@ MODELS = {
     "classic-norms": ClassicNormsMLP,
     "checkpointed": CheckpointedMLP,
     "checkpointed-reentrant": ReentrantCheckpointedMLP,
+    "checkpointed-head": CheckpointedHeadMLP,
 }
 
 

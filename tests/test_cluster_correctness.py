@@ -95,6 +95,20 @@ def _cnn_steps(rank: int, model) -> tuple[dict, list]:
     return snapshot(model.module), layouts
 
 
+def _mlp_steps(rank: int, model, steps: int = 4) -> dict:
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = rank_batch(MLP, step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return snapshot(model.module)
+
+
 def _scaler_run(rank: int, model) -> dict:
     """GradScaler on CPU; step 0 overflows (an inf in rank 1's input): the scaler must skip it, then train on."""
     import torch
@@ -269,6 +283,19 @@ def correctness_checks(rank: int, world: int) -> dict:
 
     _run_section(out, "section_9", section_9)
 
+    # 10. activation checkpointing: a block's forward runs again inside backward (the reentrant form runs a
+    #     backward of its own there, which ends first: with the output layer inside it, before the outer one
+    #     reaches the first layer). Every parameter is used, so find_unused_parameters=True must give DDP's
+    #     result without it (DDP itself raises with it and the reentrant form: "mark a variable ready only once")
+    def section_10() -> None:
+        for name in ("checkpointed", "checkpointed-reentrant", "checkpointed-head"):
+            out[f"{name}_ddp"] = _mlp_steps(rank, ddp(build(name)))
+            for find_unused in (False, True):
+                wrapped = co.wrap(build(name), bucket_size_mb=0.004, find_unused_parameters=find_unused)
+                out[f"{name}_ours_{find_unused}"] = _mlp_steps(rank, wrapped)
+
+    _run_section(out, "section_10", section_10)
+
     return out
 
 
@@ -355,6 +382,13 @@ def test_a_failing_completion_is_not_blamed_on_peers_and_nothing_is_left_in_flig
         assert error and error.startswith("CommHookError") and "not a communication failure" in error, error
         launched, waited = out["hook_launched_waited"]
         assert len(launched) > 1 and waited == launched, (launched, waited)
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+@pytest.mark.parametrize("name", ["checkpointed", "checkpointed-reentrant", "checkpointed-head"])
+def test_activation_checkpointing_trains_as_ddp(results, name: str, find_unused: bool) -> None:
+    for rank, out in enumerate(_section(results, "section_10")):
+        assert_identical(out[f"{name}_ours_{find_unused}"], out[f"{name}_ddp"], f"{name}, rank {rank}")
 
 
 def test_plan_fingerprint_ignores_the_device_index() -> None:

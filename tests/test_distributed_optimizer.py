@@ -524,7 +524,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
     )
     # activation checkpointing: the blocks' forward, and our pre-hooks on them, run again inside backward while
     # this step's buckets are in flight (updates owed at every forward, as above)
-    for name in ("checkpointed", "checkpointed-reentrant"):
+    for name in ("checkpointed", "checkpointed-reentrant", "checkpointed-head"):
         out[name] = _pair(
             rank, lambda n=name: build(n), "adamw", model_cls=MLP, steps=6, wrap_kwargs={"comm_hook": late_allreduce}
         )
@@ -716,6 +716,7 @@ CASES = [
         "classic_norms",
         "checkpointed",
         "checkpointed-reentrant",
+        "checkpointed-head",
     ],
 )
 def test_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:

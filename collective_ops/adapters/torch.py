@@ -2,7 +2,9 @@
 
 Per-parameter ``register_post_accumulate_grad_hook`` marks gradients ready; full
 buckets launch asynchronously during backward; a callback queued on the autograd
-engine finalizes, so gradients are averaged when ``backward()`` returns. Gradients
+engine finalizes, so gradients are averaged when ``backward()`` returns (queued by a
+hook on the forward's outputs on the backward that reaches them, so a backward nested
+in it, as a reentrant checkpoint runs, does not end the step early). Gradients
 live as views in the bucket buffers (``gradient_as_bucket_view``), so there is no
 second copy of them. Nothing here is CUDA-specific: the collectives order themselves
 against the current stream (NCCL, HCCL), so the same code runs on CPU, GPU and NPU.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -169,6 +172,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._views: list[torch.Tensor] = []
         self._make_views()
         self._finalize_queued = False
+        self._end_of_backward_queued = False  # by a hook on this forward's outputs, on the outermost backward
         self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
         self._nonfinite_local: list[str] = []
         # Each bucket's gradient tensors while a DistributedOptimizer owns them, from the end of backward until
@@ -266,9 +270,27 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self._finalize_queued:  # this backward's first gradient
             if self.optimizer is not None:
                 self.optimizer.backward_starts()
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._finalize_queued = True
         self._contribute(index, param)
+
+    def _outputs_reached(self) -> None:
+        """A backward reached this forward's outputs: the end of that backward finalizes the step.
+
+        Queued here, not at the first gradient: the first gradient may come from a backward nested in
+        it (a reentrant checkpoint around the output layer runs one of its own), which ends before the
+        outer backward has delivered the gradients of the layers outside the checkpoint.
+        """
+        if self._end_of_backward_queued or not self.manager.sync_enabled:
+            return
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._end_of_backward_queued = True
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        if self._finalize_queued:  # it reached parameters (a gradient penalty's autograd.grad may not)
+            self._finalize()
 
     def _contribute(self, index: int, param: torch.Tensor, used: bool = True) -> None:
         """Hand ``param.grad`` to its bucket (as a view, or copied in) and mark it ready."""
@@ -607,6 +629,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._start_forward()
         output = self.module(*args, **kwargs)
         self._end_forward()
+        if torch.is_grad_enabled():
+            this = weakref.ref(self)  # an output kept by the caller must not keep the wrapper alive
+            for leaf in torch.utils._pytree.tree_leaves(output):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(functools.partial(_outputs_reached, this))
         return output
 
     def _start_forward(self, compiled: bool = False) -> None:
@@ -958,6 +985,12 @@ def _weak_hook(wrapper_ref: weakref.ref, index: int):
             wrapper._grad_ready(index, param)
 
     return hook
+
+
+def _outputs_reached(wrapper_ref: weakref.ref, grad: torch.Tensor) -> None:
+    wrapper = wrapper_ref()
+    if wrapper is not None:
+        wrapper._outputs_reached()
 
 
 def _remove_all(handles: list) -> None:
