@@ -109,6 +109,26 @@ def _mlp_steps(rank: int, model, steps: int = 4) -> dict:
     return snapshot(model.module)
 
 
+def _gradient_penalty_steps(rank: int, model, steps: int = 4) -> dict:
+    """A WGAN-GP critic's loop: autograd.grad of the outputs for the inputs (reaching no parameter's .grad)
+    with create_graph, then one backward through both; zero_grad(set_to_none=False) keeps zeros."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step * 10 + rank)
+        real, fake = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
+        mix = torch.rand(16, 1, generator=gen)
+        between = (mix * real + (1 - mix) * fake).requires_grad_(True)
+        (grad,) = torch.autograd.grad(model(between).sum(), between, create_graph=True)
+        penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
+        loss = model(fake).mean() - model(real).mean() + 10 * penalty
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        optimizer.step()
+    return snapshot(model.module)
+
+
 def _scaler_run(rank: int, model) -> dict:
     """GradScaler on CPU; step 0 overflows (an inf in rank 1's input): the scaler must skip it, then train on."""
     import torch
@@ -293,6 +313,11 @@ def correctness_checks(rank: int, world: int) -> dict:
             for find_unused in (False, True):
                 wrapped = co.wrap(build(name), bucket_size_mb=0.004, find_unused_parameters=find_unused)
                 out[f"{name}_ours_{find_unused}"] = _mlp_steps(rank, wrapped)
+        # a backward that reaches the outputs but no parameter (a gradient penalty's autograd.grad) is no step
+        out["penalty_ddp"] = _gradient_penalty_steps(rank, ddp(build("mlp")))
+        wrapped = co.wrap(build("mlp"), bucket_size_mb=0.004, find_unused_parameters=True)
+        out["penalty_ours"] = _gradient_penalty_steps(rank, wrapped)
+        out["penalty_steps"] = wrapped.manager.totals["steps"]
 
     _run_section(out, "section_10", section_10)
 
@@ -389,6 +414,12 @@ def test_a_failing_completion_is_not_blamed_on_peers_and_nothing_is_left_in_flig
 def test_activation_checkpointing_trains_as_ddp(results, name: str, find_unused: bool) -> None:
     for rank, out in enumerate(_section(results, "section_10")):
         assert_identical(out[f"{name}_ours_{find_unused}"], out[f"{name}_ddp"], f"{name}, rank {rank}")
+
+
+def test_a_gradient_penalty_loop_trains_as_ddp_and_its_autograd_grad_is_no_step(results) -> None:
+    for rank, out in enumerate(_section(results, "section_10")):
+        assert_identical(out["penalty_ours"], out["penalty_ddp"], f"WGAN-GP loop, rank {rank}")
+        assert out["penalty_steps"] == 4, out["penalty_steps"]  # one reduction per iteration
 
 
 def test_plan_fingerprint_ignores_the_device_index() -> None:
