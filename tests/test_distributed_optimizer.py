@@ -668,6 +668,13 @@ def optimizer_checks(rank: int, world: int) -> dict:
         model = co.wrap(build("mlp"))
         _train(rank, model, co.DistributedOptimizer(model, CountingSGD, lr=0.1), MLP, steps=1)
 
+    def second_optimizer():  # two classes over parts of one model (Muon + AdamW, say): not two of ours
+        model = co.wrap(build("mlp"))
+        weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+        first = co.DistributedOptimizer(model, torch.optim.SGD, params=weights, lr=0.1)
+        rest = [p for name, p in model.named_parameters() if not name.endswith("weight")]
+        return first, co.DistributedOptimizer(model, torch.optim.AdamW, params=rest, lr=1e-2)
+
     for key, call in {
         "not_wrapped": lambda: co.DistributedOptimizer(build("mlp"), torch.optim.SGD, lr=0.1),
         "not_a_class": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), "adam", lr=0.1),
@@ -678,6 +685,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         "schedule": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, schedule="x"),
         "needs_closure": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.LBFGS),
         "group_mutation": counting_step,
+        "second_optimizer": second_optimizer,
     }.items():
         try:
             call()
@@ -847,6 +855,7 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "LBFGS.step() needs a closure" in errors["needs_closure"]
     assert "CountingSGD.step() changed param_groups[0]['k']" in errors["group_mutation"]
     assert "co.wrap(net)" in errors["group_mutation"]
+    assert "one per model" in errors["second_optimizer"] and "plain torch.optim" in errors["second_optimizer"]
 
 
 def three_rank_checks(rank: int, world: int) -> dict:

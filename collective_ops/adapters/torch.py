@@ -418,7 +418,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def attach_optimizer(self, optimizer: Any) -> None:
         """Called by DistributedOptimizer: its updates follow this model's buckets (one optimizer per model)."""
         if self.optimizer is not None and self.optimizer is not optimizer:
-            raise ValueError("this model already has a DistributedOptimizer; use that one (one per model)")
+            raise ValueError(
+                "this model already has a DistributedOptimizer; use that one (one per model: a second one would "
+                "update parameters of buckets whose updates the first still owes). For two optimizer classes over "
+                "parts of the model (e.g. Muon for the matrices, AdamW for the rest) use plain torch.optim "
+                "optimizers with the wrapped model, as under DDP (no overlap with the next forward)"
+            )
         self._optimizer_ref = weakref.ref(optimizer)
         # The next forward's buffer broadcast must not queue behind the reductions still in flight on the model's
         # group (a transport runs a group's collectives in issue order): with BatchNorm it made every forward wait
