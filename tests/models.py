@@ -164,6 +164,17 @@ class CheckpointedHeadMLP(nn.Module):
     batch = MLP.batch
 
 
+class ModelOutput(dict):
+    """A model output class as transformers' are: a dict subclass (torch's pytree does not look inside it)."""
+
+
+class CheckpointedHeadDictMLP(CheckpointedHeadMLP):
+    """The output layer inside a reentrant checkpoint, its logits returned in a ``ModelOutput``."""
+
+    def forward(self, x: torch.Tensor) -> ModelOutput:
+        return ModelOutput(logits=super().forward(x))
+
+
 class UntiedLM(nn.Module):
     """An embedding of its own (not tied): a batch looks up ~20 of its 200 rows, so its gradient is row-sparse."""
 
@@ -218,6 +229,7 @@ MODELS = {
     "checkpointed": CheckpointedMLP,
     "checkpointed-reentrant": ReentrantCheckpointedMLP,
     "checkpointed-head": CheckpointedHeadMLP,
+    "checkpointed-head-dict": CheckpointedHeadDictMLP,
 }
 
 

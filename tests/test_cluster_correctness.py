@@ -104,7 +104,8 @@ def _mlp_steps(rank: int, model, steps: int = 4) -> dict:
     for step in range(steps):
         x, y = rank_batch(MLP, step, rank)
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        out = model(x)
+        torch.nn.functional.cross_entropy(out["logits"] if isinstance(out, dict) else out, y).backward()
         optimizer.step()
     return snapshot(model.module)
 
@@ -308,7 +309,7 @@ def correctness_checks(rank: int, world: int) -> dict:
     #     reaches the first layer). Every parameter is used, so find_unused_parameters=True must give DDP's
     #     result without it (DDP itself raises with it and the reentrant form: "mark a variable ready only once")
     def section_10() -> None:
-        for name in ("checkpointed", "checkpointed-reentrant", "checkpointed-head"):
+        for name in ("checkpointed", "checkpointed-reentrant", "checkpointed-head", "checkpointed-head-dict"):
             out[f"{name}_ddp"] = _mlp_steps(rank, ddp(build(name)))
             for find_unused in (False, True):
                 wrapped = co.wrap(build(name), bucket_size_mb=0.004, find_unused_parameters=find_unused)
@@ -410,7 +411,9 @@ def test_a_failing_completion_is_not_blamed_on_peers_and_nothing_is_left_in_flig
 
 
 @pytest.mark.parametrize("find_unused", [False, True])
-@pytest.mark.parametrize("name", ["checkpointed", "checkpointed-reentrant", "checkpointed-head"])
+@pytest.mark.parametrize(
+    "name", ["checkpointed", "checkpointed-reentrant", "checkpointed-head", "checkpointed-head-dict"]
+)
 def test_activation_checkpointing_trains_as_ddp(results, name: str, find_unused: bool) -> None:
     for rank, out in enumerate(_section(results, "section_10")):
         assert_identical(out[f"{name}_ours_{find_unused}"], out[f"{name}_ddp"], f"{name}, rank {rank}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -636,9 +637,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._end_forward()
         if torch.is_grad_enabled():
             this = weakref.ref(self)  # an output kept by the caller must not keep the wrapper alive
-            for leaf in torch.utils._pytree.tree_leaves(output):
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    leaf.register_hook(functools.partial(_outputs_reached, this))
+            for tensor in _output_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(functools.partial(_outputs_reached, this))
         return output
 
     def _start_forward(self, compiled: bool = False) -> None:
@@ -990,6 +991,22 @@ def _weak_hook(wrapper_ref: weakref.ref, index: int):
             wrapper._grad_ready(index, param)
 
     return hook
+
+
+def _output_tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's output, in tuples, lists, dicts (model output classes subclass dict) and
+    dataclasses, where DDP looks for them."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _output_tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _output_tensors(item)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for field in dataclasses.fields(output):
+            yield from _output_tensors(getattr(output, field.name))
 
 
 def _outputs_reached(wrapper_ref: weakref.ref, grad: torch.Tensor) -> None:
