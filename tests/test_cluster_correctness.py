@@ -6,6 +6,8 @@ are made in the parent. Each check names the behaviour it pins down.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -128,6 +130,79 @@ def _gradient_penalty_steps(rank: int, model, steps: int = 4) -> dict:
         loss.backward()
         optimizer.step()
     return snapshot(model.module)
+
+
+def _failed_backward_steps(rank: int, wrap, world: int, steps: int = 5, failing: int = 2) -> dict:
+    """The model's last module raises in backward at step ``failing`` on every rank: after backward reached the
+    model's output, before any parameter's gradient. The loop catches it and goes on with the next batch.
+    ``wrap`` None: the reference (one all-reduce per gradient)."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.models import MLP, build, rank_batch
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fail):
+            ctx.fail = fail
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if ctx.fail:
+                raise RuntimeError("a backward failed (injected)")
+            return grad, None
+
+    class Failing(torch.nn.Module):
+        fail = False
+
+        def forward(self, x):
+            return FailingBackward.apply(x, self.fail)
+
+    failing_module = Failing()
+    net = torch.nn.Sequential(build("mlp"), failing_module)
+    model = net if wrap is None else wrap(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = rank_batch(MLP, step, rank)
+        optimizer.zero_grad()
+        failing_module.fail = step == failing
+        try:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        except RuntimeError as exc:
+            assert "injected" in str(exc), exc
+            continue
+        if wrap is None:
+            for p in net.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        optimizer.step()
+    return snapshot(net)
+
+
+def _wrapped_under_checkpoint_steps(rank: int, wrap, world: int, reentrant: bool, steps: int = 4) -> dict:
+    """The whole (wrapped) model under the loop's own activation checkpoint: its forward runs again inside
+    backward. ``wrap`` None: the reference (one all-reduce per gradient)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.models import MLP, build, rank_batch
+
+    net = build("mlp")
+    model = net if wrap is None else wrap(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = rank_batch(MLP, step, rank)
+        optimizer.zero_grad()
+        logits = checkpoint(model, x.requires_grad_(reentrant), use_reentrant=reentrant)
+        torch.nn.functional.cross_entropy(logits, y).backward()
+        if wrap is None:
+            for p in net.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        optimizer.step()
+    return snapshot(net)
 
 
 def _scaler_run(rank: int, model) -> dict:
@@ -319,6 +394,17 @@ def correctness_checks(rank: int, world: int) -> dict:
         wrapped = co.wrap(build("mlp"), bucket_size_mb=0.004, find_unused_parameters=True)
         out["penalty_ours"] = _gradient_penalty_steps(rank, wrapped)
         out["penalty_steps"] = wrapped.manager.totals["steps"]
+        # a backward that raised after reaching the outputs, before any parameter's gradient, caught by the loop:
+        # training goes on
+        out["failed_backward_reference"] = _failed_backward_steps(rank, None, world)
+        wrap = functools.partial(co.wrap, bucket_size_mb=0.004)
+        out["failed_backward_ours"] = _failed_backward_steps(rank, wrap, world)
+        # the wrapped model under the loop's own checkpoint: a forward of the wrapper inside backward
+        for reentrant in (False, True):
+            reference = _wrapped_under_checkpoint_steps(rank, None, world, reentrant)
+            out[f"under_checkpoint_{reentrant}_reference"] = reference
+            unused = functools.partial(co.wrap, bucket_size_mb=0.004, find_unused_parameters=True)
+            out[f"under_checkpoint_{reentrant}_ours"] = _wrapped_under_checkpoint_steps(rank, unused, world, reentrant)
 
     _run_section(out, "section_10", section_10)
 
@@ -423,6 +509,18 @@ def test_a_gradient_penalty_loop_trains_as_ddp_and_its_autograd_grad_is_no_step(
     for rank, out in enumerate(_section(results, "section_10")):
         assert_identical(out["penalty_ours"], out["penalty_ddp"], f"WGAN-GP loop, rank {rank}")
         assert out["penalty_steps"] == 4, out["penalty_steps"]  # one reduction per iteration
+
+
+def test_training_goes_on_after_a_backward_that_raised_before_any_gradient(results) -> None:
+    for rank, out in enumerate(_section(results, "section_10")):
+        assert_identical(out["failed_backward_ours"], out["failed_backward_reference"], f"rank {rank}")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_wrapped_model_under_the_loops_own_checkpoint_trains_as_the_reference(results, reentrant: bool) -> None:
+    for rank, out in enumerate(_section(results, "section_10")):
+        ours, reference = out[f"under_checkpoint_{reentrant}_ours"], out[f"under_checkpoint_{reentrant}_reference"]
+        assert_identical(ours, reference, f"rank {rank}")
 
 
 def test_plan_fingerprint_ignores_the_device_index() -> None:

@@ -272,7 +272,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.optimizer is not None:
                 self.optimizer.backward_starts()
             if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
-                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._finalize_queued = True
         self._contribute(index, param)
 
@@ -289,8 +289,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._end_of_backward_queued = True
 
     def _end_of_backward(self) -> None:
+        """The step ends with a backward that reached parameters (a gradient penalty's autograd.grad may not);
+        a second callback of the same backward finds nothing left to do."""
         self._end_of_backward_queued = False
-        if self._finalize_queued:  # it reached parameters (a gradient penalty's autograd.grad may not)
+        if self._finalize_queued:
             self._finalize()
 
     def _contribute(self, index: int, param: torch.Tensor, used: bool = True) -> None:
@@ -643,6 +645,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         return output
 
     def _start_forward(self, compiled: bool = False) -> None:
+        # A backward that raised after reaching the outputs never ran its end (autograd drops the callbacks of
+        # a failed backward): the next one queues its own. (A forward inside backward, recomputing a checkpoint,
+        # may have a second queued: _end_of_backward finalizes once.)
+        self._end_of_backward_queued = False
         if compiled and self.optimizer is not None:
             self.optimizer.compiled_forward_starts()
         if self._nonfinite_pending is not None:
