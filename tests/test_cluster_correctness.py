@@ -132,12 +132,20 @@ def _gradient_penalty_steps(rank: int, model, steps: int = 4) -> dict:
     return snapshot(model.module)
 
 
+def _average_by_hand(net, world: int) -> None:
+    """The reference's reduction: one all-reduce per gradient, then the division."""
+    import torch.distributed as dist
+
+    for p in net.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
 def _failed_backward_steps(rank: int, wrap, world: int, steps: int = 5, failing: int = 2) -> dict:
     """The model's last module raises in backward at step ``failing`` on every rank: after backward reached the
     model's output, before any parameter's gradient. The loop catches it and goes on with the next batch.
     ``wrap`` None: the reference (one all-reduce per gradient)."""
     import torch
-    import torch.distributed as dist
 
     from tests.models import MLP, build, rank_batch
 
@@ -173,9 +181,7 @@ def _failed_backward_steps(rank: int, wrap, world: int, steps: int = 5, failing:
             assert "injected" in str(exc), exc
             continue
         if wrap is None:
-            for p in net.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
+            _average_by_hand(net, world)
         optimizer.step()
     return snapshot(net)
 
@@ -184,7 +190,6 @@ def _wrapped_under_checkpoint_steps(rank: int, wrap, world: int, reentrant: bool
     """The whole (wrapped) model under the loop's own activation checkpoint: its forward runs again inside
     backward. ``wrap`` None: the reference (one all-reduce per gradient)."""
     import torch
-    import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
 
     from tests.models import MLP, build, rank_batch
@@ -198,9 +203,7 @@ def _wrapped_under_checkpoint_steps(rank: int, wrap, world: int, reentrant: bool
         logits = checkpoint(model, x.requires_grad_(reentrant), use_reentrant=reentrant)
         torch.nn.functional.cross_entropy(logits, y).backward()
         if wrap is None:
-            for p in net.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
+            _average_by_hand(net, world)
         optimizer.step()
     return snapshot(net)
 

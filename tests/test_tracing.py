@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from collective_ops.heatmap import TraceError, analyze, load_events, render
 from collective_ops.tracing import write_trace
@@ -18,8 +20,21 @@ from tests.harness import run_ranks
 STEPS = 3
 
 
+class SleepInBackward(torch.autograd.Function):
+    """Identity forward; backward sleeps ``seconds`` first."""
+
+    @staticmethod
+    def forward(ctx, x, seconds: float):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
 def traced_training(rank: int, world: int, slow_rank: int) -> dict:
-    import time
 
     import torch
 
@@ -27,22 +42,13 @@ def traced_training(rank: int, world: int, slow_rank: int) -> dict:
     from collective_ops import tracing
     from tests.models import MLP, build, rank_batch
 
-    class SleepInBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            if rank == slow_rank:
-                time.sleep(0.3)  # a straggler, far above scheduling noise (3 ranks share 2 cores)
-            return grad
-
     model = co.wrap(build("mlp"), bucket_size_mb=0.01, first_bucket_mb=0.005, rebuild_buckets=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         x, y = rank_batch(MLP, step, rank)
-        loss = torch.nn.functional.cross_entropy(SleepInBackward.apply(model(x)), y)
+        # a straggler, far above scheduling noise (3 ranks share 2 cores)
+        delay = 0.3 if rank == slow_rank else 0.0
+        loss = torch.nn.functional.cross_entropy(SleepInBackward.apply(model(x), delay), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -94,25 +100,14 @@ def test_trace_of_a_real_run(tmp_path: Path, world: int) -> None:
 
 def traced_slow_layers(rank: int, world: int) -> dict:
     """Every layer's backward takes 0.1 s (a sleep between layers, on every rank); a bucket per layer."""
-    import time
 
     import torch
 
     import collective_ops as co
 
-    class SleepInBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(0.1)  # far above a few-KB allreduce's latency here, even on 2 loaded cores
-            return grad
-
     class Slow(torch.nn.Module):
         def forward(self, x):
-            return SleepInBackward.apply(x)
+            return SleepInBackward.apply(x, 0.1)  # far above a few-KB allreduce's latency, even on 2 loaded cores
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 16)]
