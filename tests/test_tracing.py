@@ -99,7 +99,7 @@ def test_trace_of_a_real_run(tmp_path: Path, world: int) -> None:
 
 
 def traced_slow_layers(rank: int, world: int) -> dict:
-    """Every layer's backward takes 0.1 s (a sleep between layers, on every rank); a bucket per layer."""
+    """Every layer's backward takes 0.2 s (a sleep between layers, on every rank); a bucket per layer."""
 
     import torch
 
@@ -107,7 +107,7 @@ def traced_slow_layers(rank: int, world: int) -> dict:
 
     class Slow(torch.nn.Module):
         def forward(self, x):
-            return SleepInBackward.apply(x, 0.1)  # far above a few-KB allreduce's latency, even on 2 loaded cores
+            return SleepInBackward.apply(x, 0.2)  # far above a few-KB allreduce and the ranks' skew (4 ms seen)
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 16)]
@@ -128,7 +128,7 @@ def test_a_buckets_span_ends_where_its_collective_completed(tmp_path: Path) -> N
     """A bucket that completed while backward went on ends its span then, not at backward's end.
 
     Each layer's bucket is launched as its gradients are ready and completes during the next
-    layer's 0.1 s of backward, so the next gradient sees it complete before the next bucket is
+    layer's 0.2 s of backward, so the next gradient sees it complete before the next bucket is
     launched. Before, every span ended when backward's end finished the bucket: after every launch.
     Step 0 is left out: a rank that starts late (seen: 0.56 s) holds its peer's first buckets back.
     """
