@@ -118,6 +118,28 @@ class ClassicNormsMLP(nn.Module):
     batch = MLP.batch
 
 
+class ParametrizedNormsMLP(nn.Module):
+    """The MLP with the parametrization forms of weight and spectral norm: each layer's weight is computed from
+    its parameters whenever the module reads it (``torch.nn.utils.parametrizations``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils import parametrizations
+
+        self.net = nn.Sequential(
+            parametrizations.weight_norm(nn.Linear(16, 64)),
+            nn.ReLU(),
+            parametrizations.spectral_norm(nn.Linear(64, 64)),
+            nn.ReLU(),
+            nn.Linear(64, 4),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    batch = MLP.batch
+
+
 class CheckpointedMLP(nn.Module):
     """An MLP whose two middle blocks run under activation checkpointing: their forward (and every forward
     pre-hook on them) runs again inside backward, to recompute what was not kept."""
@@ -226,6 +248,7 @@ MODELS = {
     "transformer": TinyTransformer,
     "untied-lm": UntiedLM,
     "classic-norms": ClassicNormsMLP,
+    "parametrized-norms": ParametrizedNormsMLP,
     "checkpointed": CheckpointedMLP,
     "checkpointed-reentrant": ReentrantCheckpointedMLP,
     "checkpointed-head": CheckpointedHeadMLP,

@@ -522,6 +522,14 @@ def optimizer_checks(rank: int, world: int) -> dict:
     out["classic_norms"] = _pair(
         rank, lambda: build("classic-norms"), "adamw", model_cls=MLP, wrap_kwargs={"comm_hook": late_allreduce}
     )
+    out["parametrized_norms"] = _pair(  # their parametrization form: weights computed as the module reads them
+        rank,
+        lambda: build("parametrized-norms"),
+        "adamw",
+        model_cls=MLP,
+        steps=6,
+        wrap_kwargs={"comm_hook": late_allreduce},
+    )
     # activation checkpointing: the blocks' forward, and our pre-hooks on them, run again inside backward while
     # this step's buckets are in flight (updates owed at every forward, as above)
     for name in ("checkpointed", "checkpointed-reentrant", "checkpointed-head"):
@@ -722,6 +730,7 @@ CASES = [
         "zero_grad_after_step_False",
         "group_added",
         "classic_norms",
+        "parametrized_norms",
         "checkpointed",
         "checkpointed-reentrant",
         "checkpointed-head",

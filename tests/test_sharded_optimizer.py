@@ -326,6 +326,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     )
     out["accumulation"] = _ddp_and_sharded(rank, "mlp", "sgd", accumulate=3, steps=6)
     out["classic_norms"] = _ddp_and_sharded(rank, "classic-norms", "adamw")  # weights from pre-hooks of their own
+    out["parametrized_norms"] = _ddp_and_sharded(rank, "parametrized-norms", "adamw", steps=6)
     for name in ("checkpointed", "checkpointed-reentrant", "checkpointed-head"):  # forwards run again in backward
         out[name] = _ddp_and_sharded(rank, name, "adamw", steps=6)
     # the branch unused by rank 1 on some steps (reduced from rank 0's), by every rank on others (no update)
@@ -523,6 +524,7 @@ def two_ranks(checkpoint) -> list[dict]:
     "case",
     [
         "classic_norms",
+        "parametrized_norms",
         "checkpointed",
         "checkpointed-reentrant",
         "checkpointed-head",
