@@ -20,9 +20,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-# The server is a fresh interpreter (not a fork of pytest) holding only what these imports load;
-# nothing in them reads the environment that a test sets for its ranks, nor starts a thread
-# with OMP_NUM_THREADS=1 (bootstrap.sh sets it; set here for a bare pytest run, ranks inherit it).
+# The server is a fresh interpreter (not a fork of pytest) holding only what importing torch loads,
+# which reads none of the variables a test sets for its ranks and, with OMP_NUM_THREADS=1, starts no
+# thread to fork beside (numpy's BLAS pool would otherwise). bootstrap.sh sets it; set here for a
+# bare pytest run.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _RANK_CONTEXT = mp.get_context("forkserver")
 _RANK_CONTEXT.set_forkserver_preload(["torch"])
