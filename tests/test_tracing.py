@@ -35,9 +35,6 @@ class SleepInBackward(torch.autograd.Function):
 
 
 def traced_training(rank: int, world: int, slow_rank: int) -> dict:
-
-    import torch
-
     import collective_ops as co
     from collective_ops import tracing
     from tests.models import MLP, build, rank_batch
@@ -100,9 +97,6 @@ def test_trace_of_a_real_run(tmp_path: Path, world: int) -> None:
 
 def traced_slow_layers(rank: int, world: int) -> dict:
     """Every layer's backward takes 0.2 s (a sleep between layers, on every rank); a bucket per layer."""
-
-    import torch
-
     import collective_ops as co
 
     class Slow(torch.nn.Module):

@@ -172,7 +172,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             runtime.finish_in_flight_before_leaving(self._let_go_of_groups)
         self._views: list[torch.Tensor] = []
         self._make_views()
-        self._finalize_queued = False
+        self._step_end_owed = False  # this backward delivered gradients: _end_of_backward finalizes the step
         self._end_of_backward_queued = False  # by a hook on this forward's outputs, on the outermost backward
         self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
         self._nonfinite_local: list[str] = []
@@ -268,12 +268,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.check_finite and not bool(torch.isfinite(grad).all()):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite_local.append(self._param_names[index])
-        if not self._finalize_queued:  # this backward's first gradient
+        if not self._step_end_owed:  # this backward's first gradient
             if self.optimizer is not None:
                 self.optimizer.backward_starts()
             if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._finalize_queued = True
+            self._step_end_owed = True
         self._contribute(index, param)
 
     def _outputs_reached(self) -> None:
@@ -292,7 +292,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """The step ends with a backward that reached parameters (a gradient penalty's autograd.grad may not);
         a second callback of the same backward finds nothing left to do."""
         self._end_of_backward_queued = False
-        if self._finalize_queued:
+        if self._step_end_owed:
             self._finalize()
 
     def _contribute(self, index: int, param: torch.Tensor, used: bool = True) -> None:
@@ -317,7 +317,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         manager.mark_ready(index, prescaled=prescaled, used=used)
 
     def _finalize(self) -> None:
-        self._finalize_queued = False
+        self._step_end_owed = False
         self._check_requires_grad_unchanged()
         if self.manager.find_unused_parameters:
             self._contribute_kept_gradients()
@@ -600,7 +600,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         manager = self.manager
         if not manager.sync_enabled:
             raise RuntimeError("sync_gradients() inside no_sync(): leave the no_sync() block first")
-        if self._finalize_queued:
+        if self._step_end_owed:
             raise RuntimeError("sync_gradients() during backward: call it after loss.backward() returns")
         for i, p in enumerate(self._params):
             if not manager.is_marked(i):
