@@ -553,6 +553,26 @@ def optimizer_checks(rank: int, world: int) -> dict:
         arrange=held_back,
     )
 
+    def held_back_in_chunks(wrapped) -> None:  # a chunked order, as schedule="auto" may pick: chunks held too
+        from collective_ops.bucketing.schedule import held_order
+
+        manager = wrapped.manager
+        count = len(manager.plan.buckets)
+        bucket_of = [b for b in range(count) for _ in range(3 if manager.chunkable(b) else 1)]
+        needs = [u for b in reversed(range(count)) for u, of in enumerate(bucket_of) if of == b]
+        units = held_order(len(bucket_of), len(bucket_of) - 4, 4, needs)
+        manager.set_launch_order([bucket_of[u] for u in units])
+        assert len(manager.launch_order) > count  # some bucket is sent in chunks
+
+    out["held_in_chunks"] = _pair(
+        rank,
+        lambda: build("transformer"),
+        "adamw",
+        model_cls=TinyTransformer,
+        wrap_kwargs={"rebuild_buckets": False},
+        arrange=held_back_in_chunks,
+    )
+
     def unused_net():
         torch.manual_seed(0)
         return WithUnusedBranch()
@@ -631,6 +651,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
 
     # the launch order planned after step 3 from rank 0's profile (schedule="auto", the default), its shortlist
     # run in turn against plan order, the fastest kept: every forward's order recorded, weights against DDP
+    from collective_ops.adapters import torch_optimizer
+
+    torch_optimizer.CHUNK_CANDIDATES_MIB = (0.002,)  # 4 KB buckets: chunked orders are weighed too
     model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001)
     opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
     ran, overlapped = [], []
@@ -640,7 +663,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         overlapped.append(opt.defers)  # how the last backward ran (set at the end of the forward before it)
 
     model.module.register_forward_pre_hook(note)
-    trial_steps = 4 + (2 + TRIAL_CANDIDATES) * TRIAL_BLOCK_STEPS * TRIAL_ROUNDS + 2
+    trial_steps = 4 + (3 + TRIAL_CANDIDATES) * TRIAL_BLOCK_STEPS * TRIAL_ROUNDS + 2
     ours = _train(rank, model, opt, TinyTransformer, steps=trial_steps)
     ddp = torch.nn.parallel.DistributedDataParallel(build("transformer"))
     theirs = _train(
@@ -648,7 +671,11 @@ def optimizer_checks(rank: int, world: int) -> dict:
     )
     report, trial = opt.schedule_report, opt.schedule_trial
     trial = None if trial is None else {**trial, "orders": [list(o) for o in trial["orders"]]}
-    out["schedule"] = (list(model.manager.launch_order), None if report is None else len(report), ran, trial)
+    whole = None if report is None else sum(len(p.order) == len(model.manager.plan.buckets) for p in report)
+    out["schedule"] = (list(model.manager.launch_order), (whole, len(report or [])), ran, trial)
+    out["broadcast_orders"] = torch_optimizer._broadcast_orders(
+        model.engine, [(0, 1, 0, 2), (2, 1, 0)] if rank == 0 else [(1, 0)]
+    )
     out["schedule_overlapped"] = (overlapped, opt.defers)
     out["schedule_weights"] = (theirs, ours)
 
@@ -725,6 +752,7 @@ CASES = [
     "case",
     [
         *CASES,
+        "held_in_chunks",
         "out_of_order",
         "zero_grad_after_step_True",
         "zero_grad_after_step_False",
@@ -758,20 +786,21 @@ def test_clip_grad_norm_matches_torch_on_averaged_gradients(two_ranks) -> None:
 
 
 def test_a_launch_order_is_planned_tried_and_kept_the_same_on_every_rank(two_ranks) -> None:
-    orders = [out["schedule"][0] for out in two_ranks]
-    assert orders[0] == orders[1] and sorted(orders[0]) == list(range(len(orders[0])))
-    n = len(orders[0])
-    assert all(
-        out["schedule"][1] == (n + 1) * (n + 2) // 2 for out in two_ranks
-    )  # every (deferred, held_from) simulated
-    ran = [out["schedule"][2] for out in two_ranks]
-    assert ran[0] == ran[1]  # every forward ran under the same order on every rank
     trial = two_ranks[0]["schedule"][3]
     assert trial is not None and trial == two_ranks[1]["schedule"][3]  # measured, reduced and kept alike
     tried, kept = trial["orders"], trial["kept"]
-    # every bucket finished in backward (in plan order), plan order overlapped, then the shortlist
-    assert tried[0] == tried[1] == list(range(n)) and len(tried) == 2 + TRIAL_CANDIDATES
-    assert trial["overlapped"] == [False] + [True] * (1 + TRIAL_CANDIDATES)
+    n = len(tried[0])
+    orders = [out["schedule"][0] for out in two_ranks]
+    assert orders[0] == orders[1] and set(orders[0]) == set(range(n))
+    whole, every = two_ranks[0]["schedule"][1]
+    assert whole == (n + 1) * (n + 2) // 2 < every  # every (deferred, held_from) simulated; chunked ones too
+    ran = [out["schedule"][2] for out in two_ranks]
+    assert ran[0] == ran[1]  # every forward ran under the same order on every rank
+    # every bucket finished in backward (in plan order), plan order overlapped, then the shortlist: the best
+    # whole-bucket orders and, where simulated faster than those, the best chunked one
+    assert tried[0] == tried[1] == list(range(n)) and len(tried) in (2 + TRIAL_CANDIDATES, 3 + TRIAL_CANDIDATES)
+    assert all(len(order) == n for order in tried[: 2 + TRIAL_CANDIDATES]) and len(tried[-1]) >= n
+    assert trial["overlapped"] == [False] + [True] * (len(tried) - 1)
     assert all(order in ran[0] for order in tried) and orders[0] == tried[kept]
     medians = trial["median_s"]
     assert kept == 0 or medians[kept] == min(medians) < 0.98 * medians[0]
@@ -780,10 +809,27 @@ def test_a_launch_order_is_planned_tried_and_kept_the_same_on_every_rank(two_ran
     assert overlapped == two_ranks[1]["schedule_overlapped"][0]  # every rank ran each candidate alike
     assert defers_after == trial["overlapped"][kept] and overlapped[-1] == defers_after
     start = overlapped.index(False)  # the trial's first step: its candidate 0 finishes buckets in backward
-    blocks = [overlapped[start + k * TRIAL_BLOCK_STEPS] for k in range(2 + TRIAL_CANDIDATES)]
+    blocks = [overlapped[start + k * TRIAL_BLOCK_STEPS] for k in range(len(tried))]
     assert blocks == trial["overlapped"], overlapped
     for rank, out in enumerate(two_ranks):
         assert_identical(out["schedule_weights"][1], out["schedule_weights"][0], f"orders switched, rank {rank}")
+
+
+def test_shortlisted_orders_reach_every_rank_whatever_their_lengths(two_ranks) -> None:
+    assert all(out["broadcast_orders"] == [(0, 1, 0, 2), (2, 1, 0)] for out in two_ranks)  # rank 0's
+
+
+def test_the_shortlist_takes_a_chunked_order_only_where_simulated_faster() -> None:
+    from collective_ops.adapters.torch_optimizer import _shortlist
+    from collective_ops.bucketing.schedule import OrderPrediction
+
+    def predicted(order, step_s):
+        return OrderPrediction(order, 0, step_s, 0.0, 0, step_s)
+
+    whole = [predicted((1, 0, 2), 2.0), predicted((0, 1, 2), 2.5), predicted((2, 1, 0), 3.0)]
+    chunked = predicted((0, 1, 0, 2), 1.5)
+    assert _shortlist([chunked, *whole], 2, 3) == [(1, 0, 2), (2, 1, 0), (0, 1, 0, 2)]
+    assert _shortlist([*whole, predicted((0, 1, 0, 2), 2.2)], 2, 3) == [(1, 0, 2), (2, 1, 0)]
 
 
 def test_auto_bucket_size_is_chosen_by_the_overlapped_step(two_ranks) -> None:

@@ -82,10 +82,38 @@ def test_a_launch_order_holds_buckets_back_and_a_deferred_step_finishes_in_any_o
     manager.wait_bucket(1)  # the last one ends the step
     assert not manager.deferred_pending and rec.steps == 1
     assert manager.launch_order == (1, 2, 0)  # kept for the next steps of this plan
-    with pytest.raises(ValueError, match="not a permutation"):
+    with pytest.raises(ValueError, match="does not list bucket"):
         manager.set_launch_order([0, 0, 1])
     manager.replan(4000 / 2**20)  # a new plan starts in plan order again
     assert manager.launch_order == tuple(range(len(manager.plan.buckets)))
+
+
+def test_a_launch_order_sends_a_bucket_in_chunks_at_its_places(engine, monkeypatch) -> None:
+    manager, rec = make(engine)
+    sizes: list[int] = []
+    allreduce = engine.allreduce
+    monkeypatch.setattr(engine, "allreduce", lambda t, *a, **k: sizes.append(t.numel()) or allreduce(t, *a, **k))
+    grads = {i: torch.arange(1000, dtype=torch.float32) + 1000 * i for i in range(6)}
+    sent = {i: g.clone() for i, g in grads.items()}
+    manager.set_launch_order([0, 1, 0, 2, 0])  # bucket 0 (params 5, 4: 2000 elements) in 3 chunks
+    for i in (5, 4):
+        manager.mark_ready(i, grads[i])
+    assert sizes == [666]  # its first chunk; the second waits for bucket 1
+    for i in (3, 2):
+        manager.mark_ready(i, grads[i])
+    assert sizes == [666, 2000, 667] and not manager.bucket_ready(0)  # a chunk is still to go
+    for i in (1, 0):
+        manager.mark_ready(i, grads[i])
+    assert sizes == [666, 2000, 667, 2000, 667]
+    assert rec.launched == [0, 1, 2]  # the trace sees a bucket launched at its first chunk
+    manager.finalize()
+    assert all(torch.equal(grads[i], sent[i]) for i in grads)  # one rank: every chunk written back whole
+    assert manager.last_stats.collectives == 5 and manager.last_stats.bytes_communicated == 6 * 4000
+    with pytest.raises(ValueError, match="more chunks than elements"):
+        manager.set_launch_order([0] * 2001 + [1, 2])
+    compressed, _ = make(engine, comm_hook=hook_for_compression("fp16"))
+    with pytest.raises(ValueError, match=r"bucket\(s\) \[0\] more than once"):
+        compressed.set_launch_order([0, 1, 0, 2])
 
 
 def test_gradients_as_views_and_copies(engine) -> None:

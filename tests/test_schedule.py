@@ -7,6 +7,8 @@ import pytest
 from collective_ops.bucketing.schedule import (
     OrderTrial,
     StepProfile,
+    chunk_counts,
+    chunked_profile,
     held_order,
     plan_order,
     simulate_order,
@@ -174,3 +176,24 @@ def test_an_order_trial_runs_each_order_in_blocks_and_keeps_the_fastest() -> Non
         trial.record(0.1)
     with pytest.raises(ValueError, match="plan order and at least one other"):
         OrderTrial((plan,))
+
+
+def test_a_chunked_profile_keeps_each_buckets_bytes_ready_time_and_forward() -> None:
+    profile = StepProfile([0.0, 2.0], [10, 3], 2.0, [0.5, 1.0], lead_s=0.25)
+    units, bucket_of = chunked_profile(profile, [3, 1])
+    assert bucket_of == (0, 0, 0, 1)
+    assert list(units.nbytes) == [3, 3, 4, 3] and list(units.ready_s) == [0.0, 0.0, 0.0, 2.0]
+    assert units.needs() == (3, 0, 1, 2)  # bucket 1 first (reverse plan order), then bucket 0's chunks together
+    assert list(units.forward_s) == [0.0, 0.0, 0.5, 1.0] and units.lead_s == 0.25
+    assert chunk_counts([10, 3, 4], [True, True, False], 4) == [3, 1, 1]
+    with pytest.raises(ValueError, match="at least 1 chunk"):
+        chunked_profile(profile, [0, 1])
+
+
+def test_chunks_let_a_large_bucket_ready_first_share_the_link_with_one_needed_first() -> None:
+    # bucket 0: 4 s of transfer, ready first, needed last; bucket 1: 2 s, ready at 1 s, needed first.
+    profile = StepProfile([0.0, 1.0], [4, 2], 1.5, [0.5, 1.0])
+    whole = plan_order(profile, lambda nbytes: float(nbytes))[0]
+    chunked = plan_order(profile, lambda nbytes: float(nbytes), chunks=[2, 1])[0]
+    assert whole.step_s == 7.5  # either whole bucket keeps the other waiting
+    assert chunked.order == (0, 1, 0) and chunked.step_s == 6.5  # half of bucket 0 before bucket 1, half after

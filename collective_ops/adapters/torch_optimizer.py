@@ -33,8 +33,17 @@ from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 from .. import runtime
 from ..bucketing.alignment import StepMisalignedError
 from ..bucketing.hooks import allreduce_hook
+from ..bucketing.plan import MIB
 from ..bucketing.row_sparse import wire_nbytes
-from ..bucketing.schedule import OrderPrediction, OrderTrial, StepProfile, plan_order, step_profile
+from ..bucketing.schedule import (
+    OrderPrediction,
+    OrderTrial,
+    StepProfile,
+    best_first,
+    chunk_counts,
+    plan_order,
+    step_profile,
+)
 from ..bucketing.updates import PendingUpdates
 from . import _framework_of
 from .torch import DistributedDataParallel
@@ -44,6 +53,8 @@ logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
 SCHEDULE_AFTER_STEPS = 3  # after the first-step rebuild and bucket_size_mb="auto" settling (step 2)
 TRIAL_CANDIDATES = 2  # the simulator's best orders run against plan order and against finishing in backward
+# Chunk sizes the launch-order planner weighs for buckets larger than them (one chunked order joins the trial)
+CHUNK_CANDIDATES_MIB = (4.0, 2.0, 1.0, 0.5)
 TRIAL_BLOCK_STEPS = 3
 TRIAL_ROUNDS = 2
 
@@ -58,8 +69,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     plans the launch order once per bucket plan from a measured step: the buckets the next
     forward needs first, ready last in backward, are sent first at its end, ahead of those
     held from earlier in backward (and, with ``bucket_size_mb="auto"``, the bucket size by the
-    same simulated step). The simulator's two best orders then run in turn with plan order and
-    with every bucket finished in backward (``TRIAL_ROUNDS`` x ``TRIAL_BLOCK_STEPS`` steps each),
+    same simulated step). Orders that send large buckets in chunks (``CHUNK_CANDIDATES_MIB``),
+    part in backward and part held, are weighed too. The simulator's two best whole-bucket
+    orders and its best chunked one then run in turn with plan order and with every bucket
+    finished in backward (``TRIAL_ROUNDS`` x ``TRIAL_BLOCK_STEPS`` steps each),
     and the fastest measured is kept, overlapping only if more than 2% faster (``schedule_trial``,
     ``defers``). ``"plan"`` launches in plan order, overlapped. Either way every bucket is
     launched by the end of backward on every rank.
@@ -579,11 +592,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
         cost = measure_alpha_beta()  # a collective: every rank is here
         count = len(manager.plan.buckets)
-        predictions = self._ranked_orders(stats, manager.plan, cost) if complete else None
-        shortlist = _shortlist(predictions or [], TRIAL_CANDIDATES)
-        flat = [len(shortlist), *(b for order in shortlist for b in order)]
-        flat = engine.broadcast_ints(flat + [0] * (1 + TRIAL_CANDIDATES * count - len(flat)))  # rank 0's
-        orders = [tuple(flat[1 + k * count : 1 + (k + 1) * count]) for k in range(flat[0])]
+        predictions = self._ranked_orders(stats, manager.plan, cost, chunked=True) if complete else None
+        orders = _broadcast_orders(engine, _shortlist(predictions or [], TRIAL_CANDIDATES, count))  # rank 0's
         self.schedule_report, self._scheduled_plan = predictions, manager.plan
         # Finishing every bucket in backward (as a plain optimizer sees it) is the first candidate: overlapping
         # updates with the forward costs hooks and per-bucket updates, and is kept only where it measures faster.
@@ -645,11 +655,28 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             return None
         return self._ranked_orders(stats, plan, cost)[0]
 
-    def _ranked_orders(self, stats: Any, plan: Any, cost: Any) -> list[OrderPrediction]:
-        """Every candidate launch order of ``plan``, simulated from the timed step, best first."""
+    def _ranked_orders(self, stats: Any, plan: Any, cost: Any, chunked: bool = False) -> list[OrderPrediction]:
+        """Every candidate launch order of ``plan``, simulated from the timed step, best first; with ``chunked``
+        also those sending its chunkable buckets in chunks of each of ``CHUNK_CANDIDATES_MIB`` (slower to plan:
+        not for the bucket-size tune, which weighs many plans)."""
+        manager = self.model.manager
         wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
-        profile = self._timeline.profile(stats, plan, self.model.manager.wire_shares(plan))
-        return plan_order(profile, lambda nbytes: cost.cost(int(nbytes * wire)))
+        profile = self._timeline.profile(stats, plan, manager.wire_shares(plan))
+
+        def price(nbytes: int) -> float:
+            return cost.cost(int(nbytes * wire))
+
+        ranked = plan_order(profile, price)
+        if not chunked:
+            return ranked
+        chunkable = [manager.chunkable(b, plan) for b in range(len(plan.buckets))]
+        tried = set()
+        for mib in CHUNK_CANDIDATES_MIB:
+            chunks = tuple(chunk_counts([b.nbytes for b in plan.buckets], chunkable, int(mib * MIB)))
+            if max(chunks) > 1 and chunks not in tried:
+                tried.add(chunks)
+                ranked += plan_order(profile, price, chunks=chunks)
+        return best_first(ranked)
 
     def on_plan_change(self, plan: Any) -> None:
         """The model's buckets were replanned (first-step rebuild, auto-tune): a trial of the old plan's orders ends."""
@@ -736,15 +763,33 @@ class ForwardTimeline:
         )
 
 
-def _shortlist(predictions: list[OrderPrediction], count: int) -> list[tuple[int, ...]]:
-    """The ``count`` best simulated orders other than plan order, distinct, best first."""
+def _shortlist(predictions: list[OrderPrediction], count: int, buckets: int) -> list[tuple[int, ...]]:
+    """The ``count`` best simulated whole-bucket orders other than plan order, distinct, best first; then the
+    best order that sends some bucket in chunks, where one is simulated faster than all of those."""
     out: list[tuple[int, ...]] = []
     for prediction in predictions:
         if len(out) == count:
             break
-        if not prediction.is_plan_order and prediction.order not in out:
+        if not prediction.is_plan_order and len(prediction.order) == buckets and prediction.order not in out:
             out.append(prediction.order)
+    best_whole = next((p.step_s for p in predictions if len(p.order) == buckets), None)
+    chunked = next((p for p in predictions if len(p.order) > buckets), None)
+    if chunked is not None and (best_whole is None or chunked.step_s < best_whole):
+        out.append(chunked.order)
     return out
+
+
+def _broadcast_orders(engine: Any, orders: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Rank 0's ``orders`` on every rank (their lengths first: a chunked order lists a bucket once per chunk)."""
+    slots = TRIAL_CANDIDATES + 1  # the shortlist's most
+    header = engine.broadcast_ints([len(orders), *(len(o) for o in orders)] + [0] * (slots - len(orders)))
+    lengths = header[1 : 1 + header[0]]
+    if not lengths:
+        return []
+    mine = [b for order in orders for b in order]
+    flat = engine.broadcast_ints(mine if len(mine) == sum(lengths) else [0] * sum(lengths))
+    starts = [sum(lengths[:k]) for k in range(len(lengths))]
+    return [tuple(flat[start : start + length]) for start, length in zip(starts, lengths)]
 
 
 def _is_mindspore(model: Any) -> bool:

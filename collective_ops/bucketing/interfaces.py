@@ -154,7 +154,7 @@ def wait_with_timeout(handle: Any, timeout: float | None) -> Any:
     """
     if timeout is None:
         return handle.wait()
-    if isinstance(handle, ThenHandle):
+    if isinstance(handle, (ThenHandle, ChunkedHandle)):
         return handle.wait(timeout)
     try:
         return handle.wait(timeout=datetime.timedelta(seconds=timeout))
@@ -223,3 +223,27 @@ class ThenHandle:
 
     def is_completed(self) -> bool:
         return self._handle is None or self._handle.is_completed()
+
+
+class ChunkedHandle:
+    """One bucket reduced as several collectives (its chunks, launched at different times).
+
+    Complete once all ``count`` chunks were launched (:meth:`add`) and each completed.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.handles: list[Handle | None] = []
+
+    def add(self, handle: Handle | None) -> None:
+        self.handles.append(handle)
+
+    def wait(self, timeout: float | None = None) -> None:
+        if len(self.handles) < self.count:
+            raise RuntimeError(f"only {len(self.handles)} of the bucket's {self.count} chunks were launched")
+        for handle in self.handles:
+            if handle is not None:
+                wait_with_timeout(handle, timeout)
+
+    def is_completed(self) -> bool:
+        return len(self.handles) == self.count and all(h is None or h.is_completed() for h in self.handles)

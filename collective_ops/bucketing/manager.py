@@ -3,8 +3,10 @@
 One manager serves one wrapped model. Per iteration an adapter calls
 :meth:`BucketManager.mark_ready` from each parameter's gradient hook and
 :meth:`BucketManager.finalize` once backward is over. Buckets are launched strictly in
-plan order, so every rank issues the same sequence of collectives whatever order its
-gradients arrive in.
+plan order (or a launch order a schedule set, the same on every rank), so every rank issues
+the same sequence of collectives whatever order its gradients arrive in. A launch order may
+send a dense bucket as several chunks, each its own collective, so one large bucket need not
+hold the link while another, needed sooner, waits behind it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Any
 
 from .alignment import StepAlignment
 from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale, reduces_rows
-from .interfaces import BucketEngine, Handle, env_seconds, wait_with_timeout
-from .plan import BucketPlan, BucketSpec, complete_order, plan_buckets
+from .interfaces import BucketEngine, ChunkedHandle, Handle, env_seconds, wait_with_timeout
+from .plan import BucketPlan, BucketSpec, chunk_bounds, complete_order, plan_buckets
 from .row_sparse import RowSparseReduction
 from .shard import padded_numel
 
@@ -150,7 +152,8 @@ class BucketManager:
     def _set_plan(self, plan: BucketPlan) -> None:
         self.plan = plan
         self._launch_order: tuple[int, ...] | None = None
-        self._launch_position: dict[int, int] | None = None  # bucket -> its place in _launch_order
+        self._launch_position: dict[int, int] | None = None  # bucket -> its last place in _launch_order
+        self._chunks = [1] * len(plan.buckets)  # collectives per bucket (the launch order's repeats)
         self._param_names = [p.name for p in plan.params]
 
     def wire_shares(self, plan: BucketPlan | None = None) -> dict[int, float]:
@@ -211,6 +214,8 @@ class BucketManager:
         self._copy_targets: dict[int, Any] = {}
         self._staged: dict[int, Any] = {}  # engines that assemble buckets at launch: the gradients
         self._handles: list[Handle | None] = [None] * len(buckets)
+        self._chunks_launched = [0] * len(buckets)
+        self._launch_prescaled: dict[int, bool] = {}  # chunked bucket -> its members were scaled on copy-in
         self._done = [False] * len(buckets)
         self._deferred = False
         self._used_map: tuple[Any, Handle] | None = None
@@ -351,6 +356,7 @@ class BucketManager:
             self._next_launch += 1
 
     def _launched(self, bucket_index: int) -> bool:
+        """True once the bucket's collective (every chunk's, if chunked) was launched."""
         position = bucket_index if self._launch_position is None else self._launch_position[bucket_index]
         return position < self._next_launch
 
@@ -369,12 +375,15 @@ class BucketManager:
         return self._launch_order if self._launch_order is not None else tuple(range(len(self.plan.buckets)))
 
     def set_launch_order(self, order: Sequence[int] | None) -> None:
-        """Launch buckets in ``order`` (a permutation of the plan's buckets; None: plan order).
+        """Launch buckets in ``order`` (the plan's buckets; None: plan order).
 
-        Every rank must set the same order (decide on one rank and broadcast): collectives are
-        matched by the order they are issued in. A later bucket waits for an earlier one in
-        ``order`` even when it is full first: holding a bucket back is how a schedule gives
-        the link to another. Reset to plan order whenever the plan changes.
+        Each bucket is listed once, or ``k`` times to send it as ``k`` chunks (equal contiguous
+        slices of its buffer, each reduced by its own collective, launched at its place in
+        ``order``): only buckets :meth:`chunkable` says may be. Every rank must set the same
+        order (decide on one rank and broadcast): collectives are matched by the order they are
+        issued in. A later bucket waits for an earlier one in ``order`` even when it is full
+        first: holding a bucket back is how a schedule gives the link to another. Reset to plan
+        order whenever the plan changes.
 
         Launches depend only on which buckets are full, never on timing: by the end of backward
         every bucket of the step is launched on every rank, whatever the order, so code that runs
@@ -383,13 +392,47 @@ class BucketManager:
         """
         if self.in_progress or self._deferred:
             raise RuntimeError("cannot change the launch order while a step's buckets are in flight")
-        count = len(self.plan.buckets)
+        chunks = [1] * len(self.plan.buckets)
         if order is not None:
             order = tuple(int(b) for b in order)
-            if sorted(order) != list(range(count)):
-                raise ValueError(f"launch order {order} is not a permutation of the {count} buckets")
+            chunks = self._chunk_counts(order)
         self._launch_order = order
         self._launch_position = None if order is None else {bucket: i for i, bucket in enumerate(order)}
+        self._chunks = chunks
+
+    def _chunk_counts(self, order: tuple[int, ...]) -> list[int]:
+        """How many chunks ``order`` sends each bucket as; ValueError where it cannot be a launch order."""
+        count = len(self.plan.buckets)
+        chunks = [0] * count
+        for bucket in order:
+            if not 0 <= bucket < count:
+                raise ValueError(f"launch order {order} names bucket {bucket}; the plan has buckets 0..{count - 1}")
+            chunks[bucket] += 1
+        missing = [b for b, k in enumerate(chunks) if k == 0]
+        if missing:
+            raise ValueError(
+                f"launch order {order} does not list bucket(s) {missing}: list each of the {count} buckets"
+            )
+        unsplittable = [b for b, k in enumerate(chunks) if k > 1 and not self.chunkable(b)]
+        if unsplittable:
+            raise ValueError(
+                f"launch order {order} lists bucket(s) {unsplittable} more than once, i.e. sends them in chunks; "
+                "only dense buckets reduced by the default allreduce hook can be (not a row-sparse table, a "
+                "custom or compressing hook, or an engine that assembles buckets): list them once"
+            )
+        too_many = [b for b, k in enumerate(chunks) if k > self.plan.buckets[b].numel]
+        if too_many:
+            raise ValueError(f"launch order {order} cuts bucket(s) {too_many} into more chunks than elements")
+        return chunks
+
+    def chunkable(self, bucket_index: int, plan: BucketPlan | None = None) -> bool:
+        """True if a launch order may send this bucket (of ``plan``, default the current) in chunks: a dense
+        bucket whose hook reduces each element on its own (the default allreduce), on an engine that reduces
+        the bucket's own buffer. A row-sparse table's reduction and the others' buffers are whole-bucket."""
+        plan = plan or self.plan
+        if self.comm_hook is not allreduce_hook or self._assembles or self.pad_multiple != 1:
+            return False
+        return self.row_sparse is None or self.row_sparse.for_bucket(plan, bucket_index) is None
 
     def _start_step_collectives(self, taking_part: bool = True) -> None:
         """Once per synchronised step, on every rank (its first gradient, or its first launch where a rank that
@@ -406,7 +449,27 @@ class BucketManager:
             self.row_sparse.start_exchanges(self.engine)
 
     def _launch(self, bucket_index: int) -> None:
+        """Launch the bucket's collective, or its next chunk's where the launch order sends it in chunks."""
         self._start_step_collectives()
+        bucket = self.plan.buckets[bucket_index]
+        chunk, chunks = self._chunks_launched[bucket_index], self._chunks[bucket_index]
+        self._chunks_launched[bucket_index] += 1
+        if chunk == 0:
+            self._launch_prescaled[bucket_index] = self._prepare_launch(bucket_index)
+        prescaled = self._launch_prescaled[bucket_index]
+        if chunks == 1:
+            self._handles[bucket_index] = self._call_hook(bucket_index, self.buffers[bucket_index], prescaled, 1.0)
+        else:
+            if chunk == 0:
+                self._handles[bucket_index] = ChunkedHandle(chunks)
+            start, numel = chunk_bounds(bucket.numel, chunks)[chunk]
+            piece = self.engine.segment(self.buffers[bucket_index], start, numel)
+            self._handles[bucket_index].add(self._call_hook(bucket_index, piece, prescaled, numel / bucket.numel))
+        if chunk == 0 and self.observer is not None:
+            self.observer.bucket_launched(self, bucket_index)
+
+    def _prepare_launch(self, bucket_index: int) -> bool:
+        """Before the bucket's first collective: its buffer assembled and scaled; True if prescaled."""
         bucket = self.plan.buckets[bucket_index]
         if self._assembles and any(i in self._staged for i in bucket.param_indices):
             members = []
@@ -417,9 +480,15 @@ class BucketManager:
                 members.append(grad)
             self.buffers[bucket_index] = self.engine.pack(members)
         prescaled = bool(self._prescaled) and self._scale_the_rest(bucket_index)
+        self._stats.buckets[bucket_index].launched = time.perf_counter()
+        return prescaled
+
+    def _call_hook(self, bucket_index: int, buffer: Any, prescaled: bool, fraction: float) -> Handle:
+        """The comm hook on ``buffer`` (the bucket's, or a ``fraction`` of it: one chunk)."""
+        bucket = self.plan.buckets[bucket_index]
         ctx = BucketContext(
             bucket,
-            self.buffers[bucket_index],
+            buffer,
             self.engine,
             self.reduce_op,
             prescaled,
@@ -427,9 +496,8 @@ class BucketManager:
             row_sparse=None if self.row_sparse is None else self.row_sparse.for_bucket(self.plan, bucket_index),
             stall_timeout_s=self.stall_timeout_s,
         )
-        self._stats.buckets[bucket_index].launched = time.perf_counter()
         try:
-            self._handles[bucket_index] = self.comm_hook(ctx)
+            handle = self.comm_hook(ctx)
         except Exception as exc:
             # a hook that waits for its peers (a row-sparse table's rows) gave up, or a transport that
             # refuses a send at once (Gloo's point-to-point, to a peer already gone); other errors are the hook's
@@ -437,10 +505,9 @@ class BucketManager:
                 raise self._give_up(bucket_index, exc) from exc
             raise
         self._stats.collectives += 1
-        share = 1.0 if ctx.row_sparse is None else ctx.row_sparse.sent_share()
+        share = fraction if ctx.row_sparse is None else ctx.row_sparse.sent_share()
         self._stats.bytes_communicated += int(bucket.nbytes * share)
-        if self.observer is not None:
-            self.observer.bucket_launched(self, bucket_index)
+        return handle
 
     def _scale_the_rest(self, bucket_index: int) -> bool:
         """Scale, one segment each, the members not scaled on copy-in; True if the bucket had any that were.
@@ -514,7 +581,7 @@ class BucketManager:
         for bucket, buffer in zip(self.plan.buckets, self.buffers):
             self.engine.fill_zero(buffer, 0, bucket.numel)
         self._start_step_collectives(taking_part=False)  # this rank ran no forward of the step
-        for bucket in self.launch_order:
+        for bucket in dict.fromkeys(self.launch_order):  # a chunked bucket is listed once per chunk
             for index in self.plan.buckets[bucket].param_indices:
                 self.mark_ready(index, used=False)
         self.finalize(force=True)

@@ -118,6 +118,14 @@ def complete_order(observed: Sequence[int], num_params: int) -> list[int]:
     return order
 
 
+def chunk_bounds(numel: int, chunks: int) -> list[tuple[int, int]]:
+    """(start, numel) of each of ``chunks`` contiguous, near-equal slices of a bucket of ``numel`` elements."""
+    if not 1 <= chunks <= max(numel, 1):
+        raise ValueError(f"cannot cut {numel} elements into {chunks} chunks")
+    edges = [numel * k // chunks for k in range(chunks + 1)]
+    return [(edges[k], edges[k + 1] - edges[k]) for k in range(chunks)]
+
+
 def validate_bucket_mb(value: float, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number of MiB (e.g. 25), got {value!r}")

@@ -13,7 +13,9 @@ are held and sent in the forward's order. ``(0, n)`` is plain ready order.
 
 :func:`plan_order` simulates every candidate on one serial channel (``cost(nbytes)`` seconds
 per collective) and a forward that waits, bucket by bucket, for the ones it needs, and ranks
-them by the simulated step. The result depends only on its inputs, so one rank plans and
+them by the simulated step. With ``chunks`` it plans chunks instead of whole buckets (a bucket
+sent as several collectives, :func:`chunked_profile`), so a large bucket can be part sent in
+backward and part held. The result depends only on its inputs, so one rank plans and
 broadcasts. The simulator shortlists well but cannot pick between orders a few percent apart
 (its step is within ~10% on the emulated link): :class:`OrderTrial` runs the shortlist and
 plan order in turn and keeps the one measured fastest.
@@ -163,26 +165,76 @@ def simulate_sharded(profile: StepProfile, reduce_s: Sequence[float], gather_s: 
     return OrderPrediction(tuple(range(count)), count, clock, waited, 0, profile.lead_s + clock)
 
 
-def plan_order(profile: StepProfile, cost: Callable[[int], float], max_cuts: int = 48) -> list[OrderPrediction]:
+def chunk_counts(nbytes: Sequence[int], chunkable: Sequence[bool], chunk_bytes: int) -> list[int]:
+    """How many chunks of at most about ``chunk_bytes`` each bucket is sent as (1 where not ``chunkable``)."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    return [max(1, -(-n // chunk_bytes)) if can else 1 for n, can in zip(nbytes, chunkable)]
+
+
+def chunked_profile(profile: StepProfile, chunks: Sequence[int]) -> tuple[StepProfile, tuple[int, ...]]:
+    """The same step with bucket ``b`` sent as ``chunks[b]`` collectives, and each chunk's bucket.
+
+    Each chunk is a unit of its own for :func:`simulate_order`: ready with its bucket, with its share of
+    the bytes; the forward needs a bucket's chunks together (its compute after the last of them).
+    """
+    if len(chunks) != len(profile.ready_s) or min(chunks, default=1) < 1:
+        raise ValueError(
+            f"chunks {list(chunks)} must give at least 1 chunk for each of the {len(profile.ready_s)} buckets"
+        )
+    units_of: list[list[int]] = []
+    bucket_of: list[int] = []
+    nbytes: list[int] = []
+    for bucket, (size, count) in enumerate(zip(profile.nbytes, chunks)):
+        units_of.append(list(range(len(bucket_of), len(bucket_of) + count)))
+        bucket_of += [bucket] * count
+        nbytes += [size * (k + 1) // count - size * k // count for k in range(count)]
+    forward_s = [0.0] * len(bucket_of)
+    needs: list[int] = []
+    for bucket in profile.needs():
+        needs += units_of[bucket]
+        forward_s[units_of[bucket][-1]] = profile.forward_s[bucket]
+    ready_s = [profile.ready_s[b] for b in bucket_of]
+    units = StepProfile(
+        ready_s, nbytes, profile.backward_end_s, forward_s, needs, profile.forward_start_s, profile.lead_s
+    )
+    return units, tuple(bucket_of)
+
+
+def best_first(predictions: Sequence[OrderPrediction]) -> list[OrderPrediction]:
+    """Shortest simulated step first; ties: the fewest units held."""
+    return sorted(predictions, key=lambda p: (round(p.step_s, 6), p.deferred - p.held_from))
+
+
+def plan_order(
+    profile: StepProfile, cost: Callable[[int], float], max_cuts: int = 48, chunks: Sequence[int] | None = None
+) -> list[OrderPrediction]:
     """Every ``(deferred, held_from)`` order, best first (ties: the fewest buckets held).
 
     With more than ``max_cuts`` buckets the cuts are taken on an even grid of about
     ``max_cuts`` positions (the candidates grow with its square, each simulated in O(n)).
+    With ``chunks`` (per bucket, :func:`chunk_counts`) the cuts fall between chunks, and each
+    order lists a bucket once per chunk (a launch order for ``BucketManager.set_launch_order``).
     """
     count = len(profile.ready_s)
     if not (len(profile.nbytes) == len(profile.forward_s) == count and count > 0):
         raise ValueError("a step profile needs ready time, bytes and forward time for every bucket")
     if sorted(profile.needs()) != list(range(count)):
         raise ValueError(f"forward_order {profile.forward_order} is not a permutation of the {count} buckets")
+    bucket_of = tuple(range(count))
+    if chunks is not None:
+        profile, bucket_of = chunked_profile(profile, chunks)
+        count = len(bucket_of)
     stride = -(-count // max_cuts)
     cuts = sorted(set(range(0, count + 1, stride)) | {count})
     out = []
     for held_from in cuts:
         for deferred in (cut for cut in cuts if cut <= held_from):
-            order = held_order(count, held_from, deferred, profile.needs())
-            forward_end, waited = simulate_order(order, profile, cost)
+            units = held_order(count, held_from, deferred, profile.needs())
+            forward_end, waited = simulate_order(units, profile, cost)
+            order = tuple(bucket_of[u] for u in units)
             out.append(OrderPrediction(order, held_from, forward_end, waited, deferred, profile.lead_s + forward_end))
-    return sorted(out, key=lambda p: (round(p.step_s, 6), p.deferred - p.held_from))
+    return best_first(out)
 
 
 @dataclass
