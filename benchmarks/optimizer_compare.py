@@ -14,7 +14,9 @@ the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Ea
 DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
 in-flight communication is charged to it. Also reported: compute alone (one rank's step
 without communication) and the link time of one step's gradients, whose maximum bounds
-the step from below.
+the step from below; on the link, the tighter bound of the lead (see ``_print_lead_bound``);
+with ``--contention``, the compute of a step while a stream of allreduces keeps the link busy
+beside it (on a CPU the transport's threads take cycles from the ranks' compute).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +90,45 @@ def _compute_alone(name: str, batches: list, steps: int = 4) -> float:
     return statistics.median(times[1:])
 
 
+def _allreduce_stream(group, stop: threading.Event, sent: list[int]) -> None:
+    """1 MiB allreduces back to back on ``group`` until ``stop``; both ranks leave at the same round (the first
+    to be told to stop tells the other), counting them in ``sent[0]``."""
+    import torch.distributed as dist
+
+    payload, flag = torch.ones(1 << 18), torch.zeros(1)
+    while True:
+        dist.all_reduce(payload, group=group)
+        sent[0] += 1
+        flag.fill_(float(stop.is_set()))
+        dist.all_reduce(flag, group=group)
+        if flag.item():
+            return
+
+
+def _compute_beside_traffic(name: str, batches: list, repeats: int = 5) -> tuple[float, float, float]:
+    """(compute alone, compute while 1 MiB allreduces run back to back on a group of their own, the MiB/s they
+    moved meanwhile): medians over ``repeats`` alternations, each the slowest rank's."""
+    import torch.distributed as dist
+
+    from collective_ops.runtime import get_engine
+
+    group = dist.new_group(backend="gloo")
+    alone, beside, rates = [], [], []
+    for _ in range(repeats):
+        alone.append(_compute_alone(name, batches))
+        stop, sent = threading.Event(), [0]
+        thread = threading.Thread(target=_allreduce_stream, args=(group, stop, sent))
+        thread.start()
+        started = time.perf_counter()
+        beside.append(_compute_alone(name, batches))
+        rates.append(sent[0] / (time.perf_counter() - started))
+        stop.set()
+        thread.join()
+    slowest = get_engine("torch").reduce_floats([*alone, *beside, *(-r for r in rates)], "max")
+    alone, beside, rates = slowest[:repeats], slowest[repeats : 2 * repeats], slowest[2 * repeats :]
+    return statistics.median(alone), statistics.median(beside), -statistics.median(rates)
+
+
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     import collective_ops as co
     from collective_ops.runtime import get_engine
@@ -99,6 +141,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         gen = torch.Generator().manual_seed(rank)
         batches = [batch(gen) for _ in range(4)]
         compute = get_engine("torch").reduce_floats([_compute_alone(name, batches)], "max")[0]
+        contention = _compute_beside_traffic(name, batches) if args.contention else None
         setups = _setups(args, name, batches)
         times = alternate_steps(setups, args.rounds, args.block)
         ours = setups[_label(args.schedule[0])][0]
@@ -108,6 +151,8 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
             "compute_alone_ms": compute * 1e3,
             "link_ms": link * 1e3 if link else None,
+            # what one step of ours sent (a row-sparse embedding sends its looked-up rows only)
+            "sent_link_ms": _link_seconds(ours.manager.last_stats.bytes_communicated) * 1e3 if link else None,
             "auto_plan": [ours.manager.plan.bucket_size_mb, ours.manager.plan.first_bucket_mb],
             "auto_overlapped_ms": {
                 f"{mb:g}/{first:g}": s * 1e3 for (mb, first), s in ours.auto_tune_overlapped.items()
@@ -115,6 +160,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             "update_ms": setups[_label(args.schedule[0])][1].update_seconds * 1e3,
             "schedule": _schedule_summary(setups[_label("auto")][1]) if "auto" in args.schedule else None,
             "params_m": sum(p.numel() for p in ours.module.parameters()) / 1e6,
+            "contention_ms": None if contention is None else [contention[0] * 1e3, contention[1] * 1e3, contention[2]],
         }
         del setups
     co.barrier()
@@ -151,7 +197,24 @@ def _schedule_summary(optimizer) -> dict | None:
         "trial_ms": [round(s * 1e3, 1) for s in trial["median_s"]] if trial else None,
         "overlapped": optimizer.defers,  # False: the trial kept every bucket finished in backward
         "simulated_best_ms": report[0].step_s * 1e3,
+        # from a forward's end to the next backward's first gradient (loss, the last layer's backward): no
+        # gradient of the step is ready and the last step's are all applied, so the link has nothing to carry
+        "lead_ms": (kept.step_s - kept.forward_end_s) * 1e3,
+        "chunked_tried": [len(o) > len(trial["orders"][0]) for o in trial["orders"]] if trial else None,
     }
+
+
+def _print_lead_bound(r: dict, lead_ms: float, measured: float, best_ddp: float, default: float) -> None:
+    """The bound no launch order beats: the link idles through the lead, so a step is at least lead + link
+    (the link time of the bytes our step sent), and at least the compute alone."""
+    link = r["sent_link_ms"]
+    bound = max(r["compute_alone_ms"], lead_ms + link)
+    print(
+        f"    bound: max(compute alone {r['compute_alone_ms']:.0f} ms, lead {lead_ms:.0f} ms + link time of the bytes "
+        f"sent {link:.0f} ms) = {bound:.0f} ms (the lead, from a forward's end to the first gradient, has nothing "
+        f"for the link); measured {measured / bound:.2f}x it; the bound is {bound / default:.3f}x DDP default, "
+        f"{bound / best_ddp:.3f}x best DDP"
+    )
 
 
 def main(argv=None) -> int:
@@ -175,6 +238,11 @@ def main(argv=None) -> int:
         default=10,
         help="steps per configuration per round (a DistributedOptimizer's overlap runs across steps: each block's "
         "first step starts with nothing to overlap and its last synchronizes, so short blocks measure those edges)",
+    )
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="also time compute alone against compute beside a stream of allreduces that keeps the link busy",
     )
     parser.add_argument("--json")
     started = time.monotonic()
@@ -224,12 +292,21 @@ def main(argv=None) -> int:
                 + (f" (measured {ms[_label('plan')]:.1f})" if "plan" in args.schedule else "")
             )
             if plan["trial_ms"]:
+                chunked = " (the last sends buckets in chunks)" if any(plan["chunked_tried"]) else ""
                 print(
                     f"    its trial (median steps of this model's own time: every bucket finished in backward, plan "
-                    f"order, then the simulator's shortlist, best simulated {plan['simulated_best_ms']:.1f} ms): "
-                    f"{plan['trial_ms']}; kept: "
+                    f"order, then the simulator's shortlist{chunked}, best simulated {plan['simulated_best_ms']:.1f} "
+                    f"ms): {plan['trial_ms']}; kept: "
                     + ("the order above, overlapped" if plan["overlapped"] else "every bucket finished in backward")
                 )
+            if r["link_ms"]:
+                _print_lead_bound(r, plan["lead_ms"], measured, ms[best_key], default)
+        if r["contention_ms"]:
+            alone, beside, rate = r["contention_ms"]
+            print(
+                f"    contention: compute alone {alone:.0f} ms, beside a stream of 1 MiB allreduces {beside:.0f} ms "
+                f"({beside / alone:.2f}x; the stream moved {rate:.1f} MiB/s meanwhile); medians of 5 alternations"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))
     return 0
