@@ -11,8 +11,9 @@ Checks:
 - ``nccl1``: world size 1 on NCCL: the same equality, primitives, ``bench.run_sweep``,
   ``co.tune`` and ``wrap(bucket_size_mb="auto")`` (every bookkeeping collective on the GPU);
 - in both: ``DistributedOptimizer`` (its default ``schedule="auto"``, which plans a launch
-  order after step 3; ``schedule="plan"``) and ``shard=True`` (reduce-scatter and all-gather: NCCL's own in place)
-  against DDP + the same SGD after 6 steps;
+  order after step 3; ``schedule="plan"``; a held launch order that sends buckets in chunks, each
+  an allreduce of a slice of the bucket's device buffer) and ``shard=True`` (reduce-scatter and
+  all-gather: NCCL's own in place) against DDP + the same SGD after 6 steps;
 - ``collective-ops bench --backend nccl`` (CLI, #wrong must be 0);
 - ``benchmarks/ddp_compare.py --backend nccl --world 1`` (step time and peak memory vs DDP).
 """
@@ -107,17 +108,34 @@ def optimizer_checks(rank: int, device: str) -> dict:
     cases = (
         ("DistributedOptimizer", {}),  # schedule="auto": a launch order planned after step 3
         ("DistributedOptimizer(schedule='plan')", {"schedule": "plan"}),
+        ("DistributedOptimizer, chunked held order", {"schedule": "plan"}),
         ("DistributedOptimizer(shard=True)", {"shard": True}),
     )
     for label, options in cases:
-        wrapped = co.wrap(build("transformer").to(device), bucket_size_mb=0.004, first_bucket_mb=0.001)
+        wrap_options = {"rebuild_buckets": False} if "chunked" in label else {}
+        wrapped = co.wrap(build("transformer").to(device), bucket_size_mb=0.004, first_bucket_mb=0.001, **wrap_options)
         optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=0.05, momentum=0.9, **options)
+        if "chunked" in label:
+            _hold_in_chunks(wrapped.manager)
         ours = train(wrapped, optimizer)
         out[label] = {
             "differ": [k for k in reference if not np.array_equal(reference[k], ours[k])],
-            "order": "planned" if getattr(optimizer, "schedule_report", None) else "plan order",
+            "order": "planned"
+            if getattr(optimizer, "schedule_report", None)
+            else ("chunked" if len(wrapped.manager.launch_order) > len(wrapped.manager.plan.buckets) else "plan order"),
         }
     return out
+
+
+def _hold_in_chunks(manager) -> None:
+    """Every chunkable bucket in 3 chunks; the first 4 and the last 4 chunks held for the end of backward."""
+    from collective_ops.bucketing.schedule import held_order
+
+    count = len(manager.plan.buckets)
+    bucket_of = [b for b in range(count) for _ in range(3 if manager.chunkable(b) else 1)]
+    needs = [u for b in reversed(range(count)) for u, of in enumerate(bucket_of) if of == b]
+    units = held_order(len(bucket_of), len(bucket_of) - 4, 4, needs)
+    manager.set_launch_order([bucket_of[u] for u in units])
 
 
 def primitive_checks(rank: int, world: int, device: str) -> dict:

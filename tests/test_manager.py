@@ -111,6 +111,9 @@ def test_a_launch_order_sends_a_bucket_in_chunks_at_its_places(engine, monkeypat
     assert manager.last_stats.collectives == 5 and manager.last_stats.bytes_communicated == 6 * 4000
     with pytest.raises(ValueError, match="more chunks than elements"):
         manager.set_launch_order([0] * 2001 + [1, 2])
+    manager.set_launch_order([0, 1, 0, 2])
+    manager.set_comm_hook(hook_for_compression("fp16"))  # it reduces whole buckets: back to plan order
+    assert manager.launch_order == (0, 1, 2)
     compressed, _ = make(engine, comm_hook=hook_for_compression("fp16"))
     with pytest.raises(ValueError, match=r"bucket\(s\) \[0\] more than once"):
         compressed.set_launch_order([0, 1, 0, 2])

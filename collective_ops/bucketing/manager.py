@@ -173,6 +173,8 @@ class BucketManager:
         if self.in_progress or self._deferred:
             raise RuntimeError("cannot change the comm hook while a step's buckets are in flight")
         self.comm_hook = hook
+        if max(self._chunks) > 1 and not all(self.chunkable(b) for b in range(len(self.plan.buckets))):
+            self.set_launch_order(None)  # chunks were for the default allreduce: this hook reduces whole buckets
         if not reduces_rows(hook):
             self.row_sparse = None  # a custom hook reduces the whole bucket: the tables now go dense
         self._prescale_on_copy = prescale_on_copy
@@ -458,13 +460,13 @@ class BucketManager:
             self._launch_prescaled[bucket_index] = self._prepare_launch(bucket_index)
         prescaled = self._launch_prescaled[bucket_index]
         if chunks == 1:
-            self._handles[bucket_index] = self._call_hook(bucket_index, self.buffers[bucket_index], prescaled, 1.0)
+            self._handles[bucket_index] = self._call_hook(bucket_index, self.buffers[bucket_index], prescaled)
         else:
             if chunk == 0:
                 self._handles[bucket_index] = ChunkedHandle(chunks)
             start, numel = chunk_bounds(bucket.numel, chunks)[chunk]
             piece = self.engine.segment(self.buffers[bucket_index], start, numel)
-            self._handles[bucket_index].add(self._call_hook(bucket_index, piece, prescaled, numel / bucket.numel))
+            self._handles[bucket_index].add(self._call_hook(bucket_index, piece, prescaled, numel))
         if chunk == 0 and self.observer is not None:
             self.observer.bucket_launched(self, bucket_index)
 
@@ -483,8 +485,8 @@ class BucketManager:
         self._stats.buckets[bucket_index].launched = time.perf_counter()
         return prescaled
 
-    def _call_hook(self, bucket_index: int, buffer: Any, prescaled: bool, fraction: float) -> Handle:
-        """The comm hook on ``buffer`` (the bucket's, or a ``fraction`` of it: one chunk)."""
+    def _call_hook(self, bucket_index: int, buffer: Any, prescaled: bool, chunk_numel: int | None = None) -> Handle:
+        """The comm hook on ``buffer``: the bucket's, or one chunk of it (``chunk_numel`` elements)."""
         bucket = self.plan.buckets[bucket_index]
         ctx = BucketContext(
             bucket,
@@ -505,8 +507,11 @@ class BucketManager:
                 raise self._give_up(bucket_index, exc) from exc
             raise
         self._stats.collectives += 1
-        share = fraction if ctx.row_sparse is None else ctx.row_sparse.sent_share()
-        self._stats.bytes_communicated += int(bucket.nbytes * share)
+        if chunk_numel is not None:
+            self._stats.bytes_communicated += bucket.nbytes * chunk_numel // bucket.numel
+        else:
+            share = 1.0 if ctx.row_sparse is None else ctx.row_sparse.sent_share()
+            self._stats.bytes_communicated += int(bucket.nbytes * share)
         return handle
 
     def _scale_the_rest(self, bucket_index: int) -> bool:
