@@ -129,13 +129,10 @@ def optimizer_checks(rank: int, device: str) -> dict:
 
 def _hold_in_chunks(manager) -> None:
     """Every chunkable bucket in 3 chunks; the first 4 and the last 4 chunks held for the end of backward."""
-    from collective_ops.bucketing.schedule import held_order
+    from collective_ops.bucketing.schedule import held_order_in_chunks
 
-    count = len(manager.plan.buckets)
-    bucket_of = [b for b in range(count) for _ in range(3 if manager.chunkable(b) else 1)]
-    needs = [u for b in reversed(range(count)) for u, of in enumerate(bucket_of) if of == b]
-    units = held_order(len(bucket_of), len(bucket_of) - 4, 4, needs)
-    manager.set_launch_order([bucket_of[u] for u in units])
+    chunks = [3 if manager.chunkable(b) else 1 for b in range(len(manager.plan.buckets))]
+    manager.set_launch_order(held_order_in_chunks(chunks, sum(chunks) - 4, 4))
 
 
 def primitive_checks(rank: int, world: int, device: str) -> dict:

@@ -554,15 +554,12 @@ def optimizer_checks(rank: int, world: int) -> dict:
     )
 
     def held_back_in_chunks(wrapped) -> None:  # a chunked order, as schedule="auto" may pick: chunks held too
-        from collective_ops.bucketing.schedule import held_order
+        from collective_ops.bucketing.schedule import held_order_in_chunks
 
         manager = wrapped.manager
-        count = len(manager.plan.buckets)
-        bucket_of = [b for b in range(count) for _ in range(3 if manager.chunkable(b) else 1)]
-        needs = [u for b in reversed(range(count)) for u, of in enumerate(bucket_of) if of == b]
-        units = held_order(len(bucket_of), len(bucket_of) - 4, 4, needs)
-        manager.set_launch_order([bucket_of[u] for u in units])
-        assert len(manager.launch_order) > count  # some bucket is sent in chunks
+        chunks = [3 if manager.chunkable(b) else 1 for b in range(len(manager.plan.buckets))]
+        manager.set_launch_order(held_order_in_chunks(chunks, sum(chunks) - 4, 4))
+        assert max(chunks) > 1  # some bucket is sent in chunks
 
     out["held_in_chunks"] = _pair(
         rank,

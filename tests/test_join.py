@@ -92,6 +92,19 @@ def join_checks(rank: int, world: int) -> dict:
         distributed=True,
         arrange=held_back,
     )
+
+    def held_back_in_chunks(wrapped) -> None:  # a chunked order: the shadow steps send the same chunks
+        from collective_ops.bucketing.schedule import held_order_in_chunks
+
+        chunks = [3] * len(wrapped.manager.plan.buckets)
+        wrapped.manager.set_launch_order(held_order_in_chunks(chunks, sum(chunks) - 2, 2))
+
+    out["ours_distributed_held_in_chunks"] = _uneven(
+        rank,
+        co.wrap(build("mlp"), bucket_size_mb=0.01, rebuild_buckets=False),
+        distributed=True,
+        arrange=held_back_in_chunks,
+    )
     # sharded: a joined rank keeps updating its shards (and all-gathering them) in the steps it shadows
     out["ours_sharded"] = _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), distributed=True, shard=True)
     out["ours_sharded_join_class"] = _uneven(
@@ -121,6 +134,7 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
             ("ours_distributed", "ddp"),
             ("ours_distributed_join_class", "ddp"),
             ("ours_distributed_held", "ddp"),
+            ("ours_distributed_held_in_chunks", "ddp"),
             ("ours_lm", "ddp_lm"),
             ("ours_lm_distributed", "ddp_lm"),
             ("ours_sharded", "ddp"),

@@ -10,6 +10,7 @@ from collective_ops.bucketing.schedule import (
     chunk_counts,
     chunked_profile,
     held_order,
+    held_order_in_chunks,
     plan_order,
     simulate_order,
     simulate_sharded,
@@ -186,6 +187,7 @@ def test_a_chunked_profile_keeps_each_buckets_bytes_ready_time_and_forward() -> 
     assert units.needs() == (3, 0, 1, 2)  # bucket 1 first (reverse plan order), then bucket 0's chunks together
     assert list(units.forward_s) == [0.0, 0.0, 0.5, 1.0] and units.lead_s == 0.25
     assert chunk_counts([10, 3, 4], [True, True, False], 4) == [3, 1, 1]
+    assert held_order_in_chunks([2, 1], 2, 1) == (0, 1, 0) and held_order_in_chunks([1, 1], 2) == (0, 1)
     with pytest.raises(ValueError, match="at least 1 chunk"):
         chunked_profile(profile, [0, 1])
 

@@ -117,6 +117,17 @@ def held_order(
     return sent + tuple(b for b in needs if not deferred <= b < held_from)
 
 
+def held_order_in_chunks(chunks: Sequence[int], held_from: int, deferred: int = 0) -> tuple[int, ...]:
+    """:func:`held_order` over chunk positions, as a launch order: bucket ``b`` listed ``chunks[b]`` times.
+
+    The cuts count chunks in plan order; held chunks go in the forward's order (reverse plan order,
+    a bucket's chunks together). ``held_order_in_chunks([2, 1], 2, 1)`` is ``(0, 1, 0)``.
+    """
+    bucket_of = [bucket for bucket, count in enumerate(chunks) for _ in range(count)]
+    needs = [unit for bucket in reversed(range(len(chunks))) for unit, of in enumerate(bucket_of) if of == bucket]
+    return tuple(bucket_of[unit] for unit in held_order(len(bucket_of), held_from, deferred, needs))
+
+
 def simulate_order(order: Sequence[int], profile: StepProfile, cost: Callable[[int], float]) -> tuple[float, float]:
     """(forward end, forward wait) for buckets launched strictly in ``order`` on one serial channel.
 
