@@ -537,38 +537,23 @@ def optimizer_checks(rank: int, world: int) -> dict:
             rank, lambda n=name: build(n), "adamw", model_cls=MLP, steps=6, wrap_kwargs={"comm_hook": late_allreduce}
         )
 
-    def held_back(wrapped) -> None:  # what schedule="auto" sets up: the first and last buckets held
-        from collective_ops.bucketing.schedule import held_order
-
-        count = len(wrapped.manager.plan.buckets)
-        order = held_order(count, count - 2, 2)
-        wrapped.manager.set_launch_order(order)
-
-    out["held"] = _pair(
-        rank,
-        lambda: build("transformer"),
-        "sgd",
-        model_cls=TinyTransformer,
-        wrap_kwargs={"rebuild_buckets": False},
-        arrange=held_back,
-    )
-
-    def held_back_in_chunks(wrapped) -> None:  # a chunked order, as schedule="auto" may pick: chunks held too
-        from collective_ops.bucketing.schedule import held_order_in_chunks
+    def held_back(wrapped, chunks: int, held: int) -> None:  # what schedule="auto" sets up: the first and last
+        from collective_ops.bucketing.schedule import held_order_in_chunks  # buckets (or chunks) held
 
         manager = wrapped.manager
-        chunks = [3 if manager.chunkable(b) else 1 for b in range(len(manager.plan.buckets))]
-        manager.set_launch_order(held_order_in_chunks(chunks, sum(chunks) - 4, 4))
-        assert max(chunks) > 1  # some bucket is sent in chunks
+        counts = [chunks if manager.chunkable(b) else 1 for b in range(len(manager.plan.buckets))]
+        manager.set_launch_order(held_order_in_chunks(counts, sum(counts) - held, held))
+        assert (max(counts) > 1) == (chunks > 1)  # "held_in_chunks" sends some bucket in chunks
 
-    out["held_in_chunks"] = _pair(
-        rank,
-        lambda: build("transformer"),
-        "adamw",
-        model_cls=TinyTransformer,
-        wrap_kwargs={"rebuild_buckets": False},
-        arrange=held_back_in_chunks,
-    )
+    for name, opt_kind, chunks, held in (("held", "sgd", 1, 2), ("held_in_chunks", "adamw", 3, 4)):
+        out[name] = _pair(
+            rank,
+            lambda: build("transformer"),
+            opt_kind,
+            model_cls=TinyTransformer,
+            wrap_kwargs={"rebuild_buckets": False},
+            arrange=functools.partial(held_back, chunks=chunks, held=held),
+        )
 
     def unused_net():
         torch.manual_seed(0)
