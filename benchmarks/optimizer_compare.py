@@ -8,7 +8,8 @@ torch DDP with each ``bucket_cap_mb`` of the hand sweep {1, 2, 5, 10, 25, 50} an
 optimizer; ``wrap(bucket_size_mb="auto")`` with a plain optimizer; and
 ``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults (its planned
 launch order, ``schedule="auto"``; ``--schedule auto plan`` adds plan order; the simulator's
-step for both orders is printed beside the measured ones; ``--shard`` adds ``shard=True``). Same optimizer
+step for both orders is printed beside the measured ones; ``--shard`` adds ``shard=True``;
+``--whole-buckets`` adds one that weighs no chunked orders). Same optimizer
 class everywhere (SGD, or AdamW with ``--optimizer adamw``). With ``--compression fp16``
 the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Each
 DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
@@ -39,6 +40,7 @@ from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_ste
 
 DDP_SWEEP_MB = (1, 2, 5, 10, 25, 50)
 SHARDED = "wrap auto + DistributedOptimizer(shard=True)"
+WHOLE = "wrap auto + DistributedOptimizer, whole buckets"
 
 
 def _optimizer(args):
@@ -69,6 +71,12 @@ def _setups(args, name: str, batches: list) -> dict:
             else cls(wrapped.parameters(), **kwargs)
         )
         setups[label] = (wrapped, optimizer, batches)
+    if args.whole_buckets:
+        model, _ = build_model(name)
+        wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
+        optimizer = co.DistributedOptimizer(wrapped, cls, **kwargs)
+        optimizer.chunk_candidates_mib = ()
+        setups[WHOLE] = (wrapped, optimizer, batches)
     if args.shard:
         model, _ = build_model(name)
         wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
@@ -231,6 +239,11 @@ def main(argv=None) -> int:
         help="DistributedOptimizer's schedule(s) (default auto, its own default): each one a setup of the race",
     )
     parser.add_argument("--shard", action="store_true", help="also race DistributedOptimizer(shard=True)")
+    parser.add_argument(
+        "--whole-buckets",
+        action="store_true",
+        help="also race the DistributedOptimizer planning whole-bucket orders only (chunk_candidates_mib=())",
+    )
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
     parser.add_argument(
         "--block",

@@ -635,9 +635,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
     # run in turn against plan order, the fastest kept: every forward's order recorded, weights against DDP
     from collective_ops.adapters import torch_optimizer
 
-    torch_optimizer.CHUNK_CANDIDATES_MIB = (0.002,)  # 4 KB buckets: chunked orders are weighed too
     model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001)
     opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
+    opt.chunk_candidates_mib = (0.002,)  # 4 KB buckets: chunked orders are weighed too
     ran, overlapped = [], []
 
     def note(module, args):

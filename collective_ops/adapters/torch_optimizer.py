@@ -69,7 +69,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     plans the launch order once per bucket plan from a measured step: the buckets the next
     forward needs first, ready last in backward, are sent first at its end, ahead of those
     held from earlier in backward (and, with ``bucket_size_mb="auto"``, the bucket size by the
-    same simulated step). Orders that send large buckets in chunks (``CHUNK_CANDIDATES_MIB``),
+    same simulated step). Orders that send large buckets in chunks (of each size in MiB of
+    ``opt.chunk_candidates_mib``, default ``CHUNK_CANDIDATES_MIB``; ``()``: whole buckets only),
     part in backward and part held, are weighed too. The simulator's two best whole-bucket
     orders and its best chunked one then run in turn with plan order and with every bucket
     finished in backward (``TRIAL_ROUNDS`` x ``TRIAL_BLOCK_STEPS`` steps each),
@@ -79,6 +80,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     """
 
     shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
+    chunk_candidates_mib: tuple[float, ...] = CHUNK_CANDIDATES_MIB  # chunk sizes schedule="auto" weighs
     # GradScaler.step(opt) then calls step(grad_scaler=scaler) instead of unscaling gradients itself:
     # it would read them while their reductions are still in flight.
     _step_supports_amp_scaling = True
@@ -657,7 +659,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _ranked_orders(self, stats: Any, plan: Any, cost: Any, chunked: bool = False) -> list[OrderPrediction]:
         """Every candidate launch order of ``plan``, simulated from the timed step, best first; with ``chunked``
-        also those sending its chunkable buckets in chunks of each of ``CHUNK_CANDIDATES_MIB`` (slower to plan:
+        also those sending its chunkable buckets in chunks of each of ``chunk_candidates_mib`` (slower to plan:
         not for the bucket-size tune, which weighs many plans)."""
         manager = self.model.manager
         wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
@@ -671,7 +673,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             return ranked
         chunkable = [manager.chunkable(b, plan) for b in range(len(plan.buckets))]
         tried = set()
-        for mib in CHUNK_CANDIDATES_MIB:
+        for mib in self.chunk_candidates_mib:
             chunks = tuple(chunk_counts([b.nbytes for b in plan.buckets], chunkable, int(mib * MIB)))
             if max(chunks) > 1 and chunks not in tried:
                 tried.add(chunks)
