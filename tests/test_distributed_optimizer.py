@@ -703,6 +703,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
         "needs_closure": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.LBFGS),
         "group_mutation": counting_step,
         "second_optimizer": second_optimizer,
+        "chunk_sizes": lambda: setattr(
+            co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1), "chunk_candidates_mib", (2, 0)
+        ),
     }.items():
         try:
             call()
@@ -893,6 +896,7 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "CountingSGD.step() changed param_groups[0]['k']" in errors["group_mutation"]
     assert "co.wrap(net)" in errors["group_mutation"]
     assert "one per model" in errors["second_optimizer"] and "plain torch.optim" in errors["second_optimizer"]
+    assert "each positive and finite" in errors["chunk_sizes"] and "(2, 0)" in errors["chunk_sizes"]
 
 
 def three_rank_checks(rank: int, world: int) -> dict:

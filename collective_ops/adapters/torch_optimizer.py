@@ -80,7 +80,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     """
 
     shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
-    chunk_candidates_mib: tuple[float, ...] = CHUNK_CANDIDATES_MIB  # chunk sizes schedule="auto" weighs
+    _chunk_candidates_mib: tuple[float, ...] = CHUNK_CANDIDATES_MIB
     # GradScaler.step(opt) then calls step(grad_scaler=scaler) instead of unscaling gradients itself:
     # it would read them while their reductions are still in flight.
     _step_supports_amp_scaling = True
@@ -198,6 +198,22 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self._trial is not None:
             return True
         return self._plans_schedule() and self.model.manager.steps_synced <= SCHEDULE_AFTER_STEPS
+
+    @property
+    def chunk_candidates_mib(self) -> tuple[float, ...]:
+        """The chunk sizes (MiB) ``schedule="auto"`` weighs for buckets larger than them; ``()``: whole buckets only.
+        Set before the schedule is planned (the 4th forward)."""
+        return self._chunk_candidates_mib
+
+    @chunk_candidates_mib.setter
+    def chunk_candidates_mib(self, sizes: Any) -> None:
+        sizes = tuple(sizes)
+        if not all(isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m < float("inf") for m in sizes):
+            raise ValueError(
+                f"chunk_candidates_mib must be chunk sizes in MiB, each positive and finite (e.g. (2, 0.5)), or () "
+                f"for whole buckets only; got {sizes!r}"
+            )
+        self._chunk_candidates_mib = tuple(float(m) for m in sizes)
 
     @property
     def in_flight(self) -> bool:
@@ -673,7 +689,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             return ranked
         chunkable = [manager.chunkable(b, plan) for b in range(len(plan.buckets))]
         tried = set()
-        for mib in self.chunk_candidates_mib:
+        for mib in self._chunk_candidates_mib:
             chunks = tuple(chunk_counts([b.nbytes for b in plan.buckets], chunkable, int(mib * MIB)))
             if max(chunks) > 1 and chunks not in tried:
                 tried.add(chunks)
