@@ -688,9 +688,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not chunked:
             return ranked
         chunkable = [manager.chunkable(b, plan) for b in range(len(plan.buckets))]
+        nbytes = [bucket.nbytes for bucket in plan.buckets]
         tried = set()
         for mib in self._chunk_candidates_mib:
-            chunks = tuple(chunk_counts([b.nbytes for b in plan.buckets], chunkable, int(mib * MIB)))
+            chunks = tuple(chunk_counts(nbytes, chunkable, int(mib * MIB)))
             if max(chunks) > 1 and chunks not in tried:
                 tried.add(chunks)
                 ranked += plan_order(profile, price, chunks=chunks)

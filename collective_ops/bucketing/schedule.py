@@ -27,6 +27,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .plan import chunk_bounds
+
 
 @dataclass(frozen=True)
 class StepProfile:
@@ -199,7 +201,7 @@ def chunked_profile(profile: StepProfile, chunks: Sequence[int]) -> tuple[StepPr
     for bucket, (size, count) in enumerate(zip(profile.nbytes, chunks)):
         units_of.append(list(range(len(bucket_of), len(bucket_of) + count)))
         bucket_of += [bucket] * count
-        nbytes += [size * (k + 1) // count - size * k // count for k in range(count)]
+        nbytes += [part for _, part in chunk_bounds(size, count)]  # the manager's cut, in bytes
     forward_s = [0.0] * len(bucket_of)
     needs: list[int] = []
     for bucket in profile.needs():
