@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -174,6 +175,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._make_views()
         self._step_end_owed = False  # this backward delivered gradients: _end_of_backward finalizes the step
         self._end_of_backward_queued = False  # by a hook on this forward's outputs, on the outermost backward
+        # when a backward last reached this forward's outputs, and when the last reducing backward began: there,
+        # or at its first gradient if it did not pass the outputs (the DistributedOptimizer's order trial times
+        # whole steps: from the outputs, the output layer's backward before its first gradient counts too)
+        self._outputs_reached_at: float | None = None
+        self.backward_began: float | None = None
         self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
         self._nonfinite_local: list[str] = []
         # Each bucket's gradient tensors while a DistributedOptimizer owns them, from the end of backward until
@@ -269,6 +275,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite_local.append(self._param_names[index])
         if not self._step_end_owed:  # this backward's first gradient
+            self.backward_began = self._outputs_reached_at or time.perf_counter()
+            self._outputs_reached_at = None
             if self.optimizer is not None:
                 self.optimizer.backward_starts()
             if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
@@ -283,6 +291,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         it (a reentrant checkpoint around the output layer runs one of its own), which ends before the
         outer backward has delivered the gradients of the layers outside the checkpoint.
         """
+        self._outputs_reached_at = time.perf_counter()
         if self._end_of_backward_queued or not self.manager.sync_enabled:
             return
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

@@ -636,9 +636,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """One step of the order trial measured (its forward, backward and step(), this model's own time, so
         other work between steps does not count); the next order set, or, once over, the fastest kept."""
         trial, manager, now = self._trial, self.model.manager, time.perf_counter()
-        # backward until it returned: at its end where it finished every bucket, as it launched the last if deferred
+        # backward from where it reached the model's outputs (the output layer's backward, before the first
+        # gradient, is the step's too) until it returned: at its end where it finished every bucket, as it
+        # launched the last if deferred
         ended = stats.finalize_start if self._defers_now else (stats.finalize_end or stats.finalize_start)
-        backward = (ended or 0.0) - (stats.backward_start or 0.0)
+        began = stats.backward_start or 0.0
+        if self.model.backward_began is not None:
+            began = min(began, self.model.backward_began)
+        backward = (ended or 0.0) - began
         forward = now - self._forward_start if self._forward_start is not None else 0.0
         trial.record(forward + max(backward, 0.0) + self._step_seconds)
         if not trial.done:
