@@ -15,9 +15,9 @@ pytestmark = requires_mindspore
 # a start costs ~15-20 s here. The PyNative adapter runs last: it starts the trace its test reads. The
 # GRAPH adapter sets MindSpore's data-parallel context (for nn.TrainOneStepCell's own reducer) and leaves it.
 SUITES = {
-    ("pynative", 2): ("primitives", "bench", "join", "model_train", "sharded", "adapter"),
+    ("pynative", 2): ("primitives", "bench", "join", "model_train", "loss_scale", "sharded", "adapter"),
     ("pynative", 3): ("join", "sharded", "adapter:1e-06"),
-    ("graph", 2): ("model_train", "adapter"),
+    ("graph", 2): ("model_train", "loss_scale", "adapter"),
 }
 
 
@@ -165,6 +165,26 @@ def test_model_train_equals_model_under_mindspores_data_parallel(mode: str) -> N
             assert_identical(out["loaded"], out["ours"], "checkpoint loaded into a plain network")
         else:
             assert out["checkpoint_files"] == []
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_loss_scaled_steps_equal_mindspores_cell_and_an_overflow_is_skipped_on_every_rank(mode: str) -> None:
+    """Our TrainOneStepWithLossScaleCell (dynamic scale 2**10) on each path against MindSpore's under
+    DATA_PARALLEL: losses, overflow flags, scales and weights to the bit; the last rank's inf at step 2
+    makes every rank skip it and halve the scale."""
+    results = results_of(mode, 2, "loss_scale")
+    paths = {"hooks": "overlap", "after backward": "fused-after-backward (compiled)"}
+    if mode == "graph":
+        paths = {"in graph": "in-graph (compiled)"}
+    for rank, out in enumerate(results):
+        reference = out["reference"]["steps"]
+        assert [overflow for _loss, overflow, _scale in reference] == [step == 2 for step in range(6)]
+        scales = [scale for _loss, _overflow, scale in reference]
+        assert scales[1] == 2 * scales[0] and scales[2] == scales[1] / 2, scales  # grown after 2 steps, then halved
+        for path, reduced_by in paths.items():
+            assert out[path]["mode"] == reduced_by
+            assert out[path]["steps"] == reference, f"{path}, rank {rank}"
+            assert_identical(out[path]["weights"], out["reference"]["weights"], f"{path} ({mode}), rank {rank}")
 
 
 @pytest.mark.parametrize("world", [2, 3])

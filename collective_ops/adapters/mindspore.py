@@ -403,6 +403,75 @@ class TrainOneStepCell(nn.TrainOneStepCell):
         self.reducer_flag = True
 
 
+_nonfinite = ms.ops.MultitypeFuncGraph("_nonfinite")
+
+
+@_nonfinite.register("Tensor")
+def _tensor_nonfinite(grad: ms.Tensor) -> ms.Tensor:
+    """1.0 where ``grad`` holds an inf or a NaN, else 0.0."""
+    return 1.0 - ms.ops.IsFinite()(grad).all().astype(ms.float32)
+
+
+_unscale = ms.ops.MultitypeFuncGraph("_unscale")
+
+
+@_unscale.register("Tensor", "Tensor")
+def _tensor_unscale(scale: ms.Tensor, grad: ms.Tensor) -> ms.Tensor:
+    """MindSpore's own unscaling arithmetic: times the scale's reciprocal, in the gradient's dtype."""
+    return grad * ms.ops.cast(ms.ops.Reciprocal()(scale), grad.dtype)
+
+
+class TrainOneStepWithLossScaleCell(nn.TrainOneStepWithLossScaleCell):
+    """``nn.TrainOneStepWithLossScaleCell`` (mixed precision: a static or dynamic loss scale) whose gradient
+    reducer is collective_ops'.
+
+    The still-scaled gradients are reduced, then unscaled: with ``overlap`` the parameter hooks
+    launched their buckets during backward, before anything could unscale them (MindSpore's cell
+    unscales first). For a power-of-two scale (``DynamicLossScaleUpdateCell`` keeps one if it
+    starts at one) scaling is exact, so the result is MindSpore's bit for bit; for another scale
+    it is within rounding. Every rank takes the same decision to skip a step: the overflow flag is
+    summed over ranks (as MindSpore's cell does in data-parallel mode), and an inf or NaN in any
+    rank's gradient reaches every rank's reduced gradient anyway. On CPU, which has none of the
+    Ascend/GPU float-status kernels, the overflow is an inf or NaN in the reduced gradients.
+    """
+
+    def __init__(
+        self, network: nn.Cell, optimizer: nn.Optimizer, data_parallel: DataParallel, scale_sense: Any
+    ) -> None:
+        super().__init__(network, optimizer, scale_sense)
+        weights = list(self.weights)
+        if _pynative():
+            self.grad_reducer = _EagerReducer(data_parallel, weights)
+        else:
+            self.grad_reducer = data_parallel.graph_reducer(weights)
+        self.reducer_flag = True
+        self.is_distributed = data_parallel.engine.world_size > 1  # the overflow flag summed over ranks
+        self._cpu = ms.get_context("device_target") == "CPU"
+
+    def construct(self, *inputs: Any) -> Any:
+        loss = self.network(*inputs)
+        scaling_sens = self.scale_sense
+        status = ms.Tensor([0] * 8, ms.int32)
+        scaling_sens_filled = ms.ops.ones_like(loss) * ms.ops.cast(scaling_sens, ms.ops.dtype(loss))
+        grads = self.grad(self.network, self.weights)(*inputs, scaling_sens_filled)
+        grads = self.grad_reducer(grads)  # still scaled: what the hooks saw
+        grads = self.hyper_map(ms.ops.partial(_unscale, scaling_sens), grads)
+        cond = self.get_overflow_status(status, grads)
+        overflow = self.process_loss_scale(cond)
+        if not overflow:
+            loss = ms.ops.depend(loss, self.optimizer(grads))
+        return loss, cond, scaling_sens
+
+    def get_overflow_status(self, status: Any, compute_output: Any) -> Any:
+        """MindSpore's check on Ascend/GPU; on CPU, an inf or NaN in any (reduced) gradient of any rank."""
+        if not self._cpu:
+            return super().get_overflow_status(status, compute_output)
+        flags = ms.ops.AddN()(self.hyper_map(_nonfinite, compute_output))
+        if self.is_distributed:
+            flags = self.allreduce(flags)
+        return self.less_equal(self.base, flags)
+
+
 class _EagerReducer(nn.Cell):
     """``DataParallel.reduce`` as a Cell (PyNative runs ``construct`` as Python)."""
 
