@@ -41,11 +41,22 @@ def _profile(forward: float = 10.0) -> StepProfile:
 
 
 def test_simulation_by_hand() -> None:
-    cost = lambda nbytes: 2.0 * nbytes  # noqa: E731  (20 ms per bucket: the channel is the bottleneck)
+    cost = lambda nbytes, queued: 2.0 * nbytes  # noqa: E731  (20 ms per bucket: the channel is the bottleneck)
     # plan order: done at 30, 50, 70, 90; forward waits for bucket 3 (90), then runs 4 x 10 ms
     assert simulate_order((0, 1, 2, 3), _profile(), cost) == (130.0, 50.0)
     # hold 2 and 3, send 3 first: done 0:30, 1:50, 3:70, 2:90 -> forward 70+10, waits for 2 until 90, +10, +10, +10
     assert simulate_order((0, 1, 3, 2), _profile(), cost) == (120.0, 40.0)
+
+
+def test_a_collective_launched_behind_a_busy_channel_is_priced_as_queued() -> None:
+    cost = lambda nbytes, queued: (0.0 if queued else 1.0) + nbytes  # noqa: E731  (latency 1 s, overlapped if queued)
+    # bucket 1 launched at 0.5 while bucket 0 is on the wire (0..11): 10 s more, done at 21; the forward (from 0.5,
+    # no compute) waits for it
+    busy = StepProfile(ready_s=[0.0, 0.5], nbytes=[10, 10], backward_end_s=0.5, forward_s=[0.0, 0.0])
+    assert simulate_order((0, 1), busy, cost) == (21.0, 20.5)
+    # bucket 1 ready at 12, after the channel went idle at 11: its latency too, done at 23
+    idle = StepProfile(ready_s=[0.0, 12.0], nbytes=[10, 10], backward_end_s=12.0, forward_s=[0.0, 0.0])
+    assert simulate_order((0, 1), idle, cost) == (23.0, 11.0)
 
 
 def test_sharded_simulation_by_hand() -> None:
@@ -73,7 +84,7 @@ def test_simulation_with_a_measured_forward_by_hand() -> None:
         forward_start_s=45.0,
         lead_s=7.0,
     )
-    cost = lambda nbytes: 1.0 * nbytes  # noqa: E731
+    cost = lambda nbytes, queued: 1.0 * nbytes  # noqa: E731
     # done 0:20 1:30 2:40 3:50; clock 45 -> waits 5 for 3 -> 50, 2 done -> 56, 1 -> 60, 0 -> 61
     assert simulate_order((0, 1, 2, 3), profile, cost) == (61.0, 5.0)
     plain = next(p for p in plan_order(profile, cost) if p.is_plan_order)
@@ -81,7 +92,7 @@ def test_simulation_with_a_measured_forward_by_hand() -> None:
 
 
 def test_planner_holds_the_tail_when_the_link_is_the_bottleneck() -> None:
-    best = plan_order(_profile(), lambda nbytes: 2.0 * nbytes)[0]
+    best = plan_order(_profile(), lambda nbytes, queued: 2.0 * nbytes)[0]
     assert best.order[-1] != 3 and best.forward_end_s < 130.0
     assert best.order == held_order(4, best.held_from, best.deferred)
 
@@ -93,22 +104,22 @@ def test_planner_defers_a_big_first_ready_bucket_the_forward_needs_last() -> Non
     profile = StepProfile(
         ready_s=[1.0, 15.0, 30.0, 40.0], nbytes=[25, 15, 15, 15], backward_end_s=40.0, forward_s=[10.0] * 4
     )
-    ranked = plan_order(profile, lambda nbytes: 1.0 * nbytes)
+    ranked = plan_order(profile, lambda nbytes, queued: 1.0 * nbytes)
     best, plain = ranked[0], next(p for p in ranked if p.is_plan_order)
     assert (best.order, best.forward_end_s, plain.forward_end_s) == ((1, 2, 3, 0), 100.0, 111.0)
     assert min(p.forward_end_s for p in ranked if p.deferred == 0) == 101.0
 
 
 def test_planner_keeps_ready_order_when_communication_is_free() -> None:
-    best = plan_order(_profile(), lambda nbytes: 0.0)[0]
+    best = plan_order(_profile(), lambda nbytes, queued: 0.0)[0]
     assert best.order == (0, 1, 2, 3) and best.forward_wait_s == 0.0
 
 
 def test_a_profile_must_describe_every_bucket() -> None:
     with pytest.raises(ValueError, match="every bucket"):
-        plan_order(StepProfile([1.0], [1, 2], 1.0, [0.5]), lambda n: 0.0)
+        plan_order(StepProfile([1.0], [1, 2], 1.0, [0.5]), lambda nbytes, queued: 0.0)
     with pytest.raises(ValueError, match="not a permutation"):
-        plan_order(StepProfile([1.0, 2.0], [1, 2], 2.0, [0.5, 0.5], forward_order=[1, 1]), lambda n: 0.0)
+        plan_order(StepProfile([1.0, 2.0], [1, 2], 2.0, [0.5, 0.5], forward_order=[1, 1]), lambda nbytes, queued: 0.0)
 
 
 def test_the_forward_timeline_pairs_a_backward_with_the_forward_around_it() -> None:
@@ -195,7 +206,7 @@ def test_a_chunked_profile_keeps_each_buckets_bytes_ready_time_and_forward() -> 
 def test_chunks_let_a_large_bucket_ready_first_share_the_link_with_one_needed_first() -> None:
     # bucket 0: 4 s of transfer, ready first, needed last; bucket 1: 2 s, ready at 1 s, needed first.
     profile = StepProfile([0.0, 1.0], [4, 2], 1.5, [0.5, 1.0])
-    whole = plan_order(profile, lambda nbytes: float(nbytes))[0]
-    chunked = plan_order(profile, lambda nbytes: float(nbytes), chunks=[2, 1])[0]
+    whole = plan_order(profile, lambda nbytes, queued: float(nbytes))[0]
+    chunked = plan_order(profile, lambda nbytes, queued: float(nbytes), chunks=[2, 1])[0]
     assert whole.step_s == 7.5  # either whole bucket keeps the other waiting
     assert chunked.order == (0, 1, 0) and chunked.step_s == 6.5  # half of bucket 0 before bucket 1, half after

@@ -686,8 +686,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
         profile = self._timeline.profile(stats, plan, manager.wire_shares(plan))
 
-        def price(nbytes: int) -> float:
-            return cost.cost(int(nbytes * wire))
+        def price(nbytes: int, queued: bool) -> float:
+            return cost.cost(int(nbytes * wire), queued=queued)
 
         ranked = plan_order(profile, price)
         if not chunked:

@@ -11,8 +11,8 @@ ready order; the last ``n - held_from`` buckets (ready last, needed first) and t
 ``deferred`` ones (ready first, needed last: their transfer can overlap most of the forward)
 are held and sent in the forward's order. ``(0, n)`` is plain ready order.
 
-:func:`plan_order` simulates every candidate on one serial channel (``cost(nbytes)`` seconds
-per collective) and a forward that waits, bucket by bucket, for the ones it needs, and ranks
+:func:`plan_order` simulates every candidate on one serial channel (``cost(nbytes, queued)`` seconds
+per collective, :data:`Price`) and a forward that waits, bucket by bucket, for the ones it needs, and ranks
 them by the simulated step. With ``chunks`` it plans chunks instead of whole buckets (a bucket
 sent as several collectives, :func:`chunked_profile`), so a large bucket can be part sent in
 backward and part held. The result depends only on its inputs, so one rank plans and
@@ -130,18 +130,25 @@ def held_order_in_chunks(chunks: Sequence[int], held_from: int, deferred: int = 
     return tuple(bucket_of[unit] for unit in held_order(len(bucket_of), held_from, deferred, needs))
 
 
-def simulate_order(order: Sequence[int], profile: StepProfile, cost: Callable[[int], float]) -> tuple[float, float]:
+Price = Callable[[int, bool], float]
+"""Seconds for one collective of ``nbytes``; ``queued``: launched while the one before it was still on the
+channel (a backend that progresses several at once, as Gloo does, overlaps its latency with that transfer:
+:meth:`collective_ops.tuning.CostModel.cost`)."""
+
+
+def simulate_order(order: Sequence[int], profile: StepProfile, cost: Price) -> tuple[float, float]:
     """(forward end, forward wait) for buckets launched strictly in ``order`` on one serial channel.
 
-    A bucket launches once it is full and every bucket before it in ``order`` has launched; the
-    forward starts at ``profile.forward_start_s`` and needs buckets in ``profile.needs()``.
+    A bucket launches once it is full and every bucket before it in ``order`` has launched; one
+    launched while the channel is busy is priced as queued. The forward starts at
+    ``profile.forward_start_s`` and needs buckets in ``profile.needs()``.
     """
     done: dict[int, float] = {}
     launched = channel_free = 0.0
     for bucket in order:
         launched = max(launched, profile.ready_s[bucket])
         start = max(launched, channel_free)
-        channel_free = start + cost(profile.nbytes[bucket])
+        channel_free = start + cost(profile.nbytes[bucket], launched < channel_free)
         done[bucket] = channel_free
     start = profile.backward_end_s if profile.forward_start_s is None else profile.forward_start_s
     clock, waited = start, 0.0
@@ -220,7 +227,7 @@ def best_first(predictions: Sequence[OrderPrediction]) -> list[OrderPrediction]:
 
 
 def plan_order(
-    profile: StepProfile, cost: Callable[[int], float], max_cuts: int = 48, chunks: Sequence[int] | None = None
+    profile: StepProfile, cost: Price, max_cuts: int = 48, chunks: Sequence[int] | None = None
 ) -> list[OrderPrediction]:
     """Every ``(deferred, held_from)`` order, best first (ties: the fewest buckets held).
 
