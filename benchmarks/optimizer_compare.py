@@ -208,14 +208,18 @@ def _schedule_summary(optimizer) -> dict | None:
         # from a forward's end to the next backward's first gradient (loss, the last layer's backward): no
         # gradient of the step is ready and the last step's are all applied, so the link has nothing to carry
         "lead_ms": (kept.step_s - kept.forward_end_s) * 1e3,
+        # no launch order beats it: the link from when each bucket's bytes were ready, then the last-needed
+        # bucket's forward and the lead (schedule.step_bound, from the planner's own profile and fitted cost)
+        "step_bound_ms": optimizer.schedule_bound_s * 1e3 if optimizer.schedule_bound_s else None,
         "chunked_tried": [len(o) > len(trial["orders"][0]) for o in trial["orders"]] if trial else None,
     }
 
 
-def _print_lead_bound(r: dict, lead_ms: float, measured: float, best_ddp: float, default: float) -> None:
-    """The bound no launch order beats: the link idles through the lead, so a step is at least lead + link
-    (the link time of the bytes our step sent), and at least the compute alone."""
-    link = r["sent_link_ms"]
+def _print_lead_bound(r: dict, plan: dict, measured: float, best_ddp: float, default: float) -> None:
+    """The bounds no launch order beats: the link idles through the lead, so a step is at least lead + link
+    (the link time of the bytes our step sent, at the nominal rate), and at least the compute alone; tighter,
+    the planner's step bound (the link also idles in backward until enough bytes are ready, at its fitted rate)."""
+    link, lead_ms = r["sent_link_ms"], plan["lead_ms"]
     bound = max(r["compute_alone_ms"], lead_ms + link)
     print(
         f"    bound: max(compute alone {r['compute_alone_ms']:.0f} ms, lead {lead_ms:.0f} ms + link time of the bytes "
@@ -223,6 +227,15 @@ def _print_lead_bound(r: dict, lead_ms: float, measured: float, best_ddp: float,
         f"for the link); measured {measured / bound:.2f}x it; the bound is {bound / default:.3f}x DDP default, "
         f"{bound / best_ddp:.3f}x best DDP"
     )
+    if plan["step_bound_ms"]:
+        tight = max(r["compute_alone_ms"], plan["step_bound_ms"])
+        print(
+            f"    tighter: max(compute alone, the planner's step bound {plan['step_bound_ms']:.0f} ms: the link busy "
+            f"from when each bucket was ready, at the fitted rate, then the last-needed bucket's forward and the "
+            f"lead) = {tight:.0f} ms; measured {measured / tight:.2f}x it, the simulated best order "
+            f"{plan['simulated_best_ms'] / tight:.2f}x; the bound is {tight / default:.3f}x DDP default, "
+            f"{tight / best_ddp:.3f}x best DDP"
+        )
 
 
 def main(argv=None) -> int:
@@ -313,7 +326,7 @@ def main(argv=None) -> int:
                     + ("the order above, overlapped" if plan["overlapped"] else "every bucket finished in backward")
                 )
             if r["link_ms"]:
-                _print_lead_bound(r, plan["lead_ms"], measured, ms[best_key], default)
+                _print_lead_bound(r, plan, measured, ms[best_key], default)
         if r["contention_ms"]:
             alone, beside, rate = r["contention_ms"]
             print(

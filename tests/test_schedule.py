@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from collective_ops.bucketing.schedule import (
     OrderTrial,
@@ -14,6 +16,7 @@ from collective_ops.bucketing.schedule import (
     plan_order,
     simulate_order,
     simulate_sharded,
+    step_bound,
     step_profile,
 )
 
@@ -57,6 +60,43 @@ def test_a_collective_launched_behind_a_busy_channel_is_priced_as_queued() -> No
     # bucket 1 ready at 12, after the channel went idle at 11: its latency too, done at 23
     idle = StepProfile(ready_s=[0.0, 12.0], nbytes=[10, 10], backward_end_s=12.0, forward_s=[0.0, 0.0])
     assert simulate_order((0, 1), idle, cost) == (23.0, 11.0)
+
+
+def test_the_step_bound_counts_the_link_idle_before_the_first_buckets_are_ready() -> None:
+    cost = lambda nbytes, queued: 2.0 * nbytes  # noqa: E731
+    # nothing to send before 10; from bucket 0's ready time all 4 x 20 go back to back: the link ends at 90 at the
+    # earliest, then the forward computes at least bucket 0's 10 (needed last); the forward alone would end at 80
+    assert step_bound(_profile(), cost) == 100.0
+    assert step_bound(_profile(forward=40.0), cost) == 40.0 + 4 * 40.0  # a forward longer than the link
+    lead = StepProfile([10.0, 20.0, 30.0, 40.0], [10, 10, 10, 10], 40.0, [10.0] * 4, lead_s=7.0)
+    assert step_bound(lead, cost) == 107.0
+
+
+@st.composite
+def _profiles_and_costs(draw):
+    count = draw(st.integers(1, 5))
+    ready = sorted(draw(st.lists(st.floats(0, 50), min_size=count, max_size=count)))
+    profile = StepProfile(
+        ready_s=ready,
+        nbytes=draw(st.lists(st.integers(3, 40), min_size=count, max_size=count)),  # cut into up to 3 chunks
+        backward_end_s=ready[-1] + draw(st.floats(0, 10)),
+        forward_s=draw(st.lists(st.floats(0, 20), min_size=count, max_size=count)),
+        forward_order=draw(st.permutations(range(count))),
+        lead_s=draw(st.floats(0, 10)),
+    )
+    alpha, beta = draw(st.floats(0, 5)), draw(st.floats(0, 3))
+    alpha_queued = draw(st.floats(0, 1)) * alpha
+    chunks = draw(st.lists(st.integers(1, 3), min_size=count, max_size=count))
+    return profile, (lambda nbytes, queued: (alpha_queued if queued else alpha) + beta * nbytes), chunks
+
+
+@settings(max_examples=200, deadline=None)
+@given(_profiles_and_costs())
+def test_no_simulated_order_beats_the_step_bound(case) -> None:
+    profile, cost, chunks = case
+    bound = step_bound(profile, cost)
+    for prediction in plan_order(profile, cost) + plan_order(profile, cost, chunks=chunks):
+        assert prediction.step_s >= bound - 1e-9, (prediction, bound)
 
 
 def test_sharded_simulation_by_hand() -> None:

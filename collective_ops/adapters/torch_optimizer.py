@@ -38,10 +38,12 @@ from ..bucketing.row_sparse import wire_nbytes
 from ..bucketing.schedule import (
     OrderPrediction,
     OrderTrial,
+    Price,
     StepProfile,
     best_first,
     chunk_counts,
     plan_order,
+    step_bound,
     step_profile,
 )
 from ..bucketing.updates import PendingUpdates
@@ -132,6 +134,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.overlap = overlap
         self.schedule = schedule
         self.schedule_report: list[OrderPrediction] | None = None
+        # the step no launch order beats, from the profile and cost the planner used (schedule.step_bound)
+        self.schedule_bound_s: float | None = None
         self._scheduled_plan: Any = None  # the bucket plan the launch order was planned for
         self._trial: OrderTrial | None = None  # the shortlisted orders being run in turn
         self._trial_defers: tuple[bool, ...] = ()  # per trial candidate: overlapped (or finished in backward)
@@ -611,6 +615,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         cost = measure_alpha_beta()  # a collective: every rank is here
         count = len(manager.plan.buckets)
         predictions = self._ranked_orders(stats, manager.plan, cost, chunked=True) if complete else None
+        if complete:
+            self.schedule_bound_s = step_bound(*self._planner_inputs(stats, manager.plan, cost))
         orders = _broadcast_orders(engine, _shortlist(predictions or [], TRIAL_CANDIDATES, count))  # rank 0's
         self.schedule_report, self._scheduled_plan = predictions, manager.plan
         # Finishing every bucket in backward (as a plain optimizer sees it) is the first candidate: overlapping
@@ -683,12 +689,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         also those sending its chunkable buckets in chunks of each of ``chunk_candidates_mib`` (slower to plan:
         not for the bucket-size tune, which weighs many plans)."""
         manager = self.model.manager
-        wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
-        profile = self._timeline.profile(stats, plan, manager.wire_shares(plan))
-
-        def price(nbytes: int, queued: bool) -> float:
-            return cost.cost(int(nbytes * wire), queued=queued)
-
+        profile, price = self._planner_inputs(stats, plan, cost)
         ranked = plan_order(profile, price)
         if not chunked:
             return ranked
@@ -701,6 +702,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 tried.add(chunks)
                 ranked += plan_order(profile, price, chunks=chunks)
         return best_first(ranked)
+
+    def _planner_inputs(self, stats: Any, plan: Any, cost: Any) -> tuple[StepProfile, Price]:
+        """The timed step as the planner sees it for ``plan``, and the channel's price of a collective."""
+        wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
+        profile = self._timeline.profile(stats, plan, self.model.manager.wire_shares(plan))
+
+        def price(nbytes: int, queued: bool) -> float:
+            return cost.cost(int(nbytes * wire), queued=queued)
+
+        return profile, price
 
     def on_plan_change(self, plan: Any) -> None:
         """The model's buckets were replanned (first-step rebuild, auto-tune): a trial of the old plan's orders ends."""

@@ -158,6 +158,26 @@ def simulate_order(order: Sequence[int], profile: StepProfile, cost: Price) -> t
     return clock, waited
 
 
+def step_bound(profile: StepProfile, cost: Price) -> float:
+    """A step no launch order (whole buckets or chunks) beats, for the profile's compute and this channel.
+
+    The channel carries no byte of a bucket before the bucket is ready, and at best back to back
+    (every collective priced as queued) from then on: it cannot finish before the latest, over
+    the buckets, of a bucket's ready time plus the time of every byte ready no earlier. After the
+    last byte lands the forward still computes at least the last-needed bucket's part; the forward
+    cannot end before its start plus its compute either; the lead follows. (So the link's idle
+    start of backward, where little is ready, counts: ``lead + link time`` alone does not.)
+    """
+    by_ready = sorted(range(len(profile.ready_s)), key=lambda b: profile.ready_s[b])
+    channel_end, after = 0.0, 0.0
+    for bucket in reversed(by_ready):
+        after += cost(profile.nbytes[bucket], True)
+        channel_end = max(channel_end, profile.ready_s[bucket] + after)
+    start = profile.backward_end_s if profile.forward_start_s is None else profile.forward_start_s
+    forward_end = max(channel_end + profile.forward_s[profile.needs()[-1]], start + sum(profile.forward_s))
+    return profile.lead_s + forward_end
+
+
 def simulate_sharded(profile: StepProfile, reduce_s: Sequence[float], gather_s: Sequence[float]) -> OrderPrediction:
     """The sharded step (ZeRO-1) of :mod:`collective_ops.adapters.torch_sharded`, in plan order.
 
