@@ -44,6 +44,14 @@ def make(engine: TorchEngine, n: int = 6, numel: int = 1000, **kw) -> tuple[Buck
     return BucketManager(plan, engine, observer=recorder, **kw), recorder
 
 
+def test_a_compressing_hook_counts_the_bytes_it_puts_on_the_wire(engine) -> None:
+    manager, _ = make(engine, comm_hook=hook_for_compression("fp16"))
+    for index in range(6):
+        manager.mark_ready(index)
+    manager.finalize()
+    assert manager.last_stats.bytes_communicated == 6 * 1000 * 2  # float16 on the wire, not the float32 buffers
+
+
 def test_buckets_launch_in_plan_order_as_soon_as_possible(engine) -> None:
     manager, rec = make(engine)
     assert [list(b.param_indices) for b in manager.plan.buckets] == [[5, 4], [3, 2], [1, 0]]

@@ -154,6 +154,7 @@ def compression_hook(dtype: str) -> CommHook:
 
     hook.__name__ = f"{dtype}_compression_hook"
     hook.reduces_rows = True
+    hook.wire_itemsize = 2  # float16 and bfloat16: what each element costs on the wire (the step's byte count)
     return hook
 
 

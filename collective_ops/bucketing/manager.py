@@ -507,12 +507,18 @@ class BucketManager:
                 raise self._give_up(bucket_index, exc) from exc
             raise
         self._stats.collectives += 1
+        nbytes = self._wire_nbytes(bucket)  # and of a row-sparse table, the share of its rows sent
         if chunk_numel is not None:
-            self._stats.bytes_communicated += bucket.nbytes * chunk_numel // bucket.numel
+            self._stats.bytes_communicated += nbytes * chunk_numel // bucket.numel
         else:
             share = 1.0 if ctx.row_sparse is None else ctx.row_sparse.sent_share()
-            self._stats.bytes_communicated += int(bucket.nbytes * share)
+            self._stats.bytes_communicated += int(nbytes * share)
         return handle
+
+    def _wire_nbytes(self, bucket: Any) -> int:
+        """What reducing ``bucket`` puts on the wire: its bytes, or its elements at a compressing hook's size."""
+        itemsize = getattr(self.comm_hook, "wire_itemsize", None)
+        return bucket.nbytes if itemsize is None else bucket.numel * itemsize
 
     def _scale_the_rest(self, bucket_index: int) -> bool:
         """Scale, one segment each, the members not scaled on copy-in; True if the bucket had any that were.
@@ -721,7 +727,7 @@ class BucketManager:
         stats = StepStats(
             step=self.steps_synced,
             collectives=len(buckets),
-            bytes_communicated=sum(b.nbytes for b in buckets),
+            bytes_communicated=sum(self._wire_nbytes(b) for b in buckets),
             backward_start=start,
             finalize_start=start,
             finalize_end=end,
