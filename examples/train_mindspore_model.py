@@ -7,8 +7,10 @@ The training network is ``collective_ops.adapters.mindspore.TrainOneStepCell``: 
 ``nn.TrainOneStepCell`` whose gradient reducer is collective_ops' bucket reduction (hooks in
 PyNative mode, the plan compiled into the step in GRAPH mode with ``--graph``), in place of the
 ``DistributedGradReducer`` that ``Model(net, loss_fn, optimizer)`` builds in data-parallel
-mode. Rank 0 alone writes checkpoints; they load with ``mindspore.load_checkpoint`` into the
-plain network, without collective_ops. Data is synthetic, each rank its own shard.
+mode. With ``--loss-scale N`` it is ``TrainOneStepWithLossScaleCell`` instead, with a dynamic
+loss scale from N (mixed precision; every rank skips an overflowed step alike). Rank 0 alone writes
+checkpoints; they load with ``mindspore.load_checkpoint`` into the plain network, without
+collective_ops. Data is synthetic, each rank its own shard.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from mindspore import nn
 from mindspore.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint, TimeMonitor
 
 import collective_ops as co
-from collective_ops.adapters.mindspore import TrainOneStepCell
+from collective_ops.adapters.mindspore import TrainOneStepCell, TrainOneStepWithLossScaleCell
 
 
 class ConvNet(nn.Cell):
@@ -51,6 +53,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--checkpoint-dir", default="checkpoints")
     parser.add_argument("--graph", action="store_true", help="GRAPH mode (the reduction compiled into the step)")
+    parser.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="a dynamic loss scale starting at this value (a power of two: the reduction is then bit-exact)",
+    )
     args = parser.parse_args()
 
     ms.set_context(mode=ms.GRAPH_MODE if args.graph else ms.PYNATIVE_MODE)
@@ -59,7 +67,12 @@ def main() -> None:
     net = co.wrap(ConvNet())  # rank 0's weights on every rank, the bucket plan checked alike
     with_loss = nn.WithLossCell(net.network, nn.CrossEntropyLoss())
     optimizer = nn.Momentum(with_loss.trainable_params(), learning_rate=0.001, momentum=0.9)
-    model = Model(TrainOneStepCell(with_loss, optimizer, net))
+    if args.loss_scale is None:
+        train_cell = TrainOneStepCell(with_loss, optimizer, net)
+    else:  # halves on an overflow (that step skipped on every rank), doubles after 1000 steps without one
+        scale = nn.DynamicLossScaleUpdateCell(loss_scale_value=args.loss_scale, scale_factor=2, scale_window=1000)
+        train_cell = TrainOneStepWithLossScaleCell(with_loss, optimizer, net, scale_sense=scale)
+    model = Model(train_cell)
 
     callbacks = [LossMonitor(per_print_times=4), TimeMonitor()]
     if ctx.rank == 0:  # one copy of the weights is enough: every rank holds the same
