@@ -15,7 +15,7 @@ pytestmark = requires_mindspore
 # a start costs ~15-20 s here. The PyNative adapter runs last: it starts the trace its test reads. The
 # GRAPH adapter sets MindSpore's data-parallel context (for nn.TrainOneStepCell's own reducer) and leaves it.
 SUITES = {
-    ("pynative", 2): ("primitives", "bench", "join", "model_train", "loss_scale", "sharded", "adapter"),
+    ("pynative", 2): ("primitives", "bench", "join", "model_train", "loss_scale", "alignment", "sharded", "adapter"),
     ("pynative", 3): ("join", "sharded", "adapter:1e-06"),
     ("graph", 2): ("model_train", "loss_scale", "adapter"),
 }
@@ -73,7 +73,7 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: 
         assert_identical(out["ours"], out["dgr"], "parameters after 3 steps vs DistributedGradReducer")
         stats = out["stats"]
         assert stats["mode"] == ("overlap" if mode == "pynative" else "fused-after-backward (compiled)")
-        assert stats["buckets"] > 1 and stats["collectives_per_step"] == stats["buckets"]
+        assert stats["buckets"] > 1 and stats["collectives_per_step"] == stats["buckets"] + 1  # + step alignment
         assert stats["backend"] == "mccl"
         if mode == "pynative":  # GRAPH's main run is the compiled after-backward path already (see the worker)
             _assert_after_backward_paths(out, world)
@@ -93,7 +93,7 @@ def _assert_after_backward_paths(out: dict, world: int) -> None:
     assert out["after_compiled_stats"]["mode"] == "fused-after-backward (compiled)"
     assert out["after_eager_stats"]["mode"] == "fused-after-backward"
     for stats in (out["after_compiled_stats"], out["after_eager_stats"]):
-        assert stats["buckets"] > 1 and stats["collectives_per_step"] == stats["buckets"]
+        assert stats["buckets"] > 1 and stats["collectives_per_step"] == stats["buckets"] + 1  # + step alignment
     assert_identical(out["fp16_compiled"], out["fp16_eager"], "fp16 compression: compiled vs eager hook")
     assert (out["fp16_compiled_mode"], out["fp16_eager_mode"]) == (
         "fused-after-backward (compiled)",
@@ -185,6 +185,19 @@ def test_loss_scaled_steps_equal_mindspores_cell_and_an_overflow_is_skipped_on_e
             assert out[path]["mode"] == reduced_by
             assert out[path]["steps"] == reference, f"{path}, rank {rank}"
             assert_identical(out[path]["weights"], out["reference"]["weights"], f"{path} ({mode}), rank {rank}")
+
+
+def test_a_rank_that_skips_a_reduction_makes_every_rank_raise_before_mixing_iterations() -> None:
+    """The last rank skips net.reduce() at step 1: every rank raises StepMisalignedError at the reduction that
+    would average its step-2 gradients with its peers' step-1 ones, on the compiled and the eager path."""
+    for rank, out in enumerate(results_of("pynative", 2, "alignment")):
+        for path, reduced_by in (("compiled", "fused-after-backward (compiled)"), ("eager", "fused-after-backward")):
+            result = out[path]
+            step = 2 if rank == 1 else 1  # the skipper's next reduction, its peer's step-1 one
+            assert [s for s, _ in result["raised"]] == [step], (path, rank, result)
+            assert "rank 0: 1, rank 1: 2" in result["raised"][0][1]
+            assert result["updated"] == [0], (path, rank)  # nothing of the mixed step applied
+            assert result["mode"] == reduced_by
 
 
 @pytest.mark.parametrize("world", [2, 3])

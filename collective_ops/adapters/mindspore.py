@@ -98,6 +98,7 @@ class DataParallel:
         overlap: bool | None = None,
         compile_reduction: bool = True,
         trace: bool | None = None,
+        check_step_alignment: bool = True,
     ) -> None:
         if isinstance(network, DataParallel):
             raise ValueError("this network is already wrapped by collective_ops; wrap the original network once")
@@ -148,6 +149,7 @@ class DataParallel:
             "rebuild_buckets": rebuild_buckets,
             "overlap": overlap,
             "compile_reduction": compile_reduction,
+            "check_step_alignment": check_step_alignment,
             "reduce_op": reduce_op,
             "compression": compression,
             "comm_hook": comm_hook,
@@ -163,6 +165,7 @@ class DataParallel:
             find_unused_parameters=find_unused_parameters,
             rebuild_after_first_step=rebuild_buckets,
             observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
+            check_step_alignment=check_step_alignment,
         )
         # After backward, the whole plan can be reduced by one compiled graph (CompiledReduction) when the
         # default hook applies: no Python between kernels, as DistributedGradReducer's @jit.
@@ -354,6 +357,10 @@ class DataParallel:
 
     # -- the network's face ---------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.manager.alignment is not None and self.network.training:
+            # a training forward: each rank's count behind its next reduction is compared (a rank that skipped
+            # one would pair its gradients with its peers' of another iteration)
+            self.manager.alignment.count_forward()
         if self._joining:  # a step starts: counted, so ranks that ran out of data know to shadow it
             self._count_active(active=True)
             self._own_steps += 1

@@ -719,14 +719,22 @@ class BucketManager:
         """Account for a step whose buckets an engine reduced in one compiled call (all of them, in plan order).
 
         ``start``/``end`` bracket the call; engines that run it asynchronously return before the
-        communication ends, so the step's exposed communication is then only the launch time.
+        communication ends, so the step's exposed communication is then only the launch time. With
+        step alignment, the step's table follows the buckets: where the ranks' forward counts differ,
+        every rank raises here, before the adapter returns the reduced gradients.
         """
         if self._marked:
             raise RuntimeError("a compiled reduction cannot finish a step whose gradients were marked one by one")
+        if self.alignment is not None:  # the step's table after its buckets: every rank raises before any update
+            self.alignment.backward_started()
+            self.alignment.launch(self.engine, self.steps_synced, taking_part=True)
+            misaligned = self.alignment.settle(self.engine, self.stall_timeout_s)
+            if misaligned is not None:
+                raise misaligned
         buckets = self.plan.buckets
         stats = StepStats(
             step=self.steps_synced,
-            collectives=len(buckets),
+            collectives=len(buckets) + (self.alignment is not None),
             bytes_communicated=sum(self._wire_nbytes(b) for b in buckets),
             backward_start=start,
             finalize_start=start,
