@@ -64,6 +64,11 @@ def parse_args(argv=None):
     parser.add_argument("--paths", action="store_true", help="also time raw reference paths, per phase")
     parser.add_argument("--shard", action="store_true", help="also time DistributedOptimizer(shard=True)")
     parser.add_argument("--optimizer", choices=["momentum", "adam"], default="momentum")
+    parser.add_argument(
+        "--step-check-cost",
+        action="store_true",
+        help="also time collective_ops with check_step_alignment=True (the price of the per-step check)",
+    )
     parser.add_argument("--json")
     parser.add_argument(
         "--link",
@@ -111,6 +116,7 @@ def launch(args) -> int:
         + (["--paths"] if args.paths else [])
         + (["--train-cell"] if args.train_cell else [])
         + (["--shard"] if args.shard else [])
+        + (["--step-check-cost"] if args.step_check_cost else [])
         + ["--optimizer", args.optimizer]
         + (["--compression", args.compression] if args.compression else [])
     )
@@ -168,6 +174,8 @@ def run(args) -> None:
         raise SystemExit("--paths times the functional loop's phases; it does not combine with --train-cell")
     if args.paths:
         kinds += ["no reduction", "fused ops.AllReduce", "per-gradient hook launch"]
+    if args.step_check_cost:
+        kinds.append(CHECKED)
     if args.shard and args.train_cell:
         raise SystemExit("--shard times the functional loop (opt(grads)); it does not combine with --train-cell")
     if args.shard:
@@ -186,9 +194,15 @@ def run(args) -> None:
             wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=False)
             opt = co.DistributedOptimizer(wrapped, optimizer_class, shard=True, **optimizer_kwargs)
             reduce = lambda grads: grads  # noqa: E731  (the sharded optimizer reduces them itself)
-        elif kind == "collective_ops":
+        elif kind in ("collective_ops", CHECKED):
             overlap = {"auto": None, "on": True, "off": False}[args.overlap]
-            wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=overlap, compression=args.compression)
+            wrapped = co.wrap(
+                net,
+                bucket_size_mb=args.bucket_size_mb,
+                overlap=overlap,
+                compression=args.compression,
+                check_step_alignment=kind == CHECKED,
+            )
             reduce = wrapped.reduce
         elif kind == "DistributedGradReducer":
             reduce = nn.DistributedGradReducer(opt.parameters, mean=True, degree=ctx.world_size)
@@ -251,6 +265,7 @@ def run(args) -> None:
             "DistributedGradReducer": f"{n_grads} in one @jit graph",
             "collective_ops": f"{stats['buckets'] if stats['mode'].startswith('in-graph') else stats['collectives_per_step']}"
             f" ({stats['mode']})",
+            CHECKED: f"{stats['buckets'] + 1} ({stats['mode']}, + the step table)",
             "no reduction": "0",
             "fused ops.AllReduce": "1 (after backward)",
             "per-gradient hook launch": f"{n_grads} (during backward)",
@@ -283,6 +298,7 @@ def run(args) -> None:
 
 
 SHARDED = "collective_ops shard=True"
+CHECKED = "collective_ops check_step_alignment=True"
 
 
 def _state_line(setups: dict, median_ms: dict, ref_ms: float) -> str:

@@ -98,7 +98,7 @@ class DataParallel:
         overlap: bool | None = None,
         compile_reduction: bool = True,
         trace: bool | None = None,
-        check_step_alignment: bool = True,
+        check_step_alignment: bool = False,
     ) -> None:
         if isinstance(network, DataParallel):
             raise ValueError("this network is already wrapped by collective_ops; wrap the original network once")

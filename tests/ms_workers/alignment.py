@@ -31,7 +31,9 @@ def forward_of(net):
 
 
 for path, compiled in {"compiled": True, "eager": False}.items():
-    net = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001, compile_reduction=compiled)
+    net = co.wrap(
+        build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001, compile_reduction=compiled, check_step_alignment=True
+    )
     net.set_train(True)
     opt = nn.Momentum(net.trainable_params(), 0.1, 0.9)
     grad_fn = ms.value_and_grad(forward_of(net), None, opt.parameters)
