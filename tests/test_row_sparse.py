@@ -178,8 +178,9 @@ def test_only_the_looked_up_rows_are_reduced(results: list[dict], case: str) -> 
         entry = out[case]
         assert entry["embed_alone"], "the embedding must be a bucket of its own"
         assert entry["wire_shares"] == {0: densities[0]}, "the tuner's simulator sees the share sent"
-        table = 200 * 16 * 4
-        assert entry["bytes_per_step"] == entry["dense_bytes"] - table + int(table * densities[0])
+        itemsize = 2 if case == "fp16" else 4  # what an element costs on the wire
+        dense, table = entry["dense_bytes"] * itemsize // 4, 200 * 16 * itemsize
+        assert entry["bytes_per_step"] == dense - table + int(table * densities[0])
 
 
 def test_a_table_no_rank_looked_up_sends_nothing(results: list[dict]) -> None:
