@@ -402,11 +402,7 @@ class TrainOneStepCell(nn.TrainOneStepCell):
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, data_parallel: DataParallel, sens: float = 1.0):
         super().__init__(network, optimizer, sens)
-        weights = list(self.weights)
-        if _pynative():
-            self.grad_reducer = _EagerReducer(data_parallel, weights)
-        else:
-            self.grad_reducer = data_parallel.graph_reducer(weights)
+        self.grad_reducer = _our_reducer(data_parallel, list(self.weights))
         self.reducer_flag = True
 
 
@@ -446,11 +442,7 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepWithLossScaleCell):
         self, network: nn.Cell, optimizer: nn.Optimizer, data_parallel: DataParallel, scale_sense: Any
     ) -> None:
         super().__init__(network, optimizer, scale_sense)
-        weights = list(self.weights)
-        if _pynative():
-            self.grad_reducer = _EagerReducer(data_parallel, weights)
-        else:
-            self.grad_reducer = data_parallel.graph_reducer(weights)
+        self.grad_reducer = _our_reducer(data_parallel, list(self.weights))
         self.reducer_flag = True
         self.is_distributed = data_parallel.engine.world_size > 1  # the overflow flag summed over ranks
         self._cpu = ms.get_context("device_target") == "CPU"
@@ -477,6 +469,13 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepWithLossScaleCell):
         if self.is_distributed:
             flags = self.allreduce(flags)
         return self.less_equal(self.base, flags)
+
+
+def _our_reducer(data_parallel: DataParallel, weights: Sequence[Any]) -> nn.Cell:
+    """The training cells' ``grad_reducer``: ``reduce()`` in PyNative, the compiled plan inside GRAPH's step."""
+    if _pynative():
+        return _EagerReducer(data_parallel, weights)
+    return data_parallel.graph_reducer(weights)
 
 
 class _EagerReducer(nn.Cell):
