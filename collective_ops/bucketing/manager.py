@@ -726,11 +726,9 @@ class BucketManager:
         if self._marked:
             raise RuntimeError("a compiled reduction cannot finish a step whose gradients were marked one by one")
         if self.alignment is not None:  # the step's table after its buckets: every rank raises before any update
-            self.alignment.backward_started()
-            self.alignment.launch(self.engine, self.steps_synced, taking_part=True)
-            misaligned = self.alignment.settle(self.engine, self.stall_timeout_s)
-            if misaligned is not None:
-                raise misaligned
+            self.alignment.backward_started()  # the compiled call took every gradient at once
+            self._start_step_collectives()
+            self._settle_alignment(0)
         buckets = self.plan.buckets
         stats = StepStats(
             step=self.steps_synced,

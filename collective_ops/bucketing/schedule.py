@@ -49,6 +49,10 @@ class StepProfile:
     forward_start_s: float | None = None
     lead_s: float = 0.0
 
+    def forward_start(self) -> float:
+        """When the next forward starts (at the end of backward unless measured)."""
+        return self.backward_end_s if self.forward_start_s is None else self.forward_start_s
+
     def needs(self) -> tuple[int, ...]:
         """The buckets in the order the forward first needs them."""
         count = len(self.ready_s)
@@ -150,8 +154,7 @@ def simulate_order(order: Sequence[int], profile: StepProfile, cost: Price) -> t
         start = max(launched, channel_free)
         channel_free = start + cost(profile.nbytes[bucket], launched < channel_free)
         done[bucket] = channel_free
-    start = profile.backward_end_s if profile.forward_start_s is None else profile.forward_start_s
-    clock, waited = start, 0.0
+    clock, waited = profile.forward_start(), 0.0
     for bucket in profile.needs():
         waited += max(0.0, done[bucket] - clock)
         clock = max(clock, done[bucket]) + profile.forward_s[bucket]
@@ -173,8 +176,9 @@ def step_bound(profile: StepProfile, cost: Price) -> float:
     for bucket in reversed(by_ready):
         after += cost(profile.nbytes[bucket], True)
         channel_end = max(channel_end, profile.ready_s[bucket] + after)
-    start = profile.backward_end_s if profile.forward_start_s is None else profile.forward_start_s
-    forward_end = max(channel_end + profile.forward_s[profile.needs()[-1]], start + sum(profile.forward_s))
+    forward_end = max(
+        channel_end + profile.forward_s[profile.needs()[-1]], profile.forward_start() + sum(profile.forward_s)
+    )
     return profile.lead_s + forward_end
 
 
