@@ -229,6 +229,21 @@ def test_a_copy_of_a_gradient_passes_and_a_changed_one_does_not() -> None:
     assert not _same_values(grad, ms.Tensor(np.array([1.0, 2.0, -3.0], np.float32)))
 
 
+def test_the_training_cells_refuse_a_network_that_is_not_wrapped() -> None:
+    import mindspore as ms
+    from mindspore import nn
+
+    from collective_ops.adapters.mindspore import TrainOneStepCell, TrainOneStepWithLossScaleCell
+
+    net = nn.Dense(4, 2)
+    with_loss = nn.WithLossCell(net, nn.MSELoss())
+    optimizer = nn.Momentum(net.trainable_params(), 0.1, 0.9)
+    with pytest.raises(TypeError, match=r"collective_ops.wrap\(\) returned, got a Dense"):
+        TrainOneStepCell(with_loss, optimizer, net)
+    with pytest.raises(TypeError, match=r"collective_ops.wrap\(\) returned, got a Dense"):
+        TrainOneStepWithLossScaleCell(with_loss, optimizer, net, scale_sense=ms.Tensor([1024.0], ms.float32))
+
+
 def _assert_close(ours: dict, reference: dict, what: str) -> None:
     assert ours.keys() == reference.keys(), what
     for name, value in reference.items():

@@ -473,6 +473,12 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepWithLossScaleCell):
 
 def _our_reducer(data_parallel: DataParallel, weights: Sequence[Any]) -> nn.Cell:
     """The training cells' ``grad_reducer``: ``reduce()`` in PyNative, the compiled plan inside GRAPH's step."""
+    if not isinstance(data_parallel, DataParallel):
+        raise TypeError(
+            f"the training cell reduces through the network collective_ops.wrap() returned, got a "
+            f"{type(data_parallel).__name__}: net = co.wrap(network), then the cell over "
+            "nn.WithLossCell(net.network, loss_fn) with net as its third argument"
+        )
     if _pynative():
         return _EagerReducer(data_parallel, weights)
     return data_parallel.graph_reducer(weights)
