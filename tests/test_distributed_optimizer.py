@@ -502,6 +502,99 @@ def _state_arrays(state_dict: dict) -> dict:
     return {f"{i}/{k}": v.detach().numpy().copy() for i, entry in state_dict["state"].items() for k, v in entry.items()}
 
 
+def _split_optimizers(model, first_cls, first_kwargs: dict, rest_cls, rest_kwargs: dict) -> list:
+    """Two plain optimizers over a model's parameters: ``first_cls`` for the matrices, ``rest_cls`` for the rest."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    return [first_cls(matrices, **first_kwargs), rest_cls(rest, **rest_kwargs)]
+
+
+def several_optimizers(rank: int, build, steps: int = 6) -> dict:
+    """DDP + plain Muon (matrices) + AdamW (the rest) against one DistributedOptimizer given both, its reductions
+    landing late so that every step's updates are owed (``in_flight`` after each step). Weights; each plain
+    optimizer's own state_dict() read directly after the last step (owed updates must land first); the
+    DistributedOptimizer's state_dict loaded into plain optimizers and into a new DistributedOptimizer. AdamW's
+    own checkpoint of step 1, its lr halved, is loaded into it directly at step 3, as into the two under DDP."""
+    import copy
+
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    muon, adamw = (torch.optim.Muon, {"lr": 0.02}), (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01})
+    out: dict = {}
+    for ours in (False, True):
+        if ours:
+            model = co.wrap(build(), bucket_size_mb=0.004, comm_hook=late_allreduce)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(build())
+        plain = _split_optimizers(model, *muon, *adamw)
+        steppers = [co.DistributedOptimizer(model, plain)] if ours else plain
+        owed = []
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            for optimizer in steppers:
+                optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            for optimizer in steppers:
+                optimizer.step()
+            owed.append(ours and steppers[0].in_flight)
+            if step == 1:  # AdamW's own checkpoint, read directly, with its lr halved
+                early = copy.deepcopy(plain[1].state_dict())
+                early["param_groups"][0]["lr"] /= 2
+            if step == 3:  # ... loaded into it directly while updates are owed
+                plain[1].load_state_dict(early)
+        states = [_state_arrays(optimizer.state_dict()) for optimizer in plain]  # read directly, not through ours
+        out["ours" if ours else "ddp"] = (snapshot(model.module), states, owed)
+    saved = steppers[0].state_dict()
+    reloaded = _split_optimizers(build(), *muon, *adamw)
+    for optimizer, state in zip(reloaded, saved["optimizers"]):
+        optimizer.load_state_dict(state)
+    fresh = co.wrap(build())
+    again = co.DistributedOptimizer(fresh, _split_optimizers(fresh, *muon, *adamw))
+    again.load_state_dict(saved)
+    out["reloaded"] = [_state_arrays(optimizer.state_dict()) for optimizer in reloaded]
+    out["reloaded_ours"] = [_state_arrays(state) for state in again.state_dict()["optimizers"]]
+    return out
+
+
+def optimizer_beside(rank: int, build, steps: int = 5) -> dict:
+    """DDP + SGD (matrices) + AdamW (the rest), against a DistributedOptimizer(SGD, params=matrices) with a plain
+    AdamW beside it over the rest, its step() before and after ours (the reductions landing late: a plain step
+    reads gradients still in flight unless they are finished first). Sharded, the plain step is refused."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    sgd, adamw = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 1e-2})
+    out: dict = {}
+    for case in ("ddp", "plain_after", "plain_first", "sharded"):
+        if case == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(build())
+            steppers = _split_optimizers(model, *sgd, *adamw)
+        else:
+            model = co.wrap(build(), bucket_size_mb=0.004, comm_hook=None if case == "sharded" else late_allreduce)
+            plain = _split_optimizers(model, *sgd, *adamw)[1]
+            matrices = [p for p in model.parameters() if p.ndim == 2]
+            ours = co.DistributedOptimizer(model, sgd[0], params=matrices, shard=case == "sharded", **sgd[1])
+            steppers = [plain, ours] if case == "plain_first" else [ours, plain]
+        try:
+            for step in range(steps):
+                x, y = rank_batch(MLP, step, rank)
+                for optimizer in steppers:
+                    optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                for optimizer in steppers:
+                    optimizer.step()
+        except RuntimeError as exc:
+            out[case] = str(exc)
+            continue
+        out[case] = snapshot(model.module if case == "ddp" else model)
+    return out
+
+
 def assert_nonfinite_step_refused(results: list[dict], label: str) -> None:
     """The ``nonfinite_step_refused`` results of every rank: refused on each, nothing applied, then DDP's."""
     for rank, out in enumerate(result["nonfinite"] for result in results):
@@ -621,6 +714,8 @@ def optimizer_checks(rank: int, world: int) -> dict:
     out["eval_between_steps"] = eval_between_steps(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
+    out["several_optimizers"] = several_optimizers(rank, lambda: build("mlp"))
+    out["optimizer_beside"] = optimizer_beside(rank, lambda: build("mlp"))
 
     # state_dict round trip through a plain optimizer of the same class, and training continued from it
     model = co.wrap(build("mlp"), bucket_size_mb=0.004)
@@ -708,7 +803,28 @@ def optimizer_checks(rank: int, world: int) -> dict:
         rest = [p for name, p in model.named_parameters() if not name.endswith("weight")]
         return first, co.DistributedOptimizer(model, torch.optim.AdamW, params=rest, lr=1e-2)
 
+    def given(kind: str):  # optimizers built by the user, given in place of a class
+        model = co.wrap(build("mlp"))
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        sgd = torch.optim.SGD(matrices, lr=0.1)
+        if kind == "settings":
+            return co.DistributedOptimizer(model, [sgd], lr=0.1)
+        if kind == "shared":
+            return co.DistributedOptimizer(model, [sgd, torch.optim.AdamW(model.parameters())])
+        if kind == "sharded":
+            return co.DistributedOptimizer(model, [sgd], shard=True)
+        optimizer = co.DistributedOptimizer(
+            model, [sgd, torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2])]
+        )
+        if kind == "direct_step":
+            return sgd.step()
+        if kind == "add_group":
+            return optimizer.add_param_group({"params": matrices[:1]})
+        return optimizer.load_state_dict(sgd.state_dict())
+
     for key, call in {
+        **{f"given_{kind}": functools.partial(given, kind) for kind in ("settings", "shared", "sharded")},
+        **{f"given_{kind}": functools.partial(given, kind) for kind in ("direct_step", "add_group", "load")},
         "not_wrapped": lambda: co.DistributedOptimizer(build("mlp"), torch.optim.SGD, lr=0.1),
         "not_a_class": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), "adam", lr=0.1),
         "foreign_params": lambda: co.DistributedOptimizer(
@@ -912,8 +1028,40 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "LBFGS.step() needs a closure" in errors["needs_closure"]
     assert "CountingSGD.step() changed param_groups[0]['k']" in errors["group_mutation"]
     assert "co.wrap(net)" in errors["group_mutation"]
-    assert "one per model" in errors["second_optimizer"] and "plain torch.optim" in errors["second_optimizer"]
+    assert "one per model" in errors["second_optimizer"] and "give both to one" in errors["second_optimizer"]
+    assert "takes no settings or params (got lr)" in errors["given_settings"]
+    assert "is in both SGD and AdamW" in errors["given_shared"]
+    assert "shard=True takes an optimizer class" in errors["given_sharded"]
+    assert "SGD.step() called directly" in errors["given_direct_step"]
+    assert "which one should train the group" in errors["given_add_group"]
+    assert "holds 2 optimizers (SGD, AdamW)" in errors["given_load"]
     assert "each positive and finite" in errors["chunk_sizes"] and "(2, 0)" in errors["chunk_sizes"]
+
+
+def test_several_optimizers_in_one_keep_the_overlap_and_equal_ddp(two_ranks) -> None:
+    """Muon for the matrices and AdamW for the rest, given to one DistributedOptimizer: every step's updates
+    owed past step() (the overlap kept), weights and each optimizer's own state_dict as DDP + the two."""
+    for rank, out in enumerate(result["several_optimizers"] for result in two_ranks):
+        (ddp, ddp_states, _), (ours, our_states, owed) = out["ddp"], out["ours"]
+        assert all(owed), f"rank {rank}: updates applied within step(), not overlapped: {owed}"
+        assert_identical(ours, ddp, f"Muon + AdamW weights, rank {rank}")
+        for k, (theirs, mine) in enumerate(zip(ddp_states, our_states)):
+            assert mine.keys() == theirs.keys() and mine, f"optimizer {k}'s state, rank {rank}"
+            assert_identical(mine, theirs, f"optimizer {k}'s own state_dict() read after step(), rank {rank}")
+        for k, (saved, plain, ours_again) in enumerate(zip(our_states, out["reloaded"], out["reloaded_ours"])):
+            assert_identical(plain, saved, f"optimizer {k}'s state loaded into a plain one, rank {rank}")
+            assert_identical(ours_again, saved, f"optimizer {k}'s state loaded into a new DistributedOptimizer")
+
+
+def test_a_plain_optimizer_beside_steps_on_averaged_gradients(two_ranks) -> None:
+    """A plain AdamW over the parameters the DistributedOptimizer was not given steps on averaged gradients
+    (its reductions finished first), before or after ours: as DDP + the two. Sharded it is refused."""
+    for rank, out in enumerate(result["optimizer_beside"] for result in two_ranks):
+        for case in ("plain_after", "plain_first"):
+            assert isinstance(out[case], dict), f"{case}, rank {rank}: {out[case]}"
+            assert_identical(out[case], out["ddp"], f"{case}, rank {rank}")
+        assert "AdamW.step() over parameters of a model whose DistributedOptimizer has shard=True" in out["sharded"]
+        assert "or use shard=False" in out["sharded"]
 
 
 def three_rank_checks(rank: int, world: int) -> dict:

@@ -422,6 +422,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             "opt.clip_grad_norm_(max_norm)"
         )
 
+    def _owns_any(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True if ``optimizer`` (any torch optimizer) holds a parameter of this model."""
+        owned = {id(p) for p in self._params}
+        return any(id(p) in owned for group in optimizer.param_groups for p in group["params"])
+
     @property
     def optimizer(self) -> Any:
         """The DistributedOptimizer attached to this model, if any."""
@@ -433,8 +438,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError(
                 "this model already has a DistributedOptimizer; use that one (one per model: a second one would "
                 "update parameters of buckets whose updates the first still owes). For two optimizer classes over "
-                "parts of the model (e.g. Muon for the matrices, AdamW for the rest) use plain torch.optim "
-                "optimizers with the wrapped model, as under DDP (no overlap with the next forward)"
+                "parts of the model (e.g. Muon for the matrices, AdamW for the rest) give both to one: "
+                "DistributedOptimizer(model, [torch.optim.Muon(matrices, ...), torch.optim.AdamW(rest, ...)])"
             )
         self._optimizer_ref = weakref.ref(optimizer)
         # The next forward's buffer broadcast must not queue behind the reductions still in flight on the model's
@@ -973,10 +978,29 @@ _STEP_WATCH: Any = None  # torch's global optimizer step pre-hook, registered at
 def _watch_optimizer_steps() -> None:
     global _STEP_WATCH
     if _STEP_WATCH is None:
-        _STEP_WATCH = register_optimizer_step_pre_hook(_warn_unreduced_step)
+        _STEP_WATCH = register_optimizer_step_pre_hook(_before_any_optimizer_step)
 
 
-def _warn_unreduced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_any_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's global step pre-hook: what a wrapped model owes an optimizer about to step its parameters."""
+    _finish_for_optimizer_beside(optimizer)
+    _warn_unreduced_step(optimizer)
+
+
+def _finish_for_optimizer_beside(optimizer: torch.optim.Optimizer) -> None:
+    """A plain optimizer beside a model's DistributedOptimizer (AdamW for the parameters the DistributedOptimizer
+    was not given) reads gradients whose reductions that optimizer's step may leave in flight: they are finished
+    first (sharded, refused: outside this rank's shard they are never averaged)."""
+    for ref in list(_LIVE_WRAPPERS.values()):
+        wrapper = ref()
+        ours = None if wrapper is None else wrapper.optimizer
+        if ours is None or optimizer is ours or ours.steps_itself(optimizer):
+            continue
+        if wrapper._owns_any(optimizer):
+            ours.before_optimizer_beside(optimizer)
+
+
+def _warn_unreduced_step(optimizer: torch.optim.Optimizer) -> None:
     """Before any optimizer's step: one that steps a wrapped model on gradients accumulated under no_sync() and
     never averaged (every backward of the step ran inside it) trains each rank on its own data, and the
     replicas part silently, as under DDP. Warned once per model, not refused: local SGD does it on purpose.
@@ -987,15 +1011,14 @@ def _warn_unreduced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
             continue
         if not wrapper.manager.has_unreduced_accumulation:
             continue
-        owned = {id(p) for p in wrapper._params}
-        if any(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
+        if wrapper._owns_any(optimizer):
             wrapper._warned_local_step = True
             warnings.warn(
                 f"{type(optimizer).__name__}.step() is using gradients accumulated under model.no_sync() that no "
                 "backward outside it has averaged across ranks: each rank trains on its own data and the ranks' "
                 "weights now differ. Run the last micro-batch's backward outside no_sync() (it reduces "
                 "everything accumulated). (Warned once; ignore it if you train locally on purpose.)",
-                stacklevel=3,
+                stacklevel=4,
             )
 
 

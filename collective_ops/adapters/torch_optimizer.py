@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -50,6 +51,7 @@ from ..bucketing.updates import PendingUpdates
 from . import _framework_of
 from .torch import DistributedDataParallel
 from .torch_inplace import InPlaceGuard
+from .torch_optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params
 
 logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
@@ -118,15 +120,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         schedule = schedule or ("plan" if shard or custom_hook else "auto")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), got {optimizer_class!r}"
-            )
-        if _needs_closure(optimizer_class):
-            raise ValueError(
-                f"{optimizer_class.__name__}.step() needs a closure that evaluates the model again (a line search): "
-                "updates applied bucket by bucket cannot do that; use it as a plain optimizer on the wrapped model"
-            )
+        self._given = given_optimizers(optimizer_class)  # optimizers built by the user, or None for a class
+        _refuse_unusable(optimizer_class, self._given, args, kwargs, params)
         for option in ("grad_reduce_dtype", "assume_elementwise"):
             if option in kwargs:
                 raise ValueError(f"{option} is an option of the sharded optimizer: pass shard=True with it")
@@ -145,14 +140,19 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._forward_compiled = False  # the last forward ran under torch.compile (no per-module timeline)
         self._step_seconds = 0.0  # the last step()'s own time
         runtime.finish_in_flight_before_leaving(self._finish_before_leaving)
-        groups = _as_groups(model.module.parameters() if params is None else params)
+        if self._given is not None:
+            groups = [group for optimizer in self._given for group in optimizer.param_groups]
+        else:
+            groups = _as_groups(model.module.parameters() if params is None else params)
         _refuse_foreign_params(model, groups)
         self._index = {id(p): i for i, p in enumerate(model._params)}
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable (Optimizer's init skips its)
+        self._stepping = False  # True while this optimizer calls the wrapped class's step()
         self._optimizer = self._make_optimizer(optimizer_class, groups, args, kwargs)
         super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
         self.param_groups = self._optimizer.param_groups  # one list, shared with the class's own optimizer
         self.state = self._optimizer.state  # one state, too
+        self._trained = {id(p) for p in self._model_params()}
         self._built = True  # add_param_group from now on is the user's (torch's __init__ called it above)
         self._pending: PendingUpdates | None = None
         # Parameters this step still writes (their update, sharded their all-gather, lands at the next forward),
@@ -179,12 +179,41 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         # Loading weights into it (the wrapper's load_state_dict too) lands after every owed write, not under one.
         self._hooks.append(model.module.register_load_state_dict_pre_hook(_HookOf(self._before_load)))
         self._hooks.append(model.module.register_load_state_dict_post_hook(_HookOf(self._after_load)))
+        for optimizer in self._given or ():  # the user's own optimizers, read or loaded directly
+            self._watch_given(optimizer)
 
     def _make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
     ) -> torch.optim.Optimizer:
-        """The wrapped class's optimizer (over the model's parameters here; over shards when sharded)."""
+        """The wrapped class's optimizer (over the model's parameters here; over shards when sharded), or the
+        optimizers given in its place."""
+        if self._given is not None:
+            return self._given[0] if len(self._given) == 1 else OptimizerSet(self._given)
         return optimizer_class(groups, *args, **kwargs)
+
+    def _watch_given(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer given by the user: its own state_dict() sees every owed update; a state loaded into it
+        directly lands after them, and its (new) groups become this optimizer's."""
+        me = weakref.ref(self)
+
+        def before(*args: Any) -> None:
+            ours = me()
+            if ours is not None and ours.in_flight:
+                ours.synchronize()
+
+        def after(*args: Any) -> None:
+            ours = me()
+            if ours is not None:
+                ours._rebind()
+
+        self._hooks.append(optimizer.register_state_dict_pre_hook(before))
+        self._hooks.append(optimizer.register_load_state_dict_pre_hook(before))
+        self._hooks.append(optimizer.register_load_state_dict_post_hook(after))
+
+    def _rebind(self) -> None:
+        """The wrapped optimizer's groups and state as this one's (a load_state_dict replaces both)."""
+        self.param_groups = self._optimizer.param_groups
+        self.state = self._optimizer.state
 
     def _model_params(self) -> list[torch.Tensor]:
         """The model parameters this optimizer trains."""
@@ -311,6 +340,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _add_group(self, group: dict[str, Any]) -> None:
         self._optimizer.add_param_group(group)  # param_groups is the class's own list: the group shows there
+        self._trained = {id(p) for p in self._model_params()}
 
     def state_dict(self) -> dict[str, Any]:
         """The class's own state_dict (loadable into a plain optimizer of the same class), every update applied."""
@@ -320,8 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.synchronize()
         self._optimizer.load_state_dict(state_dict)
-        self.param_groups = self._optimizer.param_groups
-        self.state = self._optimizer.state
+        self._rebind()
 
     # -- what the rest of the loop may call --------------------------------------------------------
     def synchronize(self) -> None:
@@ -359,6 +388,22 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         for bucket in range(len(manager.plan.buckets)):
             if manager.deferred_pending:
                 self.model.finish_bucket(bucket)
+
+    def steps_itself(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True if ``optimizer``'s step now is one this optimizer runs (the wrapped class's, bucket by bucket)."""
+        return self._stepping
+
+    def before_optimizer_beside(self, optimizer: torch.optim.Optimizer) -> None:
+        """Another optimizer is about to step parameters of this model (a plain AdamW over those this one was not
+        given): the gradients it reads are finished first, so that it steps on averaged ones as under DDP (this
+        step then loses its overlap with the next forward)."""
+        if optimizer in (self._given or ()):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() called directly: it was given to a DistributedOptimizer, whose "
+                "step() runs it bucket by bucket as the reductions land; call that one's step() instead"
+            )
+        if self.model.manager.deferred_pending:
+            self.finish_reductions()
 
     def _scaled_step(self, scaler: Any) -> None:
         """``GradScaler.step(opt)``: every reduction finished (the inf check needs all gradients), the
@@ -451,17 +496,19 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         return list(self._pending.buckets) if self._pending is not None else []
 
     def _bucket_params(self, bucket: int) -> list[torch.Tensor]:
-        return [self.model._params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
+        """The parameters of this bucket that this optimizer writes (not those of an optimizer beside it)."""
+        params = [self.model._params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
+        return [p for p in params if id(p) in self._trained]
 
     def _check_params_untouched(self, buckets: list[int], release: bool = True) -> None:
         """Raise where the loop changed these buckets' parameters in place while this step still owed them a
         write: the update would build on the change (or, sharded, the all-gather overwrite it), not follow it."""
         for bucket in buckets:
-            changed = self._params_guard.changed(bucket, self._bucket_params(bucket), release)
+            params = self._bucket_params(bucket)
+            changed = self._params_guard.changed(bucket, params, release)
             if not changed:
                 continue
-            indices = self.model.manager.plan.buckets[bucket].param_indices
-            names = [self.model._param_names[indices[position]] for position in changed]
+            names = [self.model._param_names[self._index[id(params[position])]] for position in changed]
             raise RuntimeError(
                 f"parameters {names[:5]}{' ...' if len(names) > 5 else ''} were changed in place after step() "
                 "while their update was still owed: DistributedOptimizer applies each bucket's update (sharded: "
@@ -521,8 +568,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             if tracer is not None:
                 tracer("update", bucket, step, start, end, module)
             if pending.clear_after is not None:
-                for i in manager.plan.buckets[bucket].param_indices:
-                    _clear(self.model._params[i], pending.clear_after)
+                for p in self._bucket_params(bucket):
+                    _clear(p, pending.clear_after)
         if pending.finished:
             self._pending = None
 
@@ -542,9 +589,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 if hyperparameters is not None:
                     group.update(hyperparameters[k])
             given = [dict(group) for group in self._optimizer.param_groups]
+            self._stepping = True
             self._optimizer.step()
             changed = _changed_settings(given, self._optimizer.param_groups)
         finally:
+            self._stepping = False
             for group, (params, settings) in zip(self._optimizer.param_groups, saved):
                 group["params"] = params
                 group.update(settings)
@@ -898,6 +947,29 @@ def _no_hook(*args: Any) -> None:
 
 def _make_no_hook() -> Any:
     return _no_hook
+
+
+def _refuse_unusable(optimizer_class: Any, given: tuple | None, args: tuple, kwargs: dict, params: Any) -> None:
+    """An optimizer class, or optimizers built by the user, that per-bucket updates can run; else what to do."""
+    if given is not None:
+        if args or kwargs or params is not None:
+            got = "params" if params is not None else ", ".join(sorted(kwargs)) or "positional settings"
+            raise TypeError(
+                f"DistributedOptimizer given optimizers takes no settings or params (got {got}): they are the "
+                "optimizers' own; set them where you build each optimizer"
+            )
+        refuse_shared_params(given)
+    elif not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            "optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), or torch optimizers "
+            f"built over the model's parameters (e.g. [Muon(matrices), AdamW(rest)]), got {optimizer_class!r}"
+        )
+    for cls in [type(optimizer) for optimizer in given] if given is not None else [optimizer_class]:
+        if _needs_closure(cls):
+            raise ValueError(
+                f"{cls.__name__}.step() needs a closure that evaluates the model again (a line search): "
+                "updates applied bucket by bucket cannot do that; use it as a plain optimizer on the wrapped model"
+            )
 
 
 def _refuse_foreign_params(model: Any, groups: list[dict[str, Any]]) -> None:

@@ -39,6 +39,7 @@ from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel, view_like
 from .torch_optimizer import DistributedOptimizer
+from .torch_optimizer_set import given_optimizers
 
 _log = logging.getLogger(__name__)
 _GATHER_NAMED = "the all-gather of updated parameters"  # how a failed all-gather is named in its error
@@ -78,6 +79,12 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         assume_elementwise: bool = False,
         **kwargs: Any,
     ) -> None:
+        if given_optimizers(optimizer_class) is not None:
+            raise TypeError(
+                "shard=True takes an optimizer class and its settings (DistributedOptimizer(model, torch.optim.AdamW, "
+                "shard=True, lr=...)): it builds the class over this rank's shards. Optimizers built over whole "
+                "parameters (several classes, e.g. Muon + AdamW) run with shard=False"
+            )
         _refuse_non_elementwise(optimizer_class, assume_elementwise)
         if schedule not in (None, "plan"):
             raise ValueError(
@@ -187,6 +194,19 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _model_params(self) -> list[torch.Tensor]:
         return [p for params in self._model_groups for p in params]
+
+    def _bucket_params(self, bucket: int) -> list[torch.Tensor]:
+        """Every parameter of this bucket: its all-gather writes them all."""
+        return [self.model._params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
+
+    def before_optimizer_beside(self, optimizer: torch.optim.Optimizer) -> None:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() over parameters of a model whose DistributedOptimizer has "
+            "shard=True: each rank holds averaged gradients only for its shard of every bucket, and the all-gather "
+            "writes every parameter of a bucket, so that optimizer would train on gradients not averaged and its "
+            "updates be overwritten. Give every trained parameter to the DistributedOptimizer (parameter groups "
+            "for different settings), or use shard=False"
+        )
 
     # -- the step ------------------------------------------------------------------------------
     @property
