@@ -99,6 +99,7 @@ class BackwardProfile:
     step_compute_s: float  # forward + backward + optimizer, without exposed communication
     # parameter index -> share of its bytes its bucket sends (row-sparse tables, bucketing/row_sparse.py)
     wire_share: dict[int, float] = field(default_factory=dict)
+    wire_itemsize: int | None = None  # a compressing hook's element size on the wire (None: each bucket's own)
 
     def __post_init__(self) -> None:
         if not self.ready_s:
@@ -131,7 +132,8 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, conten
     for bucket in plan.buckets:
         ready = max((profile.ready_s.get(i, profile.backward_end_s) for i in bucket.param_indices), default=0.0)
         start = max(ready, channel_free)
-        duration = cost.cost(wire_nbytes(bucket, profile.wire_share), queued=bool(finishes) and ready < channel_free)
+        nbytes = wire_nbytes(bucket, profile.wire_share, profile.wire_itemsize)
+        duration = cost.cost(nbytes, queued=bool(finishes) and ready < channel_free)
         channel_free = start + duration
         finishes.append(channel_free)
         comm += duration
@@ -246,13 +248,17 @@ def _back_to_back_seconds(count: int, nbytes: int, repeats: int = 3) -> tuple[fl
 
 
 def profile_from_stats(
-    stats, step_start: float, step_end: float, wire_share: dict[int, float] | None = None
+    stats,
+    step_start: float,
+    step_end: float,
+    wire_share: dict[int, float] | None = None,
+    wire_itemsize: int | None = None,
 ) -> BackwardProfile:
     """A :class:`BackwardProfile` from the bucket manager's stats of one step."""
     backward_end = stats.finalize_start if stats.finalize_start is not None else step_end
     ready = {i: t - step_start for i, t in stats.ready_times.items()}
     compute = (step_end - step_start) - stats.exposed_comm_s
-    return BackwardProfile(ready, backward_end - step_start, max(compute, 0.0), dict(wire_share or {}))
+    return BackwardProfile(ready, backward_end - step_start, max(compute, 0.0), dict(wire_share or {}), wire_itemsize)
 
 
 def _median_profile(model, step_fn: Callable[[], None], steps: int) -> BackwardProfile:
@@ -260,8 +266,11 @@ def _median_profile(model, step_fn: Callable[[], None], steps: int) -> BackwardP
     for _ in range(steps):
         start = time.perf_counter()
         step_fn()
-        shares = model.manager.wire_shares()
-        profiles.append(profile_from_stats(model.manager.last_stats, start, time.perf_counter(), shares))
+        manager = model.manager
+        end = time.perf_counter()
+        profiles.append(
+            profile_from_stats(manager.last_stats, start, end, manager.wire_shares(), manager.wire_itemsize)
+        )
     return sorted(profiles, key=lambda p: p.step_compute_s)[len(profiles) // 2]
 
 
@@ -423,7 +432,8 @@ def save_profile(
         step_fn()
         start = time.perf_counter()
         step_fn()
-        profile = profile_from_stats(manager.last_stats, start, time.perf_counter(), manager.wire_shares())
+        end = time.perf_counter()
+        profile = profile_from_stats(manager.last_stats, start, end, manager.wire_shares(), manager.wire_itemsize)
     if manager.engine.rank == 0:
         payload = {
             "params": [[p.name, p.numel, p.dtype, p.device, p.itemsize, p.rows] for p in manager.plan.params],
@@ -432,6 +442,7 @@ def save_profile(
             "backward_end_s": profile.backward_end_s,
             "step_compute_s": profile.step_compute_s,
             "wire_share": {str(k): v for k, v in profile.wire_share.items()},
+            "wire_itemsize": profile.wire_itemsize,
             "first_bucket_mb": manager.plan.first_bucket_mb,
             "contention": contention,
             "where": where,
@@ -472,6 +483,7 @@ def load_profile(path: str) -> SavedProfile:
             float(data["backward_end_s"]),
             float(data["step_compute_s"]),
             {int(k): float(v) for k, v in data.get("wire_share", {}).items()},  # absent in older profiles
+            data.get("wire_itemsize"),
         )
         fitted = data.get("cost")
         cost = None

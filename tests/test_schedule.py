@@ -188,9 +188,11 @@ def test_the_forward_timeline_pairs_a_backward_with_the_forward_around_it() -> N
     timeline.settled()
     assert timeline.complete(stats.backward_start)
     plan = SimpleNamespace(
-        buckets=[SimpleNamespace(param_indices=(0,), nbytes=4), SimpleNamespace(param_indices=(1,), nbytes=4)]
+        buckets=[SimpleNamespace(param_indices=(i,), nbytes=4, numel=1) for i in (0, 1)]  # one float32 each
     )
     profile = timeline.profile(stats, plan)
+    assert list(profile.nbytes) == [4, 4]
+    assert list(timeline.profile(stats, plan, itemsize=2).nbytes) == [2, 2]  # fp16 compression: 2 bytes on the wire
     assert 0.01 <= profile.lead_s < 0.05
     assert (
         list(profile.forward_order) == [1, 0] and 0.02 <= profile.forward_s[1] < 0.03 and profile.forward_start_s >= 0.0

@@ -230,7 +230,10 @@ def _bf16_loss_curves(rank: int) -> dict:
             optimizer.step()
             losses.append(float(loss))
         masters = {str(t.dtype) for _, t in optimizer._pieces}
-        curves[label] = (losses, masters, sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
+        keys = sorted({k for s in optimizer.state_dict()["state"].values() for k in s})
+        # bytes a step puts on the wire, per element of the buckets (bf16 reduced in fp32: 4)
+        per_element = model.manager.last_stats.bytes_communicated / sum(b.numel for b in model.manager.plan.buckets)
+        curves[label] = (losses, masters, keys, per_element)
     return curves
 
 
@@ -666,7 +669,8 @@ def test_bf16_model_with_fp32_master_shards_tracks_fp32(two_ranks) -> None:
     fp32 = np.array(curves["fp32"][0])
     assert fp32[-4:].mean() < 0.5 * fp32[:4].mean()  # it learns
     for label in ("bf16", "bf16_fp32_reduce"):
-        losses, masters, keys = curves[label]
+        losses, masters, keys, per_element = curves[label]
+        assert per_element == (4 if label == "bf16_fp32_reduce" else 2), (label, per_element)
         assert masters == {"torch.float32"}
         assert "master_param" in keys
         assert abs(np.mean(losses[-8:]) - np.mean(fp32[-8:])) < 0.1 * np.mean(fp32[:4]), label

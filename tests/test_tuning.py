@@ -69,6 +69,18 @@ def test_a_row_sparse_table_costs_the_share_of_its_bytes_it_sends() -> None:
     assert dense.comm_s == pytest.approx(2.0) and sparse.comm_s == pytest.approx(1.25)
 
 
+def test_a_compressing_hook_costs_its_wire_element_size() -> None:
+    """fp16 compression of fp32 buckets sends half their bytes (a row-sparse table: half its share); of a bf16
+    model, all of them (the simulator once took every compressed bucket at half its bytes)."""
+    table = ParamSpec("embed", MIB // 4, "float32", "cpu", 4, rows=1024)
+    plan = plan_buckets([table, *specs(1)], bucket_size_mb=100, first_bucket_mb=100)
+    cost = CostModel(0.0, 1.0 / MIB)  # 1 s per MiB
+    compressed = simulate(plan, BackwardProfile({0: 1.0, 1: 1.0}, 1.0, 1.0, {0: 0.25}, wire_itemsize=2), cost)
+    assert compressed.comm_s == pytest.approx(0.125 + 0.5)
+    bf16 = plan_buckets([ParamSpec("w", MIB // 2, "bfloat16", "cpu", 2)], bucket_size_mb=100, first_bucket_mb=100)
+    assert simulate(bf16, BackwardProfile({0: 1.0}, 1.0, 1.0, wire_itemsize=2), cost).comm_s == pytest.approx(1.0)
+
+
 def test_a_saved_profile_keeps_the_row_sparse_tables_and_their_share(tmp_path) -> None:
     from types import SimpleNamespace
 
@@ -77,7 +89,7 @@ def test_a_saved_profile_keeps_the_row_sparse_tables_and_their_share(tmp_path) -
     params = [ParamSpec("embed", MIB // 4, "float32", "cpu", 4, rows=1024), *specs(2)]
     plan = plan_buckets(params, bucket_size_mb=100, first_bucket_mb=100)
     manager = SimpleNamespace(plan=plan, engine=SimpleNamespace(rank=0, world_size=2))
-    profile = BackwardProfile({0: 1.0, 1: 0.5, 2: 0.2}, 1.0, 2.0, wire_share={0: 0.25})
+    profile = BackwardProfile({0: 1.0, 1: 0.5, 2: 0.2}, 1.0, 2.0, wire_share={0: 0.25}, wire_itemsize=2)
     save_profile(SimpleNamespace(manager=manager), lambda: None, str(tmp_path / "p.json"), profile=profile)
     saved = load_profile(str(tmp_path / "p.json"))
     assert saved.specs == params and saved.profile == profile  # collective-ops tune plans and charges the same

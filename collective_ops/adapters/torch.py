@@ -495,6 +495,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             (stats.finalize_start or start) - start,
             0.0,
             self.manager.wire_shares(),
+            self.manager.wire_itemsize,
         )
         cost = measure_alpha_beta()  # every rank is here, at the end of the same step
         contention = self.auto_tune_contention = estimated_contention(cost, self.engine.device.type)

@@ -754,11 +754,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _planner_inputs(self, stats: Any, plan: Any, cost: Any) -> tuple[StepProfile, Price]:
         """The timed step as the planner sees it for ``plan``, and the channel's price of a collective."""
-        wire = 0.5 if self.model.compression else 1.0  # fp16 on the wire: half the bytes
-        profile = self._timeline.profile(stats, plan, self.model.manager.wire_shares(plan))
+        manager = self.model.manager
+        profile = self._timeline.profile(stats, plan, manager.wire_shares(plan), manager.wire_itemsize)
 
         def price(nbytes: int, queued: bool) -> float:
-            return cost.cost(int(nbytes * wire), queued=queued)
+            return cost.cost(nbytes, queued=queued)
 
         return profile, price
 
@@ -828,15 +828,18 @@ class ForwardTimeline:
             and any(end <= backward_start for end in self._ends)
         )
 
-    def profile(self, stats: Any, plan: Any, shares: dict[int, float] | None = None) -> StepProfile:
+    def profile(
+        self, stats: Any, plan: Any, shares: dict[int, float] | None = None, itemsize: int | None = None
+    ) -> StepProfile:
         """The planner's input for ``plan`` (the current bucket plan, or a candidate): the backward of ``stats``
-        (which ran before this forward) and this forward; ``shares``: the row-sparse tables' sent share."""
+        (which ran before this forward) and this forward; ``shares``: the row-sparse tables' sent share;
+        ``itemsize``: a compressing hook's element size on the wire."""
         shares = shares or {}
         origin = stats.backward_start
         end = stats.finalize_start or origin
         return step_profile(
             [bucket.param_indices for bucket in plan.buckets],
-            [wire_nbytes(bucket, shares) for bucket in plan.buckets],
+            [wire_nbytes(bucket, shares, itemsize) for bucket in plan.buckets],
             {i: t - origin for i, t in stats.ready_times.items()},
             end - origin,
             self._need_s,

@@ -111,6 +111,9 @@ def _allreduce_rows(ctx: BucketContext, factor: float | None, wire_dtype: str | 
     )
 
 
+WIRE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # bytes an element, by wire dtype
+
+
 def _kept(store: dict[int, Any], ctx: BucketContext, description: tuple[int, str, str]) -> Any:
     """A buffer of ``description`` (numel, dtype, device) kept for this bucket between steps (made on first use
     and after a replan): a fresh one per step costs an allocation and its page faults on the autograd thread."""
@@ -154,7 +157,7 @@ def compression_hook(dtype: str) -> CommHook:
 
     hook.__name__ = f"{dtype}_compression_hook"
     hook.reduces_rows = True
-    hook.wire_itemsize = 2  # float16 and bfloat16: what each element costs on the wire (the step's byte count)
+    hook.wire_itemsize = WIRE_ITEMSIZE[dtype]  # what each element costs on the wire (the step's byte count)
     return hook
 
 
@@ -194,6 +197,8 @@ def reduce_scatter_hook(wire_dtype: str | None = None, keep: Callable[[int, Any]
         return ThenHandle(handle, lambda: keep(ctx.bucket.index, engine.shard_of(wire)))
 
     hook.__name__ = f"reduce_scatter_hook_{wire_dtype or 'native'}"
+    if wire_dtype is not None:  # what each element costs on the wire (the step's byte count)
+        hook.wire_itemsize = WIRE_ITEMSIZE[wire_dtype]
     hook.reduces_rows = wire_dtype is None  # a row-sparse table's rows in its own dtype (BucketManager.row_sparse)
     return hook
 

@@ -22,7 +22,7 @@ from .alignment import StepAlignment
 from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale, reduces_rows
 from .interfaces import BucketEngine, ChunkedHandle, Handle, env_seconds, wait_with_timeout
 from .plan import BucketPlan, BucketSpec, chunk_bounds, complete_order, plan_buckets
-from .row_sparse import RowSparseReduction
+from .row_sparse import RowSparseReduction, wire_nbytes
 from .shard import padded_numel
 
 logger = logging.getLogger(__name__)
@@ -515,10 +515,14 @@ class BucketManager:
             self._stats.bytes_communicated += int(nbytes * share)
         return handle
 
+    @property
+    def wire_itemsize(self) -> int | None:
+        """The element size a compressing hook sends (fp16/bf16: 2), or None: each bucket's own."""
+        return getattr(self.comm_hook, "wire_itemsize", None)
+
     def _wire_nbytes(self, bucket: Any) -> int:
         """What reducing ``bucket`` puts on the wire: its bytes, or its elements at a compressing hook's size."""
-        itemsize = getattr(self.comm_hook, "wire_itemsize", None)
-        return bucket.nbytes if itemsize is None else bucket.numel * itemsize
+        return wire_nbytes(bucket, {}, self.wire_itemsize)
 
     def _scale_the_rest(self, bucket_index: int) -> bool:
         """Scale, one segment each, the members not scaled on copy-in; True if the bucket had any that were.

@@ -148,9 +148,11 @@ class RowSparseReduction:
         self.dense_streak[name] = 0 if sparse else self.dense_streak.get(name, 0) + 1
 
 
-def wire_nbytes(bucket: BucketSpec, shares: dict[int, float]) -> int:
+def wire_nbytes(bucket: BucketSpec, shares: dict[int, float], itemsize: int | None = None) -> int:
     """The bytes ``bucket`` puts on the wire: all of them, or a row-sparse table's measured share (its
-    mask round, ``rows`` bytes on a group of its own, left out: a latency, ~1 ms on the emulated link)."""
+    mask round, ``rows`` bytes on a group of its own, left out: a latency, ~1 ms on the emulated link).
+    ``itemsize``: a compressing hook's element size on the wire (None: the bucket's own)."""
+    nbytes = bucket.nbytes if itemsize is None else bucket.numel * itemsize
     if len(bucket.param_indices) == 1 and bucket.param_indices[0] in shares:
-        return int(bucket.nbytes * shares[bucket.param_indices[0]])
-    return bucket.nbytes
+        return int(nbytes * shares[bucket.param_indices[0]])
+    return nbytes
