@@ -13,7 +13,8 @@ Checks:
 - in both: ``DistributedOptimizer`` (its default ``schedule="auto"``, which plans a launch
   order after step 3; ``schedule="plan"``; a held launch order that sends buckets in chunks, each
   an allreduce of a slice of the bucket's device buffer) and ``shard=True`` (reduce-scatter and
-  all-gather: NCCL's own in place) against DDP + the same SGD after 6 steps;
+  all-gather: NCCL's own in place) against DDP + the same SGD after 6 steps; Muon (hidden matrices)
+  + AdamW given to one ``DistributedOptimizer`` against DDP + the two;
 - ``collective-ops bench --backend nccl`` (CLI, #wrong must be 0);
 - ``benchmarks/ddp_compare.py --backend nccl --world 1`` (step time and peak memory vs DDP).
 """
@@ -102,23 +103,34 @@ def optimizer_checks(rank: int, device: str) -> dict:
         module = getattr(model, "module", model)
         return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
 
+    from benchmarks.optimizer_compare import Both, muon_and_adamw
+
     ddp = torch.nn.parallel.DistributedDataParallel(build("transformer").to(device))
-    reference = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+    references = {"SGD": train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))}
+    ddp = torch.nn.parallel.DistributedDataParallel(build("transformer").to(device))
+    references["Muon + AdamW"] = train(ddp, Both(muon_and_adamw(ddp)))
     out = {}
     cases = (
         ("DistributedOptimizer", {}),  # schedule="auto": a launch order planned after step 3
         ("DistributedOptimizer(schedule='plan')", {"schedule": "plan"}),
         ("DistributedOptimizer, chunked held order", {"schedule": "plan"}),
         ("DistributedOptimizer(shard=True)", {"shard": True}),
+        ("DistributedOptimizer([Muon, AdamW])", {}),  # two classes given as optimizers
     )
     for label, options in cases:
         wrap_options = {"rebuild_buckets": False} if "chunked" in label else {}
         wrapped = co.wrap(build("transformer").to(device), bucket_size_mb=0.004, first_bucket_mb=0.001, **wrap_options)
-        optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=0.05, momentum=0.9, **options)
+        muon = "Muon" in label
+        if muon:
+            optimizer = co.DistributedOptimizer(wrapped, muon_and_adamw(wrapped))
+        else:
+            optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=0.05, momentum=0.9, **options)
+        reference = references["Muon + AdamW" if muon else "SGD"]
         if "chunked" in label:
             _hold_in_chunks(wrapped.manager)
         ours = train(wrapped, optimizer)
         out[label] = {
+            "reference": "Muon + AdamW" if muon else "SGD",
             "differ": [k for k in reference if not np.array_equal(reference[k], ours[k])],
             "order": "planned"
             if getattr(optimizer, "schedule_report", None)
@@ -258,7 +270,8 @@ def _group_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
     else:
         for name, r in optimizers.items():
             detail = "bit-identical after 6 steps" if not r["differ"] else f"differ: {r['differ'][:4]}"
-            rows.append((f"{label}: {name} == DDP + SGD", "FAIL" if r["differ"] else "ok", f"{detail} ({r['order']})"))
+            row = f"{label}: {name} == DDP + {r['reference']}"
+            rows.append((row, "FAIL" if r["differ"] else "ok", f"{detail} ({r['order']})"))
     if "paths" in out:
         paths = out["paths"]
         if "crash" in paths:

@@ -10,7 +10,9 @@ optimizer; ``wrap(bucket_size_mb="auto")`` with a plain optimizer; and
 launch order, ``schedule="auto"``; ``--schedule auto plan`` adds plan order; the simulator's
 step for both orders is printed beside the measured ones; ``--shard`` adds ``shard=True``;
 ``--whole-buckets`` adds one that weighs no chunked orders). Same optimizer
-class everywhere (SGD, or AdamW with ``--optimizer adamw``). With ``--compression fp16``
+class everywhere (SGD, or AdamW with ``--optimizer adamw``; ``--optimizer muon``: Muon for the hidden
+matrices and AdamW for the rest, two plain optimizers beside DDP and ``wrap``, both given to one
+DistributedOptimizer). With ``--compression fp16``
 the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Each
 DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
 in-flight communication is charged to it. Also reported: compute alone (one rank's step
@@ -49,10 +51,50 @@ def _optimizer(args):
     return torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01}
 
 
+class Both:
+    """Two plain optimizers stepped one after the other, as a DDP loop with Muon + AdamW does."""
+
+    def __init__(self, optimizers: list) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def muon_and_adamw(model: nn.Module) -> list:
+    """Muon for the hidden matrices, AdamW for embeddings, the output layer, norms and biases (the usual split)."""
+    named = list(model.named_parameters())
+    hidden = [p for n, p in named if p.ndim == 2 and not n.startswith(("embed", "head", "module.embed", "module.head"))]
+    rest = [p for n, p in named if all(p is not h for h in hidden)]
+    return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-4, weight_decay=0.01)]
+
+
+def _plain(args, model: nn.Module):
+    """The plain optimizer (or Muon + AdamW) over ``model``'s parameters, as under DDP."""
+    if args.optimizer == "muon":
+        return Both(muon_and_adamw(model))
+    cls, kwargs = _optimizer(args)
+    return cls(model.parameters(), **kwargs)
+
+
+def _ours(args, wrapped, **options):
+    """A DistributedOptimizer of the same class(es) over a wrapped model."""
+    import collective_ops as co
+
+    if args.optimizer == "muon":
+        return co.DistributedOptimizer(wrapped, muon_and_adamw(wrapped), **options)
+    cls, kwargs = _optimizer(args)
+    return co.DistributedOptimizer(wrapped, cls, **options, **kwargs)
+
+
 def _setups(args, name: str, batches: list) -> dict:
     import collective_ops as co
 
-    cls, kwargs = _optimizer(args)
     setups = {}
     for mb in DDP_SWEEP_MB:
         model, _ = build_model(name)
@@ -61,26 +103,22 @@ def _setups(args, name: str, batches: list) -> dict:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        setups[f"DDP {mb:g} MiB"] = (ddp, cls(ddp.parameters(), **kwargs), batches)
+        setups[f"DDP {mb:g} MiB"] = (ddp, _plain(args, ddp), batches)
     for label, schedule in (("wrap auto", None), *((_label(s), s) for s in args.schedule)):
         model, _ = build_model(name)
         wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
-        optimizer = (
-            co.DistributedOptimizer(wrapped, cls, schedule=schedule, **kwargs)
-            if schedule
-            else cls(wrapped.parameters(), **kwargs)
-        )
+        optimizer = _ours(args, wrapped, schedule=schedule) if schedule else _plain(args, wrapped)
         setups[label] = (wrapped, optimizer, batches)
     if args.whole_buckets:
         model, _ = build_model(name)
         wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
-        optimizer = co.DistributedOptimizer(wrapped, cls, **kwargs)
+        optimizer = _ours(args, wrapped)
         optimizer.chunk_candidates_mib = ()
         setups[WHOLE] = (wrapped, optimizer, batches)
     if args.shard:
         model, _ = build_model(name)
         wrapped = co.wrap(model, bucket_size_mb="auto", compression=args.compression)
-        setups[SHARDED] = (wrapped, co.DistributedOptimizer(wrapped, cls, shard=True, **kwargs), batches)
+        setups[SHARDED] = (wrapped, _ours(args, wrapped, shard=True), batches)
     return setups
 
 
@@ -89,11 +127,11 @@ def _label(schedule: str) -> str:
     return "wrap auto + DistributedOptimizer" + ("" if schedule == "auto" else " (schedule plan)")
 
 
-def _compute_alone(name: str, batches: list, steps: int = 4) -> float:
-    """One rank's step without any communication (median), the compute the schedule must contain."""
+def _compute_alone(args, name: str, batches: list, steps: int = 4) -> float:
+    """One rank's step without any communication (median), the compute the schedule must contain (with the
+    race's optimizer: its update is compute too)."""
     model, _ = build_model(name)
-    cls = torch.optim.SGD
-    optimizer = cls(model.parameters(), lr=1e-3)
+    optimizer = _plain(args, model)
     times = [one_step(model, optimizer, batches[i % len(batches)]) for i in range(steps + 1)]
     return statistics.median(times[1:])
 
@@ -113,7 +151,7 @@ def _allreduce_stream(group, stop: threading.Event, sent: list[int]) -> None:
             return
 
 
-def _compute_beside_traffic(name: str, batches: list, repeats: int = 5) -> tuple[float, float, float]:
+def _compute_beside_traffic(args, name: str, batches: list, repeats: int = 5) -> tuple[float, float, float]:
     """(compute alone, compute while 1 MiB allreduces run back to back on a group of their own, the MiB/s they
     moved meanwhile): medians over ``repeats`` alternations, each the slowest rank's."""
     import torch.distributed as dist
@@ -123,12 +161,12 @@ def _compute_beside_traffic(name: str, batches: list, repeats: int = 5) -> tuple
     group = dist.new_group(backend="gloo")
     alone, beside, rates = [], [], []
     for _ in range(repeats):
-        alone.append(_compute_alone(name, batches))
+        alone.append(_compute_alone(args, name, batches))
         stop, sent = threading.Event(), [0]
         thread = threading.Thread(target=_allreduce_stream, args=(group, stop, sent))
         thread.start()
         started = time.perf_counter()
-        beside.append(_compute_alone(name, batches))
+        beside.append(_compute_alone(args, name, batches))
         rates.append(sent[0] / (time.perf_counter() - started))
         stop.set()
         thread.join()
@@ -148,8 +186,8 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         _, batch = build_model(name)
         gen = torch.Generator().manual_seed(rank)
         batches = [batch(gen) for _ in range(4)]
-        compute = get_engine("torch").reduce_floats([_compute_alone(name, batches)], "max")[0]
-        contention = _compute_beside_traffic(name, batches) if args.contention else None
+        compute = get_engine("torch").reduce_floats([_compute_alone(args, name, batches)], "max")[0]
+        contention = _compute_beside_traffic(args, name, batches) if args.contention else None
         setups = _setups(args, name, batches)
         times = alternate_steps(setups, args.rounds, args.block)
         ours = setups[_label(args.schedule[0])][0]
@@ -242,7 +280,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["transformer-5m"])
-    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    parser.add_argument(
+        "--optimizer", choices=["sgd", "adamw", "muon"], default="sgd", help="muon: Muon (hidden matrices) + AdamW"
+    )
     parser.add_argument("--compression", choices=["fp16"], default=None)
     parser.add_argument(
         "--schedule",
