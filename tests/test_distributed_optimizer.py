@@ -514,8 +514,10 @@ def several_optimizers(rank: int, build, steps: int = 6) -> dict:
     landing late so that every step's updates are owed (``in_flight`` after each step). Weights; each plain
     optimizer's own state_dict() read directly after the last step (owed updates must land first); the
     DistributedOptimizer's state_dict loaded into plain optimizers and into a new DistributedOptimizer. AdamW's
-    own checkpoint of step 1, its lr halved, is loaded into it directly at step 3, as into the two under DDP."""
+    own checkpoint of step 1, its lr halved, is loaded into it directly at step 3, as into the two under DDP;
+    Muon has an LR scheduler of its own."""
     import copy
+    import warnings
 
     import torch
 
@@ -531,22 +533,26 @@ def several_optimizers(rank: int, build, steps: int = 6) -> dict:
             model = torch.nn.parallel.DistributedDataParallel(build())
         plain = _split_optimizers(model, *muon, *adamw)
         steppers = [co.DistributedOptimizer(model, plain)] if ours else plain
+        scheduler = torch.optim.lr_scheduler.StepLR(plain[0], step_size=1, gamma=0.7)  # Muon's own schedule
         owed = []
-        for step in range(steps):
-            x, y = rank_batch(MLP, step, rank)
-            for optimizer in steppers:
-                optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            for optimizer in steppers:
-                optimizer.step()
-            owed.append(ours and steppers[0].in_flight)
-            if step == 1:  # AdamW's own checkpoint, read directly, with its lr halved
-                early = copy.deepcopy(plain[1].state_dict())
-                early["param_groups"][0]["lr"] /= 2
-            if step == 3:  # ... loaded into it directly while updates are owed
-                plain[1].load_state_dict(early)
+        with warnings.catch_warnings(record=True) as heard:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                x, y = rank_batch(MLP, step, rank)
+                for optimizer in steppers:
+                    optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                for optimizer in steppers:
+                    optimizer.step()
+                scheduler.step()
+                owed.append(ours and steppers[0].in_flight)
+                if step == 1:  # AdamW's own checkpoint, read directly, with its lr halved
+                    early = copy.deepcopy(plain[1].state_dict())
+                    early["param_groups"][0]["lr"] /= 2
+                if step == 3:  # ... loaded into it directly while updates are owed
+                    plain[1].load_state_dict(early)
         states = [_state_arrays(optimizer.state_dict()) for optimizer in plain]  # read directly, not through ours
-        out["ours" if ours else "ddp"] = (snapshot(model.module), states, owed)
+        out["ours" if ours else "ddp"] = (snapshot(model.module), states, owed, [str(w.message) for w in heard])
     saved = steppers[0].state_dict()
     reloaded = _split_optimizers(build(), *muon, *adamw)
     for optimizer, state in zip(reloaded, saved["optimizers"]):
@@ -1042,8 +1048,9 @@ def test_several_optimizers_in_one_keep_the_overlap_and_equal_ddp(two_ranks) -> 
     """Muon for the matrices and AdamW for the rest, given to one DistributedOptimizer: every step's updates
     owed past step() (the overlap kept), weights and each optimizer's own state_dict as DDP + the two."""
     for rank, out in enumerate(result["several_optimizers"] for result in two_ranks):
-        (ddp, ddp_states, _), (ours, our_states, owed) = out["ddp"], out["ours"]
+        (ddp, ddp_states, _, _), (ours, our_states, owed, heard) = out["ddp"], out["ours"]
         assert all(owed), f"rank {rank}: updates applied within step(), not overlapped: {owed}"
+        assert not [w for w in heard if "lr_scheduler.step()" in w], heard  # Muon's scheduler: no false warning
         assert_identical(ours, ddp, f"Muon + AdamW weights, rank {rank}")
         for k, (theirs, mine) in enumerate(zip(ddp_states, our_states)):
             assert mine.keys() == theirs.keys() and mine, f"optimizer {k}'s state, rank {rank}"

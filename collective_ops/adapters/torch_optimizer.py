@@ -270,6 +270,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 "with opt.zero_grad() and a backward outside no_sync()"
             )
         start = time.perf_counter()
+        for optimizer in self._given or ():  # an LR scheduler over one given: its step is taken (bucket by bucket)
+            optimizer._opt_called = True
         # every bucket before any update: a step that would be wrong is refused whole
         self.model.check_gradients_untouched(range(len(self.model.manager.plan.buckets)))
         if self.model.check_finite:
