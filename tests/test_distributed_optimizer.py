@@ -312,9 +312,29 @@ def clipped_by_torch_after_finish_reductions(rank: int, build, make_optimizer, s
     return results[0], results[1]
 
 
-def group_added_mid_training(rank: int, build, shard: bool, steps: int = 5, at: int = 2) -> tuple[dict, dict]:
+class _InTurn:
+    """Plain optimizers stepped one after another, as a DDP loop with two of them does."""
+
+    def __init__(self, optimizers: list) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def group_added_mid_training(
+    rank: int, build, shard: bool, steps: int = 5, at: int = 2, given: bool = False
+) -> tuple[dict, dict]:
     """(DDP + SGD, ours) training the last layer first, the others added as a group of their own at step
-    ``at`` (``add_param_group``, as when unfreezing layers)."""
+    ``at`` (``add_param_group``, as when unfreezing layers). ``given``: two plain SGDs (the last layer's
+    weight, its bias) stepped in turn, given both to ours; the group is added to the first SGD directly (so
+    it lands between the two SGDs' groups), the second halving its lr after every step (its owed update must
+    use the lr of its step, found by group, not by position)."""
     import torch
 
     import collective_ops as co
@@ -325,21 +345,29 @@ def group_added_mid_training(rank: int, build, shard: bool, steps: int = 5, at: 
         net = build()
         first = list(net.net[4].parameters())
         rest = [p for layer in (net.net[0], net.net[2]) for p in layer.parameters()]
+        plain = torch.optim.SGD(first[:1] if given else first, lr=0.05, momentum=0.9)
+        both = [plain, torch.optim.SGD(first[1:], lr=0.05, momentum=0.9)]
         if ours:
-            model = co.wrap(net, bucket_size_mb=0.004)
-            optimizer = co.DistributedOptimizer(
-                model, torch.optim.SGD, params=first, lr=0.05, momentum=0.9, shard=shard
-            )
+            model = co.wrap(net, bucket_size_mb=0.004, comm_hook=late_allreduce if given else None)
+            if given:
+                optimizer = co.DistributedOptimizer(model, both)
+            else:
+                optimizer = co.DistributedOptimizer(
+                    model, torch.optim.SGD, params=first, lr=0.05, momentum=0.9, shard=shard
+                )
         else:
             model = torch.nn.parallel.DistributedDataParallel(net)
-            optimizer = torch.optim.SGD(first, lr=0.05, momentum=0.9)
+            optimizer = _InTurn(both) if given else plain
+        scheduler = torch.optim.lr_scheduler.StepLR(both[1], step_size=1, gamma=0.5) if given else None
         for step in range(steps):
             if step == at:
-                optimizer.add_param_group({"params": rest, "lr": 0.01})
+                (plain if given else optimizer).add_param_group({"params": rest, "lr": 0.01})
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
         results.append(snapshot(net))
     return results[0], results[1]
 
@@ -701,6 +729,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=False)
+    out["group_added_to_given"] = group_added_mid_training(rank, lambda: build("mlp"), shard=False, given=True)
     out["frozen_layer"] = frozen_layer_in_params(rank, shard=False)
     out["no_sync_only"] = step_after_no_sync_only(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
@@ -880,6 +909,7 @@ CASES = [
         "zero_grad_after_step_True",
         "zero_grad_after_step_False",
         "group_added",
+        "group_added_to_given",
         "classic_norms",
         "parametrized_norms",
         "checkpointed",

@@ -153,6 +153,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.param_groups = self._optimizer.param_groups  # one list, shared with the class's own optimizer
         self.state = self._optimizer.state  # one state, too
         self._trained = {id(p) for p in self._model_params()}
+        self._known_groups = list(self.param_groups)
         self._built = True  # add_param_group from now on is the user's (torch's __init__ called it above)
         self._pending: PendingUpdates | None = None
         # Parameters this step still writes (their update, sharded their all-gather, lands at the next forward),
@@ -210,10 +211,27 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(before))
         self._hooks.append(optimizer.register_load_state_dict_post_hook(after))
 
+    def _follow_given_groups(self) -> None:
+        """A group added to a given optimizer directly (its own ``add_param_group``, as when unfreezing layers)
+        joins this one: trained and cleared from then on, as by the plain optimizer. Owed updates land first."""
+        if self._given is None:
+            return
+        groups = self._optimizer.param_groups
+        known = self._known_groups
+        if len(groups) == len(known) and all(a is b for a, b in zip(groups, known)):
+            return
+        if self.in_flight:
+            self.synchronize()
+        _refuse_foreign_params(self.model, groups)
+        refuse_shared_params(self._given)
+        self._rebind()
+
     def _rebind(self) -> None:
         """The wrapped optimizer's groups and state as this one's (a load_state_dict replaces both)."""
         self.param_groups = self._optimizer.param_groups
         self.state = self._optimizer.state
+        self._trained = {id(p) for p in self._model_params()}
+        self._known_groups = list(self.param_groups)  # (a given optimizer's own add_param_group appends to it)
 
     def _model_params(self) -> list[torch.Tensor]:
         """The model parameters this optimizer trains."""
@@ -270,6 +288,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 "with opt.zero_grad() and a backward outside no_sync()"
             )
         start = time.perf_counter()
+        self._follow_given_groups()
         for optimizer in self._given or ():  # an LR scheduler over one given: its step is taken (bucket by bucket)
             optimizer._opt_called = True
         # every bucket before any update: a step that would be wrong is refused whole
@@ -318,6 +337,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the class's zero_grad; gradients of buckets whose update is still owed are cleared after it."""
+        self._follow_given_groups()  # (a group added to a given optimizer is cleared too, as by it)
         pending = self._pending
         if pending is None and self.model.manager.deferred_pending:
             self.synchronize()  # reductions in flight into the gradients: never cleared under them
@@ -342,7 +362,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _add_group(self, group: dict[str, Any]) -> None:
         self._optimizer.add_param_group(group)  # param_groups is the class's own list: the group shows there
-        self._trained = {id(p) for p in self._model_params()}
+        self._rebind()
 
     def state_dict(self) -> dict[str, Any]:
         """The class's own state_dict (loadable into a plain optimizer of the same class), every update applied."""
@@ -564,7 +584,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         # sharded, the parameters are the step's until their all-gather is waited for, after this
         self._check_params_untouched(owed, release=not self.shards)
         start = time.perf_counter()
-        self._apply_updates(owed, pending.hyperparameters)
+        self._apply_updates(owed, pending)
         end = time.perf_counter()
         for bucket in owed:
             if tracer is not None:
@@ -575,21 +595,23 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if pending.finished:
             self._pending = None
 
-    def _apply_updates(self, buckets: list[int], hyperparameters: list[dict]) -> None:
+    def _apply_updates(self, buckets: list[int], frozen: PendingUpdates) -> None:
         """The class's step over these buckets' parameters."""
-        self._timed_step(self._params_of(buckets), hyperparameters)
+        self._timed_step(self._params_of(buckets), frozen)
 
-    def _timed_step(self, only: set[int] | None, hyperparameters: list[dict] | None) -> None:
-        """The class's step over ``only`` (parameter ids; None: all) with ``hyperparameters`` (None: current)."""
+    def _timed_step(self, only: set[int] | None, frozen: PendingUpdates | None) -> None:
+        """The class's step over ``only`` (parameter ids; None: all) with the groups' settings at ``frozen``'s
+        step() (None: current)."""
         start = time.perf_counter()
         saved, changed = [], []
         try:
-            for k, group in enumerate(self._optimizer.param_groups):
+            for group in self._optimizer.param_groups:
                 saved.append((group["params"], {key: group[key] for key in group if key != "params"}))
                 if only is not None:
                     group["params"] = [p for p in group["params"] if id(p) in only]
-                if hyperparameters is not None:
-                    group.update(hyperparameters[k])
+                settings = None if frozen is None else frozen.settings_for(group)
+                if settings is not None:
+                    group.update(settings)
             given = [dict(group) for group in self._optimizer.param_groups]
             self._stepping = True
             self._optimizer.step()

@@ -297,12 +297,12 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 raise
             self._next_gather += 1
 
-    def _apply_updates(self, buckets: list[int], hyperparameters: list[dict]) -> None:
+    def _apply_updates(self, buckets: list[int], frozen: PendingUpdates) -> None:
         """The class's step over these buckets' pieces; fp32 masters copied into the parameters' shards."""
         for bucket in buckets:
             self._bind_grads(bucket)
         pieces = [(piece, tensor) for bucket in buckets for piece, tensor in self._bucket_pieces[bucket]]
-        self._timed_step({id(tensor) for _, tensor in pieces}, hyperparameters)
+        self._timed_step({id(tensor) for _, tensor in pieces}, frozen)
         for piece, tensor in pieces:
             tensor.grad = None
             if _is_master(piece, tensor, self._param_buffers):

@@ -20,14 +20,19 @@ class PendingUpdates:
     """One step's owed bucket updates."""
 
     buckets: list[int]  # owed, in plan order
-    hyperparameters: list[dict[str, Any]]  # per parameter group, as at step()
+    hyperparameters: dict[int, dict[str, Any]]  # id(parameter group) -> its settings at step()
     clear_after: bool | None = None  # None: keep gradients; True: set to None; False: zero them
 
     @classmethod
     def start(cls, bucket_count: int, groups: Sequence[dict[str, Any]]) -> PendingUpdates:
         """Every bucket owed; each group's settings (everything but its parameters) frozen now."""
-        frozen = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        frozen = {id(group): {k: v for k, v in group.items() if k != "params"} for group in groups}
         return cls(list(range(bucket_count)), frozen)
+
+    def settings_for(self, group: dict[str, Any]) -> dict[str, Any] | None:
+        """The settings ``group`` had at step(), or None for a group added since (by identity, not position:
+        a group added to one of several optimizers lands between the others' groups)."""
+        return self.hyperparameters.get(id(group))
 
     def take(self, bucket: int) -> bool:
         """True (once) if ``bucket``'s update is owed: the caller applies it now."""
