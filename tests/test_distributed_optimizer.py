@@ -1070,6 +1070,7 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "shard=True takes an optimizer class" in errors["given_sharded"]
     assert "SGD.step() called directly" in errors["given_direct_step"]
     assert "which one should train the group" in errors["given_add_group"]
+    assert "adamw.add_param_group(group)" in errors["given_add_group"]
     assert "holds 2 optimizers (SGD, AdamW)" in errors["given_load"]
     assert "each positive and finite" in errors["chunk_sizes"] and "(2, 0)" in errors["chunk_sizes"]
 

@@ -61,8 +61,8 @@ class OptimizerSet:
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ValueError(
             "add_param_group on a DistributedOptimizer of several optimizers: which one should train the group is "
-            "not said. Build the optimizers with every group they will train (a group with lr=0 until then), "
-            "and the DistributedOptimizer over them"
+            "not said. Add it to that optimizer itself (e.g. adamw.add_param_group(group)): the "
+            "DistributedOptimizer takes it up at its next zero_grad() or step()"
         )
 
 
