@@ -817,6 +817,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
     # bad input: each refused with what to do
     errors = {}
     stranger = torch.nn.Parameter(torch.zeros(3))
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     class CountingSGD(torch.optim.SGD):
         """Keeps a per-step count in its groups (as schedule-free optimizers do): per-bucket steps would not
@@ -868,6 +869,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         "closure": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1).step(lambda: 0),
         "schedule": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, schedule="x"),
         "needs_closure": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), torch.optim.LBFGS),
+        "zero": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), ZeroRedundancyOptimizer),
         "group_mutation": counting_step,
         "second_optimizer": second_optimizer,
         "chunk_sizes": lambda: setattr(
@@ -1062,6 +1064,7 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "takes no closure" in errors["closure"]
     assert "schedule must be one of" in errors["schedule"]
     assert "LBFGS.step() needs a closure" in errors["needs_closure"]
+    assert "ZeroRedundancyOptimizer is a distributed optimizer" in errors["zero"] and "shard=True" in errors["zero"]
     assert "CountingSGD.step() changed param_groups[0]['k']" in errors["group_mutation"]
     assert "co.wrap(net)" in errors["group_mutation"]
     assert "one per model" in errors["second_optimizer"] and "give both to one" in errors["second_optimizer"]

@@ -995,7 +995,7 @@ def _finish_for_optimizer_beside(optimizer: torch.optim.Optimizer) -> None:
     for ref in list(_LIVE_WRAPPERS.values()):
         wrapper = ref()
         ours = None if wrapper is None else wrapper.optimizer
-        if ours is None or optimizer is ours or ours.steps_itself(optimizer):
+        if ours is None or optimizer is ours or ours.stepping:
             continue
         if wrapper._owns_any(optimizer):
             ours.before_optimizer_beside(optimizer)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .. import runtime
 from ..bucketing.alignment import StepMisalignedError
@@ -411,8 +412,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             if manager.deferred_pending:
                 self.model.finish_bucket(bucket)
 
-    def steps_itself(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True if ``optimizer``'s step now is one this optimizer runs (the wrapped class's, bucket by bucket)."""
+    @property
+    def stepping(self) -> bool:
+        """True while this optimizer runs the wrapped class's (or the given optimizers') step, bucket by bucket."""
         return self._stepping
 
     def before_optimizer_beside(self, optimizer: torch.optim.Optimizer) -> None:
@@ -992,6 +994,12 @@ def _refuse_unusable(optimizer_class: Any, given: tuple | None, args: tuple, kwa
             f"built over the model's parameters (e.g. [Muon(matrices), AdamW(rest)]), got {optimizer_class!r}"
         )
     for cls in [type(optimizer) for optimizer in given] if given is not None else [optimizer_class]:
+        if issubclass(cls, ZeroRedundancyOptimizer):
+            raise TypeError(
+                "ZeroRedundancyOptimizer is a distributed optimizer of its own (its step broadcasts parameters): "
+                "per-bucket steps would run its collectives once per bucket. Give the class it wraps, with "
+                "shard=True for sharded state: DistributedOptimizer(model, torch.optim.AdamW, shard=True, lr=...)"
+            )
         if _needs_closure(cls):
             raise ValueError(
                 f"{cls.__name__}.step() needs a closure that evaluates the model again (a line search): "
