@@ -103,12 +103,13 @@ def optimizer_checks(rank: int, device: str) -> dict:
         module = getattr(model, "module", model)
         return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
 
-    from benchmarks.optimizer_compare import Both, muon_and_adamw
+    from benchmarks.optimizer_compare import muon_and_adamw
+    from tests.reference import InTurn
 
     ddp = torch.nn.parallel.DistributedDataParallel(build("transformer").to(device))
     references = {"SGD": train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))}
     ddp = torch.nn.parallel.DistributedDataParallel(build("transformer").to(device))
-    references["Muon + AdamW"] = train(ddp, Both(muon_and_adamw(ddp)))
+    references["Muon + AdamW"] = train(ddp, InTurn(muon_and_adamw(ddp)))
     out = {}
     cases = (
         ("DistributedOptimizer", {}),  # schedule="auto": a launch order planned after step 3

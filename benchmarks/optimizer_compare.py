@@ -39,6 +39,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.common import run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step  # noqa: E402
+from tests.reference import InTurn  # noqa: E402
 
 DDP_SWEEP_MB = (1, 2, 5, 10, 25, 50)
 SHARDED = "wrap auto + DistributedOptimizer(shard=True)"
@@ -49,21 +50,6 @@ def _optimizer(args):
     if args.optimizer == "sgd":
         return torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}
     return torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01}
-
-
-class Both:
-    """Two plain optimizers stepped one after the other, as a DDP loop with Muon + AdamW does."""
-
-    def __init__(self, optimizers: list) -> None:
-        self.optimizers = optimizers
-
-    def zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad()
-
-    def step(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.step()
 
 
 def muon_and_adamw(model: nn.Module) -> list:
@@ -77,7 +63,7 @@ def muon_and_adamw(model: nn.Module) -> list:
 def _plain(args, model: nn.Module):
     """The plain optimizer (or Muon + AdamW) over ``model``'s parameters, as under DDP."""
     if args.optimizer == "muon":
-        return Both(muon_and_adamw(model))
+        return InTurn(muon_and_adamw(model))
     cls, kwargs = _optimizer(args)
     return cls(model.parameters(), **kwargs)
 

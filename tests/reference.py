@@ -69,3 +69,18 @@ def assert_identical(a, b, what: str) -> None:
 def snapshot(model) -> dict:
     """A torch module's state_dict as numpy arrays (copies), for comparing trained models."""
     return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+
+
+class InTurn:
+    """Plain optimizers stepped one after another, as a DDP loop with two of them (Muon + AdamW) does."""
+
+    def __init__(self, optimizers: list) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()

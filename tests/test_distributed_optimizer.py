@@ -11,7 +11,7 @@ import torch
 
 from collective_ops.adapters.torch_optimizer import TRIAL_BLOCK_STEPS, TRIAL_CANDIDATES, TRIAL_ROUNDS
 from tests.harness import run_ranks
-from tests.reference import assert_identical, snapshot
+from tests.reference import InTurn, assert_identical, snapshot
 
 STEPS = 20
 LEAD_S = 0.05  # a backward spent before the first gradient in the order trial's model (see _SlowOutputBackward)
@@ -312,21 +312,6 @@ def clipped_by_torch_after_finish_reductions(rank: int, build, make_optimizer, s
     return results[0], results[1]
 
 
-class _InTurn:
-    """Plain optimizers stepped one after another, as a DDP loop with two of them does."""
-
-    def __init__(self, optimizers: list) -> None:
-        self.optimizers = optimizers
-
-    def zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad()
-
-    def step(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-
 def group_added_mid_training(
     rank: int, build, shard: bool, steps: int = 5, at: int = 2, given: bool = False
 ) -> tuple[dict, dict]:
@@ -357,7 +342,7 @@ def group_added_mid_training(
                 )
         else:
             model = torch.nn.parallel.DistributedDataParallel(net)
-            optimizer = _InTurn(both) if given else plain
+            optimizer = InTurn(both) if given else plain
         scheduler = torch.optim.lr_scheduler.StepLR(both[1], step_size=1, gamma=0.5) if given else None
         for step in range(steps):
             if step == at:
@@ -560,20 +545,18 @@ def several_optimizers(rank: int, build, steps: int = 6) -> dict:
         else:
             model = torch.nn.parallel.DistributedDataParallel(build())
         plain = _split_optimizers(model, *muon, *adamw)
-        steppers = [co.DistributedOptimizer(model, plain)] if ours else plain
+        stepper = co.DistributedOptimizer(model, plain) if ours else InTurn(plain)
         scheduler = torch.optim.lr_scheduler.StepLR(plain[0], step_size=1, gamma=0.7)  # Muon's own schedule
         owed = []
         with warnings.catch_warnings(record=True) as heard:
             warnings.simplefilter("always")
             for step in range(steps):
                 x, y = rank_batch(MLP, step, rank)
-                for optimizer in steppers:
-                    optimizer.zero_grad()
+                stepper.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
-                for optimizer in steppers:
-                    optimizer.step()
+                stepper.step()
                 scheduler.step()
-                owed.append(ours and steppers[0].in_flight)
+                owed.append(ours and stepper.in_flight)
                 if step == 1:  # AdamW's own checkpoint, read directly, with its lr halved
                     early = copy.deepcopy(plain[1].state_dict())
                     early["param_groups"][0]["lr"] /= 2
@@ -581,7 +564,7 @@ def several_optimizers(rank: int, build, steps: int = 6) -> dict:
                     plain[1].load_state_dict(early)
         states = [_state_arrays(optimizer.state_dict()) for optimizer in plain]  # read directly, not through ours
         out["ours" if ours else "ddp"] = (snapshot(model.module), states, owed, [str(w.message) for w in heard])
-    saved = steppers[0].state_dict()
+    saved = stepper.state_dict()
     reloaded = _split_optimizers(build(), *muon, *adamw)
     for optimizer, state in zip(reloaded, saved["optimizers"]):
         optimizer.load_state_dict(state)
@@ -607,21 +590,19 @@ def optimizer_beside(rank: int, build, steps: int = 5) -> dict:
     for case in ("ddp", "plain_after", "plain_first", "sharded"):
         if case == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(build())
-            steppers = _split_optimizers(model, *sgd, *adamw)
+            stepper = InTurn(_split_optimizers(model, *sgd, *adamw))
         else:
             model = co.wrap(build(), bucket_size_mb=0.004, comm_hook=None if case == "sharded" else late_allreduce)
             plain = _split_optimizers(model, *sgd, *adamw)[1]
             matrices = [p for p in model.parameters() if p.ndim == 2]
             ours = co.DistributedOptimizer(model, sgd[0], params=matrices, shard=case == "sharded", **sgd[1])
-            steppers = [plain, ours] if case == "plain_first" else [ours, plain]
+            stepper = InTurn([plain, ours] if case == "plain_first" else [ours, plain])
         try:
             for step in range(steps):
                 x, y = rank_batch(MLP, step, rank)
-                for optimizer in steppers:
-                    optimizer.zero_grad()
+                stepper.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
-                for optimizer in steppers:
-                    optimizer.step()
+                stepper.step()
         except RuntimeError as exc:
             out[case] = str(exc)
             continue
