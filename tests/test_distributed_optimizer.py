@@ -731,6 +731,12 @@ def optimizer_checks(rank: int, world: int) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
     out["several_optimizers"] = several_optimizers(rank, lambda: build("mlp"))
+    out["given_one"] = zero_grad_after_step(  # one optimizer built by the user, given in place of a class
+        rank,
+        lambda: build("mlp"),
+        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW(m.parameters(), lr=1e-2)),
+        set_to_none=True,
+    )
     out["optimizer_beside"] = optimizer_beside(rank, lambda: build("mlp"))
 
     # state_dict round trip through a plain optimizer of the same class, and training continued from it
@@ -893,6 +899,7 @@ CASES = [
         "zero_grad_after_step_False",
         "group_added",
         "group_added_to_given",
+        "given_one",
         "classic_norms",
         "parametrized_norms",
         "checkpointed",
