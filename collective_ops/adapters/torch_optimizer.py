@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import time
 import weakref
 from collections import deque
@@ -30,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .. import runtime
 from ..bucketing.alignment import StepMisalignedError
@@ -151,10 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._stepping = False  # True while this optimizer calls the wrapped class's step()
         self._optimizer = self._make_optimizer(optimizer_class, groups, args, kwargs)
         super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
-        self.param_groups = self._optimizer.param_groups  # one list, shared with the class's own optimizer
-        self.state = self._optimizer.state  # one state, too
-        self._trained = {id(p) for p in self._model_params()}
-        self._known_groups = list(self.param_groups)
+        self._rebind()  # one list of groups and one state, shared with the class's own optimizer
         self._built = True  # add_param_group from now on is the user's (torch's __init__ called it above)
         self._pending: PendingUpdates | None = None
         # Parameters this step still writes (their update, sharded their all-gather, lands at the next forward),
@@ -519,10 +516,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """The buckets whose parameters this step still writes (at the next forward that reads them)."""
         return list(self._pending.buckets) if self._pending is not None else []
 
+    def _bucket_members(self, bucket: int) -> list[torch.Tensor]:
+        """Every parameter of this bucket."""
+        return [self.model._params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
+
     def _bucket_params(self, bucket: int) -> list[torch.Tensor]:
         """The parameters of this bucket that this optimizer writes (not those of an optimizer beside it)."""
-        params = [self.model._params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
-        return [p for p in params if id(p) in self._trained]
+        return [p for p in self._bucket_members(bucket) if id(p) in self._trained]
 
     def _check_params_untouched(self, buckets: list[int], release: bool = True) -> None:
         """Raise where the loop changed these buckets' parameters in place while this step still owed them a
@@ -993,8 +993,10 @@ def _refuse_unusable(optimizer_class: Any, given: tuple | None, args: tuple, kwa
             "optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), or torch optimizers "
             f"built over the model's parameters (e.g. [Muon(matrices), AdamW(rest)]), got {optimizer_class!r}"
         )
+    # torch.distributed.optim takes ~1.8 s to import: looked up, not imported (unimported, nobody built a ZeRO)
+    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
     for cls in [type(optimizer) for optimizer in given] if given is not None else [optimizer_class]:
-        if issubclass(cls, ZeroRedundancyOptimizer):
+        if zero is not None and issubclass(cls, zero):
             raise TypeError(
                 "ZeroRedundancyOptimizer is a distributed optimizer of its own (its step broadcasts parameters): "
                 "per-bucket steps would run its collectives once per bucket. Give the class it wraps, with "

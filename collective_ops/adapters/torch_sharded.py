@@ -197,7 +197,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _bucket_params(self, bucket: int) -> list[torch.Tensor]:
         """Every parameter of this bucket: its all-gather writes them all."""
-        return [self.model._params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
+        return self._bucket_members(bucket)
 
     def before_optimizer_beside(self, optimizer: torch.optim.Optimizer) -> None:
         raise RuntimeError(
@@ -569,8 +569,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 number += 1
         optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
         self._optimizer = optimizer
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
+        self._rebind()
 
     def _slice_state(self, state: dict[str, Any], piece: ShardPiece, tensor: torch.Tensor) -> dict[str, Any]:
         p = self.model._params[piece.param_index]
