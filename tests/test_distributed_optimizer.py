@@ -579,34 +579,56 @@ def several_optimizers(rank: int, build, steps: int = 6) -> dict:
 def optimizer_beside(rank: int, build, steps: int = 5) -> dict:
     """DDP + SGD (matrices) + AdamW (the rest), against a DistributedOptimizer(SGD, params=matrices) with a plain
     AdamW beside it over the rest, its step() before and after ours (the reductions landing late: a plain step
-    reads gradients still in flight unless they are finished first). Sharded, the plain step is refused."""
+    reads gradients still in flight unless they are finished first); the same under torch.amp.GradScaler, whose
+    step(adamw) unscales AdamW's gradients in place before AdamW's step() (no hook runs there). Whether our step
+    was still in flight after the plain one ran first (its own buckets keep their overlap). Sharded, refused."""
     import torch
 
     import collective_ops as co
     from tests.models import MLP, rank_batch
 
     sgd, adamw = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 1e-2})
-    out: dict = {}
-    for case in ("ddp", "plain_after", "plain_first", "sharded"):
-        if case == "ddp":
+    out: dict = {"in_flight_after_plain": []}
+    for case in (
+        "ddp",
+        "plain_after",
+        "plain_first",
+        "sharded",
+        "ddp_scaled",
+        "scaled_plain_first",
+        "scaled_plain_after",
+    ):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if "scaled" in case else None
+        if case.startswith("ddp"):
             model = torch.nn.parallel.DistributedDataParallel(build())
-            stepper = InTurn(_split_optimizers(model, *sgd, *adamw))
+            optimizers = _split_optimizers(model, *sgd, *adamw)
+            plain = ours = None
         else:
             model = co.wrap(build(), bucket_size_mb=0.004, comm_hook=None if case == "sharded" else late_allreduce)
             plain = _split_optimizers(model, *sgd, *adamw)[1]
             matrices = [p for p in model.parameters() if p.ndim == 2]
             ours = co.DistributedOptimizer(model, sgd[0], params=matrices, shard=case == "sharded", **sgd[1])
-            stepper = InTurn([plain, ours] if case == "plain_first" else [ours, plain])
+            optimizers = [plain, ours] if case.endswith("plain_first") else [ours, plain]
         try:
             for step in range(steps):
                 x, y = rank_batch(MLP, step, rank)
-                stepper.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                stepper.step()
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                for optimizer in optimizers:
+                    if scaler is None:
+                        optimizer.step()
+                    else:
+                        scaler.step(optimizer)
+                    if optimizer is plain and case == "plain_first":
+                        out["in_flight_after_plain"].append(model.manager.deferred_pending)
+                if scaler is not None:
+                    scaler.update()
         except RuntimeError as exc:
             out[case] = str(exc)
             continue
-        out[case] = snapshot(model.module if case == "ddp" else model)
+        out[case] = snapshot(model.module if case.startswith("ddp") else model)
     return out
 
 
@@ -1084,11 +1106,13 @@ def test_several_optimizers_in_one_keep_the_overlap_and_equal_ddp(two_ranks) -> 
 
 def test_a_plain_optimizer_beside_steps_on_averaged_gradients(two_ranks) -> None:
     """A plain AdamW over the parameters the DistributedOptimizer was not given steps on averaged gradients
-    (its reductions finished first), before or after ours: as DDP + the two. Sharded it is refused."""
+    (their buckets finished at the end of backward), before or after ours, under a GradScaler too: as DDP + the
+    two. Our own buckets stay in flight across a plain step run first. Sharded it is refused."""
     for rank, out in enumerate(result["optimizer_beside"] for result in two_ranks):
-        for case in ("plain_after", "plain_first"):
+        for case in ("plain_after", "plain_first", "scaled_plain_first", "scaled_plain_after"):
             assert isinstance(out[case], dict), f"{case}, rank {rank}: {out[case]}"
-            assert_identical(out[case], out["ddp"], f"{case}, rank {rank}")
+            assert_identical(out[case], out["ddp_scaled" if "scaled" in case else "ddp"], f"{case}, rank {rank}")
+        assert any(out["in_flight_after_plain"]), "a plain step must finish only its own buckets, not ours"
         assert "AdamW.step() over parameters of a model whose DistributedOptimizer has shard=True" in out["sharded"]
         assert "or use shard=False" in out["sharded"]
 

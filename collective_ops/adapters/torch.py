@@ -335,7 +335,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gradients_guard.clear()
         if self.manager.deferred_pending or self._owns_reduced_gradients():
             self.note_gradients_owned(range(len(self.manager.plan.buckets)))
-        if not self.manager.deferred_pending:
+        if self.manager.deferred_pending:
+            # (where that finishes every bucket, the last finish_bucket ran _after_step; the settling then
+            # waits for the next forward's end, a point every rank shares)
+            self.optimizer.backward_ended()
+        else:
             self._after_step()
             self._settle(forward_ended=False)
 

@@ -416,15 +416,30 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def before_optimizer_beside(self, optimizer: torch.optim.Optimizer) -> None:
         """Another optimizer is about to step parameters of this model (a plain AdamW over those this one was not
-        given): the gradients it reads are finished first, so that it steps on averaged ones as under DDP (this
-        step then loses its overlap with the next forward)."""
+        given): the buckets holding its parameters are finished first (with this step's updates owed there), so
+        that it steps on averaged gradients as under DDP. Unless it shares parameters with this optimizer, they were
+        finished at the end of backward already (:meth:`backward_ended`); the other buckets keep their overlap."""
         if optimizer in (self._given or ()):
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() called directly: it was given to a DistributedOptimizer, whose "
                 "step() runs it bucket by bucket as the reductions land; call that one's step() instead"
             )
-        if self.model.manager.deferred_pending:
-            self.finish_reductions()
+        self._finish(self._buckets_holding({id(p) for group in optimizer.param_groups for p in group["params"]}))
+
+    def backward_ended(self) -> None:
+        """At the end of a backward whose reductions run on past it (deferred): the buckets holding gradients of
+        parameters this optimizer does not train are finished now, as DDP finishes every bucket in backward. So
+        whatever reads those gradients next, by any route (a plain optimizer beside this one, ``scaler.unscale_``
+        of it, a norm over them), reads them averaged; this optimizer's own buckets keep their overlap."""
+        others = {id(p) for p in self.model._params} - self._trained
+        for bucket in self._buckets_holding(others):
+            if self.model.manager.deferred_pending:
+                self.model.finish_bucket(bucket)
+
+    def _buckets_holding(self, param_ids: set[int]) -> list[int]:
+        """The buckets (in plan order) that hold any of these parameters."""
+        buckets = range(len(self.model.manager.plan.buckets))
+        return [b for b in buckets if any(id(p) in param_ids for p in self._bucket_members(b))]
 
     def _scaled_step(self, scaler: Any) -> None:
         """``GradScaler.step(opt)``: every reduction finished (the inf check needs all gradients), the

@@ -208,6 +208,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             "for different settings), or use shard=False"
         )
 
+    def backward_ended(self) -> None:
+        """Nothing is finished early: outside this rank's shard no gradient is ever averaged, and an optimizer
+        beside this one is refused (:meth:`before_optimizer_beside`)."""
+
     # -- the step ------------------------------------------------------------------------------
     @property
     def in_flight(self) -> bool:
