@@ -129,12 +129,19 @@ def assert_evaluations_equal_ddp(results: list[dict], label: str) -> None:
         assert_identical(our_evals, ddp_evals, f"evaluation outputs after each step, {label}rank {rank}")
 
 
-def assert_scaled_training_equals_ddp(results: list[dict], label: str) -> None:
-    """The ``scaled_training`` results of every rank: one overflow (scale halved once), weights as DDP's."""
+def assert_scaled_training_equals_ddp(results: list[dict], label: str, clip_exact: bool = True) -> None:
+    """The ``scaled_training`` results of every rank: one overflow (scale halved once), weights as DDP's; also
+    with ``scaler.unscale_(opt)`` and a clip between backward and step (``clip_exact=False``: the norm summed from
+    shards, in another order than torch's, so within fp32 rounding)."""
     for rank, out in enumerate(results):
-        (ddp, ddp_scale), (ours, our_scale) = out["grad_scaler"]
-        assert ddp_scale == our_scale == 2.0**9  # one overflow: halved once
-        assert_identical(ours, ddp, f"GradScaler loop, {label}rank {rank}")
+        for key in ("grad_scaler", "grad_scaler_unscale_clip"):
+            (ddp, ddp_scale), (ours, our_scale) = out[key]
+            assert ddp_scale == our_scale == 2.0**9, f"{key}, {label}rank {rank}: one overflow, halved once"
+            if clip_exact or key == "grad_scaler":
+                assert_identical(ours, ddp, f"{key}, {label}rank {rank}")
+                continue
+            for name in ddp:
+                np.testing.assert_allclose(ours[name], ddp[name], rtol=1e-6, atol=1e-7, err_msg=f"{key}: {name}")
 
 
 def zero_grad_after_step(rank: int, build, make_optimizer, set_to_none: bool, steps: int = 6) -> tuple[dict, dict]:
@@ -178,8 +185,12 @@ def eval_between_steps(rank: int, build, make_optimizer, steps: int = 5) -> tupl
     return results[0], results[1]
 
 
-def scaled_training(rank: int, build, make_optimizer, steps: int = 6) -> tuple[tuple, tuple]:
-    """(DDP, ours) with torch.amp.GradScaler's loop, step 2 overflowing (skipped, the scale halved)."""
+def scaled_training(
+    rank: int, build, make_optimizer, steps: int = 6, unscale_clip: bool = False, wrap_kwargs: dict | None = None
+) -> tuple[tuple, tuple]:
+    """(DDP, ours) with torch.amp.GradScaler's loop, step 2 overflowing (skipped, the scale halved). With
+    ``unscale_clip``, torch's recipe for clipping: ``scaler.unscale_(opt)`` right after backward, then a clip to
+    norm 0.5 (torch's for DDP, the optimizer's own for ours)."""
     import warnings
 
     import torch
@@ -188,13 +199,19 @@ def scaled_training(rank: int, build, make_optimizer, steps: int = 6) -> tuple[t
 
     results = []
     for ours in (False, True):
-        model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
+        model, optimizer = _ddp_or_ours(ours, build, make_optimizer, wrap_kwargs)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
             loss = torch.nn.functional.cross_entropy(model(x), y) * (float("inf") if step == 2 else 1.0)
             optimizer.zero_grad()
             scaler.scale(loss).backward()
+            if unscale_clip:
+                scaler.unscale_(optimizer)  # reads optimizer.param_groups: ours finishes the reductions first
+                if ours:
+                    optimizer.clip_grad_norm_(0.5)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             with warnings.catch_warnings():  # torch announces a change of this protocol (FutureWarning)
                 warnings.simplefilter("ignore", FutureWarning)
                 scaler.step(optimizer)
@@ -724,6 +741,13 @@ def optimizer_checks(rank: int, world: int) -> dict:
 
     out["grad_scaler"] = scaled_training(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    )
+    out["grad_scaler_unscale_clip"] = scaled_training(  # reductions landing late: unscale_ would race them
+        rank,
+        lambda: build("mlp"),
+        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
+        unscale_clip=True,
+        wrap_kwargs={"comm_hook": late_allreduce},
     )
     out["nonfinite"] = nonfinite_step_refused(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)

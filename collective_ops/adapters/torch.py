@@ -421,13 +421,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             "DistributedOptimizer's step, while it still owned them: its updates overlap the reduction with the "
             "next forward, so after backward() p.grad is not yet averaged (and with shard=True never is outside "
             "this rank's shard). Take the parameters through the model (model.parameters() finishes the "
-            "reductions first), or call opt.finish_reductions() before code that reads or changes gradients "
-            "between backward() and step() (scaler.unscale_(opt) too); with shard=True clip with "
-            "opt.clip_grad_norm_(max_norm)"
+            "reductions first; so does opt.param_groups, which scaler.unscale_(opt) reads), or call "
+            "opt.finish_reductions() before code that reads or changes gradients between backward() and step(); "
+            "with shard=True clip with opt.clip_grad_norm_(max_norm)"
         )
 
     def _owns_any(self, optimizer: torch.optim.Optimizer) -> bool:
         """True if ``optimizer`` (any torch optimizer) holds a parameter of this model."""
+        optimized = getattr(optimizer, "model", None)
+        if isinstance(optimized, DistributedDataParallel):  # a DistributedOptimizer trains its own model's only
+            return optimized is self  # (and reading its param_groups before its step would finish its reductions)
         owned = {id(p) for p in self._params}
         return any(id(p) in owned for group in optimizer.param_groups for p in group["params"])
 

@@ -229,11 +229,30 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.param_groups = self._optimizer.param_groups
         self.state = self._optimizer.state
         self._trained = {id(p) for p in self._model_params()}
-        self._known_groups = list(self.param_groups)  # (a given optimizer's own add_param_group appends to it)
+        self._known_groups = list(self._groups)  # (a given optimizer's own add_param_group appends to it)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped class's parameter groups. Read between backward() and step() (``scaler.unscale_(opt)``
+        before clipping, a gradient norm over them), the last backward's reductions are finished first, as the
+        wrapped model's ``parameters()`` finish them, so what is read there is averaged; that step loses its
+        overlap with the next forward. (GradScaler's in-place unscaling moves no version counter: the gradient
+        guard cannot see it race a reduction.) Read after step(), as an LR scheduler does, they finish nothing."""
+        if getattr(self, "_built", False) and not self._stepping and self._gradients_unstepped():
+            self.finish_reductions()
+        return self._groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self._groups = groups
+
+    def _gradients_unstepped(self) -> bool:
+        """True between a backward whose reductions run on past it and the step() that consumes them."""
+        return self.model.manager.deferred_pending and self._pending is None
 
     def _model_params(self) -> list[torch.Tensor]:
         """The model parameters this optimizer trains."""
-        return [p for group in self.param_groups for p in group["params"]]
+        return [p for group in self._groups for p in group["params"]]
 
     @property
     def defers(self) -> bool:
@@ -330,7 +349,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not manager.deferred_pending:  # every bucket already finished (or nothing was reduced)
             self._timed_step(None, None)
             return
-        self._pending = PendingUpdates.start(len(manager.plan.buckets), self.param_groups)
+        self._pending = PendingUpdates.start(len(manager.plan.buckets), self._groups)
         self._finish([bucket for bucket in self._pending.buckets if manager.bucket_ready(bucket)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:

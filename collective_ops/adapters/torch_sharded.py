@@ -208,6 +208,11 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             "for different settings), or use shard=False"
         )
 
+    def _gradients_unstepped(self) -> bool:
+        """True between a backward that reduced and the step() that consumes it: each piece's ``.grad`` is bound
+        to its averaged shard only by finish_reductions() (what ``scaler.unscale_(opt)`` must read)."""
+        return self._reduction() != self._steps_applied
+
     def backward_ended(self) -> None:
         """Nothing is finished early: outside this rank's shard no gradient is ever averaged, and an optimizer
         beside this one is refused (:meth:`before_optimizer_beside`)."""
@@ -229,7 +234,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._allreduce_first_step:
             self._start_sharding()  # the gradients of this step are complete: every shard of them is valid
         self._steps_applied = reduction
-        self._pending = PendingUpdates.start(len(self.model.manager.plan.buckets), self.param_groups)
+        self._pending = PendingUpdates.start(len(self.model.manager.plan.buckets), self._groups)
         self._next_gather = 0
         if self.overlap:
             # Every reduce-scatter waited for and every all-gather launched before step() returns, so code that
@@ -251,7 +256,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 "rank %d joined: it keeps updating its shards with its own optimizer settings (lr %s); changes "
                 "that the other ranks' schedulers make from now on do not reach them",
                 self.model.engine.rank,
-                [group["lr"] for group in self.param_groups],
+                [group["lr"] for group in self._groups],
             )
         self.step()
 
