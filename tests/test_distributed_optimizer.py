@@ -649,6 +649,39 @@ def optimizer_beside(rank: int, build, steps: int = 5) -> dict:
     return out
 
 
+def two_models(rank: int, build, steps: int = 4) -> dict:
+    """Two wrapped models, each with its own DistributedOptimizer (a GAN's generator and discriminator), their
+    reductions landing late, against DDP + AdamW for each: weights; and whether each step() left its updates in
+    flight (the global step pre-hook must not finish one optimizer's reductions for the other model)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    out: dict = {"in_flight_after_step": []}
+    for case in ("ddp", "ours"):
+        models, optimizers = [], []
+        for _ in range(2):
+            if case == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(build())
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            else:
+                model = co.wrap(build(), bucket_size_mb=0.004, comm_hook=late_allreduce)
+                optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+            models.append(model)
+            optimizers.append(optimizer)
+        for step in range(steps):
+            for k, (model, optimizer) in enumerate(zip(models, optimizers)):
+                x, y = rank_batch(MLP, 10 * step + k, rank)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                if case == "ours":
+                    out["in_flight_after_step"].append(optimizer.in_flight)
+        out[case] = [snapshot(model.module if case == "ddp" else model) for model in models]
+    return out
+
+
 def assert_nonfinite_step_refused(results: list[dict], label: str) -> None:
     """The ``nonfinite_step_refused`` results of every rank: refused on each, nothing applied, then DDP's."""
     for rank, out in enumerate(result["nonfinite"] for result in results):
@@ -784,6 +817,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         set_to_none=True,
     )
     out["optimizer_beside"] = optimizer_beside(rank, lambda: build("mlp"))
+    out["two_models"] = two_models(rank, lambda: build("mlp"))
 
     # state_dict round trip through a plain optimizer of the same class, and training continued from it
     model = co.wrap(build("mlp"), bucket_size_mb=0.004)
@@ -1139,6 +1173,15 @@ def test_a_plain_optimizer_beside_steps_on_averaged_gradients(two_ranks) -> None
         assert any(out["in_flight_after_plain"]), "a plain step must finish only its own buckets, not ours"
         assert "AdamW.step() over parameters of a model whose DistributedOptimizer has shard=True" in out["sharded"]
         assert "or use shard=False" in out["sharded"]
+
+
+def test_two_models_each_with_a_distributed_optimizer(two_ranks) -> None:
+    """Two wrapped models with a DistributedOptimizer each train as under DDP, and each step() keeps its overlap
+    with the next forward (stepping one does not finish the other's reductions, nor its own)."""
+    for rank, out in enumerate(result["two_models"] for result in two_ranks):
+        for k, (ours, ddp) in enumerate(zip(out["ours"], out["ddp"])):
+            assert_identical(ours, ddp, f"model {k}, rank {rank}")
+        assert all(out["in_flight_after_step"]), f"rank {rank}: a step lost its overlap {out['in_flight_after_step']}"
 
 
 def three_rank_checks(rank: int, world: int) -> dict:
