@@ -134,10 +134,10 @@ def assert_scaled_training_equals_ddp(results: list[dict], label: str, clip_exac
     with ``scaler.unscale_(opt)`` and a clip between backward and step (``clip_exact=False``: the norm summed from
     shards, in another order than torch's, so within fp32 rounding)."""
     for rank, out in enumerate(results):
-        for key in ("grad_scaler", "grad_scaler_unscale_clip"):
+        for key in ("grad_scaler", "grad_scaler_one_element", "grad_scaler_unscale_clip"):
             (ddp, ddp_scale), (ours, our_scale) = out[key]
             assert ddp_scale == our_scale == 2.0**9, f"{key}, {label}rank {rank}: one overflow, halved once"
-            if clip_exact or key == "grad_scaler":
+            if clip_exact or key != "grad_scaler_unscale_clip":
                 assert_identical(ours, ddp, f"{key}, {label}rank {rank}")
                 continue
             for name in ddp:
@@ -186,24 +186,42 @@ def eval_between_steps(rank: int, build, make_optimizer, steps: int = 5) -> tupl
 
 
 def scaled_training(
-    rank: int, build, make_optimizer, steps: int = 6, unscale_clip: bool = False, wrap_kwargs: dict | None = None
+    rank: int,
+    build,
+    make_optimizer,
+    steps: int = 6,
+    unscale_clip: bool = False,
+    wrap_kwargs: dict | None = None,
+    one_element: bool = False,
 ) -> tuple[tuple, tuple]:
-    """(DDP, ours) with torch.amp.GradScaler's loop, step 2 overflowing (skipped, the scale halved). With
-    ``unscale_clip``, torch's recipe for clipping: ``scaler.unscale_(opt)`` right after backward, then a clip to
-    norm 0.5 (torch's for DDP, the optimizer's own for ours)."""
+    """(DDP, ours) with torch.amp.GradScaler's loop, step 2 overflowing (skipped, the scale halved): the whole
+    loss, or with ``one_element`` one element of the first weight's gradient on rank 1 only (sharded, its sum
+    then lives in one rank's shard). With ``unscale_clip``, torch's recipe for clipping: ``scaler.unscale_(opt)``
+    right after backward, then a clip to norm 0.5 (torch's for DDP, the optimizer's own for ours)."""
     import warnings
 
     import torch
 
     from tests.models import MLP, rank_batch
 
+    def overflow_one_element(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
     results = []
     for ours in (False, True):
         model, optimizer = _ddp_or_ours(ours, build, make_optimizer, wrap_kwargs)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        first_weight = next(iter(model.module.parameters()))
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
-            loss = torch.nn.functional.cross_entropy(model(x), y) * (float("inf") if step == 2 else 1.0)
+            overflow = step == 2
+            handle = (
+                first_weight.register_hook(overflow_one_element) if one_element and overflow and rank == 1 else None
+            )
+            scale = float("inf") if overflow and not one_element else 1.0
+            loss = torch.nn.functional.cross_entropy(model(x), y) * scale
             optimizer.zero_grad()
             scaler.scale(loss).backward()
             if unscale_clip:
@@ -212,6 +230,8 @@ def scaled_training(
                     optimizer.clip_grad_norm_(0.5)
                 else:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if handle is not None:
+                handle.remove()
             with warnings.catch_warnings():  # torch announces a change of this protocol (FutureWarning)
                 warnings.simplefilter("ignore", FutureWarning)
                 scaler.step(optimizer)
@@ -774,6 +794,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
 
     out["grad_scaler"] = scaled_training(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    )
+    out["grad_scaler_one_element"] = scaled_training(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2), one_element=True
     )
     out["grad_scaler_unscale_clip"] = scaled_training(  # reductions landing late: unscale_ would race them
         rank,

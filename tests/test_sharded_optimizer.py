@@ -351,6 +351,12 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["grad_scaler"] = scaled_training(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
+    out["grad_scaler_one_element"] = scaled_training(  # the overflow in one rank's shard: every rank must skip
+        rank,
+        lambda: build("mlp"),
+        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
+        one_element=True,
+    )
     out["grad_scaler_unscale_clip"] = scaled_training(
         rank,
         lambda: build("mlp"),

@@ -466,15 +466,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         from torch.amp.grad_scaler import OptState
 
         self.finish_reductions()
-        if scaler._per_optimizer_states[id(self)]["stage"] is OptState.READY:
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
             scaler.unscale_(self)  # records found_inf for scaler.update()
-        found_inf = sum(
-            float(v.item()) for v in scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values()
-        )
-        if found_inf:
+        if self._found_inf_anywhere(state["found_inf_per_device"]):
             self._skip_step()
         else:
             self.step()
+
+    def _found_inf_anywhere(self, found_inf_per_device: dict[Any, torch.Tensor]) -> bool:
+        """GradScaler's verdict on this step (``unscale_`` recorded it per device). Unsharded every rank checked
+        the same averaged gradients: the same verdict everywhere, no collective needed."""
+        return any(float(v.item()) for v in found_inf_per_device.values())
 
     def _skip_step(self) -> None:
         """The last backward's gradients are not applied (GradScaler found them not finite)."""

@@ -470,6 +470,22 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             dist.all_reduce(flags)
         return [self.model._param_names[i] for i in flags.nonzero().flatten().tolist()]
 
+    def _found_inf_anywhere(self, found_inf_per_device: dict[Any, torch.Tensor]) -> bool:
+        """Each rank checked only its shards, so an overflow is seen where its element lives: the verdict is
+        agreed over the ranks (one small allreduce, as Megatron's distributed optimizer does) and written back
+        into the scaler's record, so that every rank skips the step and ``scaler.update()`` backs off alike.
+        Otherwise the rank that saw it skipped its all-gathers while its peers waited in theirs."""
+        device = self.model.engine.device
+        local = any(float(v.item()) for v in found_inf_per_device.values())
+        agreed = torch.tensor([1.0 if local else 0.0], device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        for value in found_inf_per_device.values():
+            value.fill_(agreed.item())
+        if not found_inf_per_device:  # no piece of this rank had a gradient: scaler.update() still needs a record
+            found_inf_per_device[device] = agreed[0].clone()
+        return bool(agreed.item())
+
     def _skip_step(self) -> None:
         self._steps_applied = self._reduction()
         for _, tensor in self._pieces:
