@@ -21,7 +21,10 @@ def _uneven(
     arrange=None,
     shard: bool = False,
     zero_grad_last: bool = False,
+    scaled: bool = False,
 ) -> dict:
+    import warnings
+
     import torch
     from torch.distributed.algorithms import Join
 
@@ -39,14 +42,18 @@ def _uneven(
         context = Join([model, optimizer] if distributed else [model], divide_by_initial_world_size=divide)
     else:
         context = model.join(divide_by_initial_world_size=divide)
-    with context:
+    # a GradScaler's power-of-two scale is undone exactly: the weights of the loop without it, a joined rank's too
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+    with context, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch announces a change of scaler.step's protocol
         for step in range(BATCHES[rank]):
             x, y = rank_batch(model_cls, step, rank)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             if not zero_grad_last:
                 optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
             if zero_grad_last:  # a joined rank then shadows steps with no gradients left on its parameters
                 optimizer.zero_grad()
     return snapshot(model if distributed else model.module)  # ours: the wrapper's (owed updates land first)
@@ -107,6 +114,9 @@ def join_checks(rank: int, world: int) -> dict:
     )
     # sharded: a joined rank keeps updating its shards (and all-gathering them) in the steps it shadows
     out["ours_sharded"] = _uneven(rank, co.wrap(build("mlp"), bucket_size_mb=0.01), distributed=True, shard=True)
+    out["ours_sharded_scaled"] = _uneven(  # a joined rank steps through its GradScaler, as its peers still do
+        rank, co.wrap(build("mlp"), bucket_size_mb=0.01), distributed=True, shard=True, scaled=True
+    )
     out["ours_sharded_join_class"] = _uneven(
         rank, co.wrap(build("mlp"), bucket_size_mb=0.01), True, distributed=True, shard=True
     )
@@ -138,6 +148,7 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
             ("ours_lm", "ddp_lm"),
             ("ours_lm_distributed", "ddp_lm"),
             ("ours_sharded", "ddp"),
+            ("ours_sharded_scaled", "ddp"),
             ("ours_sharded_join_class", "ddp"),
             ("ours_sharded_active", "ddp_active"),
             ("ours_sharded_zero_grad_last", "ddp"),

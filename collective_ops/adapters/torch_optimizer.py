@@ -149,6 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._index = {id(p): i for i, p in enumerate(model._params)}
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable (Optimizer's init skips its)
         self._stepping = False  # True while this optimizer calls the wrapped class's step()
+        self._scaler_ref: weakref.ref | None = None  # the GradScaler that last stepped it (scaler.step(opt))
         self._optimizer = self._make_optimizer(optimizer_class, groups, args, kwargs)
         super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
         self._rebind()  # one list of groups and one state, shared with the class's own optimizer
@@ -465,6 +466,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         gradients unscaled and checked, the step skipped where one is not finite, as torch does."""
         from torch.amp.grad_scaler import OptState
 
+        self._scaler_ref = weakref.ref(scaler)  # (sharded, a rank that joins keeps stepping through it)
         self.finish_reductions()
         state = scaler._per_optimizer_states[id(self)]
         if state["stage"] is OptState.READY:

@@ -258,7 +258,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 self.model.engine.rank,
                 [group["lr"] for group in self._groups],
             )
-        self.step()
+        scaler = self._scaler_ref() if self._scaler_ref is not None else None
+        if scaler is None or not scaler.is_enabled():
+            self.step()
+            return
+        # Its own steps went through a GradScaler, so its peers' still do: the gradients reduced into its shards
+        # are scaled by the same scale, and each peer's step agrees on overflow (a collective). It steps through
+        # the scaler too, unscaling by that scale, taking part in the agreement and backing off alike.
+        scaler.step(self)
+        scaler.update()
 
     def _reduction(self) -> int:
         """The number of the model's synchronised step whose gradients are (being) reduced."""
