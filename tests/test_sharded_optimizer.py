@@ -313,6 +313,47 @@ def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
     return out
 
 
+def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
+    """A loop that never clears gradients (under DDP they accumulate across steps: refused sharded), and loops
+    that clear them through the module instead of the optimizer (``model.zero_grad()``, to None and to zeros,
+    with a micro-batch under no_sync): DDP's result."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    def loss(model, step: int, micro: int) -> torch.Tensor:
+        x, y = rank_batch(MLP, 2 * step + micro, rank)
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    out: dict = {"error": None}
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.01, shard=True)
+    try:
+        for step in range(steps):
+            loss(model, step, 0).backward()
+            optimizer.step()
+    except RuntimeError as exc:
+        out["error"], out["at"] = str(exc), step
+    for set_to_none in (True, False):
+        for ours in (False, True):
+            net = build("mlp")
+            model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
+            optimizer = (
+                co.DistributedOptimizer(model, torch.optim.SGD, lr=0.01, shard=True)
+                if ours
+                else torch.optim.SGD(model.parameters(), lr=0.01)
+            )
+            for step in range(steps):
+                model.zero_grad(set_to_none=set_to_none)  # the module's, not the optimizer's
+                with model.no_sync():
+                    loss(model, step, 0).backward()
+                loss(model, step, 1).backward()
+                optimizer.step()
+            out[("cleared by the module", set_to_none, ours)] = snapshot(net)
+    return out
+
+
 def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     import torch
 
@@ -370,6 +411,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
     )
     out["two_backwards"] = _two_backwards_per_step(rank)
+    out["kept_after_step"] = _gradients_kept_after_step(rank)
     out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=True)
     out["frozen_layer"] = frozen_layer_in_params(rank, shard=True)
     out["no_sync_only"] = step_after_no_sync_only(
@@ -593,6 +635,17 @@ def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(
         assert out["error"] is not None and out["at"] == 0, f"rank {rank}: trained on silently"
         assert "backward() ran again before step()" in out["error"] and "model.no_sync()" in out["error"]
         assert_identical(out["dropped_ours"], out["dropped_ddp"], f"zero_grad() between backwards, rank {rank}")
+
+
+def test_gradients_never_cleared_after_a_step_are_refused(two_ranks) -> None:
+    """Under DDP a loop without zero_grad() accumulates across steps; sharded it summed a half-averaged buffer,
+    silently off DDP's. Refused at the next backward; gradients cleared by the module train as DDP's."""
+    for rank, out in enumerate(result["kept_after_step"] for result in two_ranks):
+        assert out["error"] is not None and out["at"] == 1, f"rank {rank}: trained on silently"
+        assert "never cleared" in out["error"] and "opt.zero_grad()" in out["error"], out["error"]
+        for set_to_none in (True, False):
+            ours, ddp = (out[("cleared by the module", set_to_none, flag)] for flag in (True, False))
+            assert_identical(ours, ddp, f"model.zero_grad(set_to_none={set_to_none}), rank {rank}")
 
 
 def test_a_step_on_gradients_never_averaged_is_refused(two_ranks) -> None:

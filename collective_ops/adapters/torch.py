@@ -262,6 +262,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs in the autograd engine once ``param``'s gradient is fully accumulated."""
         manager = self.manager
+        optimizer = self.optimizer
+        if optimizer is not None and optimizer.awaits_first_gradient:  # (under no_sync() too)
+            optimizer.first_gradient_after_step(param)
         if not manager.sync_enabled:
             manager.mark_ready(index)  # only noted: used while accumulating (the usage map counts it)
             return

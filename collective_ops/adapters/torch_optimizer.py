@@ -513,6 +513,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._forward_start = time.perf_counter()
         self._forward_compiled = False
 
+    awaits_first_gradient = False  # sharded: True after a step, until a gradient arrives or zero_grad() clears
+
+    def first_gradient_after_step(self, param: torch.Tensor) -> None:
+        """The first gradient to arrive after a step (``awaits_first_gradient``), ``param``'s."""
+
     def backward_starts(self) -> None:
         """At the first gradient of a backward that reduces (every rank at the same point). Unsharded, a second
         backward before step() accumulates onto averaged gradients, as under DDP: nothing to do."""

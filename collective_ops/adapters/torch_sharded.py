@@ -104,6 +104,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._next_gather = 0  # position in the gather order
         self._steps_applied = 0  # the model's synchronised step whose gradients were last applied
         self._warned_joined = False  # step_while_joined's warning: once
+        self._stepped_grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, the gradient step() used)
         self._masters_loaded = False  # load_state_dict() brought fp32 masters since the last step
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
@@ -234,6 +235,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._allreduce_first_step:
             self._start_sharding()  # the gradients of this step are complete: every shard of them is valid
         self._steps_applied = reduction
+        # what a backward before the next zero_grad() would add onto (_refuse_gradients_kept_after_step)
+        self._stepped_grads = [(p, p.grad) for p in self._model_params() if p.grad is not None]
         self._pending = PendingUpdates.start(len(self.model.manager.plan.buckets), self._groups)
         self._next_gather = 0
         if self.overlap:
@@ -415,6 +418,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the class's zero_grad, over the model's parameters (their owed buckets cleared after the update);
         gradients reduced but never stepped on are dropped with them."""
+        self._stepped_grads = []
         super().zero_grad(set_to_none)
         if self._steps_applied != self._reduction():
             self._skip_step()
@@ -432,6 +436,34 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             "Accumulate micro-batches under `with model.no_sync():` (every one but the last), or call "
             "opt.step() (or opt.zero_grad() to drop them) between backward() calls"
         )
+
+    @property
+    def awaits_first_gradient(self) -> bool:
+        return bool(self._stepped_grads)
+
+    def first_gradient_after_step(self, param: torch.Tensor) -> None:
+        """Under DDP a backward after step() without zero_grad() adds onto the averaged gradients the step used
+        (accumulating across steps). Sharded, only this rank's shard of them was averaged (the rest holds its
+        local gradients), so the next reduce-scatter would sum something else: refused at the first gradient
+        after the step (under no_sync() too), on every rank alike. Checked once per step, and only where no
+        opt.zero_grad() came in between: model.zero_grad() or setting p.grad to None clears them too, so what
+        is refused is a gradient object kept from the step and not all zeros, other than ``param``'s, which
+        just had this backward's gradient added."""
+        stepped, self._stepped_grads = self._stepped_grads, []
+        kept = [
+            self.model._param_names[self._index[id(p)]]
+            for p, grad in stepped
+            if p is not param and p.grad is grad and bool(grad.any())
+        ]
+        if kept:
+            raise RuntimeError(
+                f"shard=True: backward() after step() while the gradients that step used were never cleared "
+                f"({', '.join(repr(n) for n in kept[:3])}{' ...' if len(kept) > 3 else ''}). Under DDP the new "
+                "gradients would add onto the averaged ones (accumulating across steps); sharded, only this rank's "
+                "shard of them is averaged and the rest holds its local gradients, so the sum would differ from "
+                "DDP's. Call opt.zero_grad() after step() or before the next backward; to accumulate micro-batches, "
+                "run all but the last backward of a step under `with model.no_sync():`"
+            )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` on the averaged gradients, from the shards (one small allreduce).
