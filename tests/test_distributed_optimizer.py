@@ -134,7 +134,9 @@ def assert_scaled_training_equals_ddp(results: list[dict], label: str, clip_exac
     with ``scaler.unscale_(opt)`` and a clip between backward and step (``clip_exact=False``: the norm summed from
     shards, in another order than torch's, so within fp32 rounding)."""
     for rank, out in enumerate(results):
-        for key in ("grad_scaler", "grad_scaler_one_element", "grad_scaler_unscale_clip"):
+        for key in ("grad_scaler", "grad_scaler_one_element", "grad_scaler_unscale_clip", "grad_scaler_new_protocol"):
+            if key not in out:  # (sharded: refused, checked apart)
+                continue
             (ddp, ddp_scale), (ours, our_scale) = out[key]
             assert ddp_scale == our_scale == 2.0**9, f"{key}, {label}rank {rank}: one overflow, halved once"
             if clip_exact or key != "grad_scaler_unscale_clip":
@@ -185,6 +187,11 @@ def eval_between_steps(rank: int, build, make_optimizer, steps: int = 5) -> tupl
     return results[0], results[1]
 
 
+def _step_without_scaler_argument(optimizer, *args, **kwargs):
+    """``optimizer``'s class step, behind a signature without ``grad_scaler``."""
+    return type(optimizer).step(optimizer, *args, **kwargs)
+
+
 def scaled_training(
     rank: int,
     build,
@@ -193,11 +200,15 @@ def scaled_training(
     unscale_clip: bool = False,
     wrap_kwargs: dict | None = None,
     one_element: bool = False,
+    new_protocol: bool = False,
 ) -> tuple[tuple, tuple]:
     """(DDP, ours) with torch.amp.GradScaler's loop, step 2 overflowing (skipped, the scale halved): the whole
     loss, or with ``one_element`` one element of the first weight's gradient on rank 1 only (sharded, its sum
     then lives in one rank's shard). With ``unscale_clip``, torch's recipe for clipping: ``scaler.unscale_(opt)``
-    right after backward, then a clip to norm 0.5 (torch's for DDP, the optimizer's own for ours)."""
+    right after backward, then a clip to norm 0.5 (torch's for DDP, the optimizer's own for ours). With
+    ``new_protocol``, ours is stepped by torch's announced GradScaler protocol (``grad_scale`` and ``found_inf``
+    set on the optimizer, no ``grad_scaler`` argument): torch 2.13's GradScaler takes it for an optimizer whose
+    ``step`` has no such parameter."""
     import warnings
 
     import torch
@@ -212,6 +223,8 @@ def scaled_training(
     results = []
     for ours in (False, True):
         model, optimizer = _ddp_or_ours(ours, build, make_optimizer, wrap_kwargs)
+        if ours and new_protocol:
+            optimizer.step = functools.partial(_step_without_scaler_argument, optimizer)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         first_weight = next(iter(model.module.parameters()))
         for step in range(steps):
@@ -797,6 +810,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
     )
     out["grad_scaler_one_element"] = scaled_training(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2), one_element=True
+    )
+    out["grad_scaler_new_protocol"] = scaled_training(
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2), new_protocol=True
     )
     out["grad_scaler_unscale_clip"] = scaled_training(  # reductions landing late: unscale_ would race them
         rank,

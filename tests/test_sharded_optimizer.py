@@ -398,6 +398,16 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
         one_element=True,
     )
+    try:  # torch's announced GradScaler protocol: refused sharded (the per-rank verdict stays in the scaler)
+        scaled_training(
+            rank,
+            lambda: build("mlp"),
+            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
+            new_protocol=True,
+        )
+        out["new_protocol_refused"] = None
+    except RuntimeError as exc:
+        out["new_protocol_refused"] = str(exc)
     out["grad_scaler_unscale_clip"] = scaled_training(
         rank,
         lambda: build("mlp"),
@@ -616,6 +626,8 @@ def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
     assert_scaled_training_equals_ddp(two_ranks, "sharded, ", clip_exact=False)
+    for out in two_ranks:
+        assert "torch's newer protocol" in (out["new_protocol_refused"] or ""), out["new_protocol_refused"]
 
 
 def test_check_finite_refuses_a_nan_step_on_every_rank_and_training_goes_on(two_ranks) -> None:

@@ -296,6 +296,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if grad_scaler is not None:
             self._scaled_step(grad_scaler)
             return
+        if getattr(self, "found_inf", None) is not None:
+            self._step_by_scaler_attributes(self.found_inf, getattr(self, "grad_scale", None))
+            return
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
         if self.model.manager.has_unreduced_accumulation:
@@ -475,6 +478,28 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._skip_step()
         else:
             self.step()
+
+    def _step_by_scaler_attributes(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+        """``GradScaler.step(opt)`` by torch's announced protocol (it warns of it since 2.1; 2.13 still hands
+        itself to ``step(grad_scaler=...)``): it sets ``found_inf`` and ``grad_scale`` (None where ``unscale_``
+        ran) on the optimizer and calls ``step()``. Its inf check read ``param_groups``, which finished the
+        reductions first, so every rank judged the same averaged gradients. Skipped where one was not finite;
+        else the gradients unscaled as ``GradScaler.unscale_`` does (the same reciprocal, the same kernel), then
+        the step. Ignored, the step would apply the scaled gradients."""
+        self.found_inf = self.grad_scale = None  # (GradScaler deletes both afterwards) the step below is plain
+        if float(found_inf.item()):
+            self._skip_step()
+            return
+        if grad_scale is not None:
+            inv_scale = grad_scale.double().reciprocal().float()
+            by_kind: dict[tuple, list[torch.Tensor]] = {}
+            for p in self._model_params():
+                if p.grad is not None:
+                    by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for (device, _), grads in by_kind.items():
+                found = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+        self.step()
 
     def _found_inf_anywhere(self, found_inf_per_device: dict[Any, torch.Tensor]) -> bool:
         """GradScaler's verdict on this step (``unscale_`` recorded it per device). Unsharded every rank checked

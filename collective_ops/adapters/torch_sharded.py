@@ -510,6 +510,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             dist.all_reduce(flags)
         return [self.model._param_names[i] for i in flags.nonzero().flatten().tolist()]
 
+    def _step_by_scaler_attributes(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+        raise RuntimeError(
+            "shard=True under a GradScaler that sets grad_scale and found_inf on the optimizer instead of handing "
+            "itself to step() (torch's newer protocol): each rank's inf check saw only its own shards, and the "
+            "scaler keeps that per-rank verdict for update(), so an overflow in one shard would part the ranks' "
+            "scales and their training. Not supported: use shard=False with a GradScaler, or bf16 autocast, "
+            "which needs no loss scaling"
+        )
+
     def _found_inf_anywhere(self, found_inf_per_device: dict[Any, torch.Tensor]) -> bool:
         """Each rank checked only its shards, so an overflow is seen where its element lives: the verdict is
         agreed over the ranks (one small allreduce, as Megatron's distributed optimizer does) and written back
