@@ -314,7 +314,8 @@ def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
 
 
 def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
-    """A loop that never clears gradients (under DDP they accumulate across steps: refused sharded), and loops
+    """A loop that never clears gradients (under DDP they accumulate across steps: refused sharded), a second
+    step() after one backward (under DDP applied again: refused), and loops
     that clear them through the module instead of the optimizer (``model.zero_grad()``, to None and to zeros,
     with a micro-batch under no_sync): DDP's result."""
     import torch
@@ -335,6 +336,15 @@ def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
             optimizer.step()
     except RuntimeError as exc:
         out["error"], out["at"] = str(exc), step
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.01, shard=True)
+    loss(model, 0, 0).backward()
+    optimizer.step()
+    try:  # under DDP a plain optimizer applies the kept gradients again
+        optimizer.step()
+        out["stepped_twice"] = None
+    except RuntimeError as exc:
+        out["stepped_twice"] = str(exc)
     for set_to_none in (True, False):
         for ours in (False, True):
             net = build("mlp")
@@ -655,6 +665,7 @@ def test_gradients_never_cleared_after_a_step_are_refused(two_ranks) -> None:
     for rank, out in enumerate(result["kept_after_step"] for result in two_ranks):
         assert out["error"] is not None and out["at"] == 1, f"rank {rank}: trained on silently"
         assert "never cleared" in out["error"] and "opt.zero_grad()" in out["error"], out["error"]
+        assert "step() again after step()" in (out["stepped_twice"] or ""), f"rank {rank}: {out['stepped_twice']}"
         for set_to_none in (True, False):
             ours, ddp = (out[("cleared by the module", set_to_none, flag)] for flag in (True, False))
             assert_identical(ours, ddp, f"model.zero_grad(set_to_none={set_to_none}), rank {rank}")

@@ -231,7 +231,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._masters_loaded = False
         reduction = self._reduction()
         if reduction == self._steps_applied:
-            return  # no gradients reduced since the last step: nothing to apply, as torch skips grad=None
+            self._refuse_gradients_kept("step() again after step() with no backward in between, while")
+            return  # no gradients reduced since the last step (cleared): nothing to apply, as torch skips None
         if self._allreduce_first_step:
             self._start_sharding()  # the gradients of this step are complete: every shard of them is valid
         self._steps_applied = reduction
@@ -449,21 +450,28 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         opt.zero_grad() came in between: model.zero_grad() or setting p.grad to None clears them too, so what
         is refused is a gradient object kept from the step and not all zeros, other than ``param``'s, which
         just had this backward's gradient added."""
-        stepped, self._stepped_grads = self._stepped_grads, []
+        self._refuse_gradients_kept("backward() after step() while", but=param)
+        self._stepped_grads = []
+
+    def _refuse_gradients_kept(self, what: str, but: torch.Tensor | None = None) -> None:
+        """Raise where gradients the last step used are still there and not all zeros (``but``'s aside)."""
         kept = [
             self.model._param_names[self._index[id(p)]]
-            for p, grad in stepped
-            if p is not param and p.grad is grad and bool(grad.any())
+            for p, grad in self._stepped_grads
+            if p is not but and p.grad is grad and bool(grad.any())
         ]
-        if kept:
-            raise RuntimeError(
-                f"shard=True: backward() after step() while the gradients that step used were never cleared "
-                f"({', '.join(repr(n) for n in kept[:3])}{' ...' if len(kept) > 3 else ''}). Under DDP the new "
-                "gradients would add onto the averaged ones (accumulating across steps); sharded, only this rank's "
-                "shard of them is averaged and the rest holds its local gradients, so the sum would differ from "
-                "DDP's. Call opt.zero_grad() after step() or before the next backward; to accumulate micro-batches, "
-                "run all but the last backward of a step under `with model.no_sync():`"
-            )
+        if not kept:
+            return
+        self._stepped_grads = []
+        raise RuntimeError(
+            f"shard=True: {what} the gradients that step used were never cleared "
+            f"({', '.join(repr(n) for n in kept[:3])}{' ...' if len(kept) > 3 else ''}). Under DDP a plain optimizer "
+            "would use them again (a second step() applies them twice; a backward adds onto them, accumulating "
+            "across steps); sharded, the step consumed this rank's averaged shard of them and the rest holds its "
+            "local gradients, so the result would differ from DDP's. Call opt.zero_grad() after step() or before "
+            "the next backward; to accumulate micro-batches, run all but the last backward of a step under "
+            "`with model.no_sync():`"
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` on the averaged gradients, from the shards (one small allreduce).
