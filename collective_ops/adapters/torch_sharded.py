@@ -451,18 +451,18 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         is refused is a gradient object kept from the step and not all zeros, other than ``param``'s, which
         just had this backward's gradient added."""
         self._refuse_gradients_kept("backward() after step() while", but=param)
-        self._stepped_grads = []
 
     def _refuse_gradients_kept(self, what: str, but: torch.Tensor | None = None) -> None:
-        """Raise where gradients the last step used are still there and not all zeros (``but``'s aside)."""
+        """Raise where gradients the last step used are still there and not all zeros (``but``'s aside). Checked
+        once: where none is kept they were cleared, and those cleared in place stay all zeros until a backward."""
+        stepped, self._stepped_grads = self._stepped_grads, []
         kept = [
             self.model._param_names[self._index[id(p)]]
-            for p, grad in self._stepped_grads
+            for p, grad in stepped
             if p is not but and p.grad is grad and bool(grad.any())
         ]
         if not kept:
             return
-        self._stepped_grads = []
         raise RuntimeError(
             f"shard=True: {what} the gradients that step used were never cleared "
             f"({', '.join(repr(n) for n in kept[:3])}{' ...' if len(kept) > 3 else ''}). Under DDP a plain optimizer "
@@ -533,15 +533,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         into the scaler's record, so that every rank skips the step and ``scaler.update()`` backs off alike.
         Otherwise the rank that saw it skipped its all-gathers while its peers waited in theirs."""
         device = self.model.engine.device
-        local = any(float(v.item()) for v in found_inf_per_device.values())
-        agreed = torch.tensor([1.0 if local else 0.0], device=device)
+        agreed = torch.tensor([float(super()._found_inf_anywhere(found_inf_per_device))], device=device)
         if dist.get_world_size() > 1:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        verdict = agreed.item()
         for value in found_inf_per_device.values():
-            value.fill_(agreed.item())
+            value.fill_(verdict)
         if not found_inf_per_device:  # no piece of this rank had a gradient: scaler.update() still needs a record
             found_inf_per_device[device] = agreed[0].clone()
-        return bool(agreed.item())
+        return bool(verdict)
 
     def _skip_step(self) -> None:
         self._steps_applied = self._reduction()
