@@ -289,18 +289,21 @@ def nonfinite_step_refused(rank: int, build, make_optimizer, steps: int = 5, bad
     return out
 
 
-def gradients_changed_before_step(rank: int, build, make_optimizer, steps: int = 6) -> dict:
+def gradients_changed_before_step(
+    rank: int, build, make_optimizer, steps: int = 6, cases: tuple[str, ...] = ("torch_clip", "one_gradient")
+) -> dict:
     """Loops that change gradients in place between backward and step, as DDP loops do: torch's
     clip_grad_norm_ on a list of the parameters taken before training (model.parameters() itself finishes
     the reductions first), and one parameter's gradient scaled (the first layer's, its bucket reduced
-    last). Where step() refused, and whether any parameter had changed by then."""
+    last); sharded also torch's clip over ``opt.param_groups`` (as Lightning clips) and over the parameters
+    after ``opt.finish_reductions()``. Where step() refused, and whether any parameter had changed by then."""
     import torch
 
     import collective_ops as co
     from tests.models import MLP, rank_batch
 
     out = {}
-    for case in ("torch_clip", "one_gradient"):
+    for case in cases:
         model = co.wrap(build(), bucket_size_mb=0.004)
         optimizer = make_optimizer(model)
         held = list(model.parameters())
@@ -310,6 +313,11 @@ def gradients_changed_before_step(rank: int, build, make_optimizer, steps: int =
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             if case == "torch_clip":
+                torch.nn.utils.clip_grad_norm_(held, 0.1)
+            elif case == "clip_over_param_groups":
+                torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], 0.1)
+            elif case == "clip_after_finish_reductions":
+                optimizer.finish_reductions()
                 torch.nn.utils.clip_grad_norm_(held, 0.1)
             else:
                 model.module.net[0].weight.grad.mul_(0.5)

@@ -447,7 +447,10 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         clip=False,
     )
     out["changed_gradients"] = gradients_changed_before_step(
-        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
+        rank,
+        lambda: build("mlp"),
+        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
+        cases=("torch_clip", "one_gradient", "clip_over_param_groups", "clip_after_finish_reductions"),
     )
     out["interleaved"] = _interleaved_user_collectives(rank)
     out["rank0_checkpoints"] = _rank0_checkpoints(rank)
@@ -646,8 +649,12 @@ def test_check_finite_refuses_a_nan_step_on_every_rank_and_training_goes_on(two_
 
 def test_gradients_changed_between_backward_and_step_are_refused_not_trained_on(two_ranks) -> None:
     """Sharded, p.grad is averaged only in this rank's shard: torch's clip_grad_norm_ on it computed a wrong
-    norm and scaled the shard by it, silently; now step() refuses, before any update."""
+    norm and scaled the shard by it, silently; now step() refuses, before any update. So too where the clip
+    runs over opt.param_groups' pieces (as Lightning clips) or after opt.finish_reductions(): each rank's
+    norm from its own shard, the ranks' weights parting silently before."""
     assert_changed_gradients_refused(two_ranks, "sharded, ")
+    for out in two_ranks:
+        assert {"clip_over_param_groups", "clip_after_finish_reductions"} <= set(out["changed_gradients"])
 
 
 def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(two_ranks) -> None:

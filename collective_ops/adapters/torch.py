@@ -416,15 +416,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self._gradients_guard.changed(bucket, self._gradient_tensors(bucket)):
                 raise self._changed_gradients_error(bucket)
 
-    def _changed_gradients_error(self, bucket: int) -> RuntimeError:
+    def bucket_members_text(self, bucket: int) -> str:
+        """The names of a bucket's parameters, for errors: the first five."""
         names = [self._param_names[i] for i in self.manager.plan.buckets[bucket].param_indices]
+        return ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+
+    def _changed_gradients_error(self, bucket: int) -> RuntimeError:
         return RuntimeError(
-            f"the gradients of bucket {bucket} ({', '.join(repr(n) for n in names[:5])}"
-            f"{' ...' if len(names) > 5 else ''}) were changed in place between backward() and the "
-            "DistributedOptimizer's step, while it still owned them: its updates overlap the reduction with the "
-            "next forward, so after backward() p.grad is not yet averaged (and with shard=True never is outside "
-            "this rank's shard). Take the parameters through the model (model.parameters() finishes the "
-            "reductions first; so does opt.param_groups, which scaler.unscale_(opt) reads), or call "
+            f"the gradients of bucket {bucket} ({self.bucket_members_text(bucket)}) were changed in place between "
+            "backward() and the DistributedOptimizer's step, while it still owned them: its updates overlap the "
+            "reduction with the next forward, so after backward() p.grad is not yet averaged (and with shard=True "
+            "never is outside this rank's shard). Take the parameters through the model (model.parameters() "
+            "finishes the reductions first; so does opt.param_groups, which scaler.unscale_(opt) reads), or call "
             "opt.finish_reductions() before code that reads or changes gradients between backward() and step(); "
             "with shard=True clip with opt.clip_grad_norm_(max_norm)"
         )

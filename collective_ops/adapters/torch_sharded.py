@@ -38,6 +38,7 @@ from ..bucketing.schedule import OrderPrediction, simulate_sharded
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel, view_like
+from .torch_inplace import InPlaceGuard
 from .torch_optimizer import DistributedOptimizer
 from .torch_optimizer_set import given_optimizers
 
@@ -105,6 +106,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._steps_applied = 0  # the model's synchronised step whose gradients were last applied
         self._warned_joined = False  # step_while_joined's warning: once
         self._stepped_grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, the gradient step() used)
+        # bucket -> the averaged shard gradients bound to its pieces before step() (opt.param_groups read,
+        # finish_reductions()): changed in place by other code from then on, they are refused at step()
+        self._bound_guard = InPlaceGuard()
         self._masters_loaded = False  # load_state_dict() brought fp32 masters since the last step
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
@@ -233,6 +237,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if reduction == self._steps_applied:
             self._refuse_gradients_kept("step() again after step() with no backward in between, while")
             return  # no gradients reduced since the last step (cleared): nothing to apply, as torch skips None
+        self._refuse_bound_gradients_changed()
         if self._allreduce_first_step:
             self._start_sharding()  # the gradients of this step are complete: every shard of them is valid
         self._steps_applied = reduction
@@ -329,13 +334,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             if _is_master(piece, tensor, self._param_buffers):
                 self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel).copy_(tensor)
 
-    def _bind_grads(self, bucket: int) -> None:
-        """Each piece's ``.grad``: its part of the reduced shard (cast to the piece's dtype where it differs)."""
+    def _bind_grads(self, bucket: int, note: bool = False) -> None:
+        """Each piece's ``.grad``: its part of the reduced shard (cast to the piece's dtype where it differs).
+        ``note``: bound before step() (where other code may change them): their version counters are noted."""
         manager = self.model.manager
         self.model.check_gradients_untouched([bucket])  # p.grad averaged only in this shard: not for other code
         source = self._kept.pop(bucket, None)
         if source is None:
             source = self.model.engine.shard_of(manager.buffers[bucket])
+        bound = False
         for piece, tensor in self._bucket_pieces[bucket]:
             if tensor.grad is not None:
                 continue  # bound already this step (clip_grad_norm_ scaled it)
@@ -343,6 +350,42 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 continue  # no rank used it this step (find_unused_parameters): no gradient, no update, as torch
             grad = source.narrow(0, piece.shard_offset, piece.numel)
             tensor.grad = grad if grad.dtype == tensor.dtype else grad.to(tensor.dtype)
+            bound = True
+        if bound and note:
+            self._note_bound(bucket)
+
+    def _bound_gradients(self, bucket: int) -> list[torch.Tensor]:
+        """What other code changes a bucket's bound gradients through: its pieces' ``.grad`` (in
+        ``param_groups``) and the model's gradient buffer (each ``p.grad`` a view of it)."""
+        pieces = [tensor.grad for _, tensor in self._bucket_pieces[bucket] if tensor.grad is not None]
+        return pieces + self.model._gradient_tensors(bucket)
+
+    def _note_bound(self, bucket: int) -> None:
+        self._bound_guard.note(bucket, self._bound_gradients(bucket))
+
+    def _refuse_bound_gradients_changed(self) -> None:
+        """Before any update of a step: raise where code outside the optimizer changed gradients after they
+        were bound to the pieces. Each rank holds them averaged only in its own shard, so anything computed
+        from them (torch.nn.utils.clip_grad_norm_'s norm over ``opt.param_groups``, as Lightning clips, or
+        over the parameters after ``opt.finish_reductions()``) differs per rank: the ranks' weights would part,
+        silently. (GradScaler's unscale moves no version counter; opt.clip_grad_norm_ notes its own change.)"""
+        changed = [
+            bucket
+            for bucket in range(len(self.model.manager.plan.buckets))
+            if self._bound_guard.changed(bucket, self._bound_gradients(bucket), release=False)
+        ]
+        self._bound_guard.clear()
+        if not changed:
+            return
+        raise RuntimeError(
+            f"shard=True: the gradients of bucket {changed[0]} ({self.model.bucket_members_text(changed[0])}) were "
+            "changed in place between backward() and step(), after opt.param_groups or opt.finish_reductions() "
+            "bound them to this rank's shard. Each rank holds the averaged gradient only in its own shard, so what "
+            "code outside the optimizer computes from them differs per rank: torch.nn.utils.clip_grad_norm_ over "
+            "opt.param_groups (or over the parameters) takes this rank's norm only, and the ranks' weights would "
+            "part. Clip with opt.clip_grad_norm_(max_norm) (the global norm, from the shards), and leave gradients "
+            "to the optimizer between backward() and step(); or use shard=False, where they are final"
+        )
 
     def _wait_gather(self, bucket: int, module: str = "") -> None:
         self._check_params_untouched([bucket])
@@ -420,6 +463,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """As the class's zero_grad, over the model's parameters (their owed buckets cleared after the update);
         gradients reduced but never stepped on are dropped with them."""
         self._stepped_grads = []
+        self._bound_guard.clear()
         super().zero_grad(set_to_none)
         if self._steps_applied != self._reduction():
             self._skip_step()
@@ -497,6 +541,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coefficient.to(g.dtype))
+        for bucket in range(len(self.model.manager.plan.buckets)):
+            self._note_bound(bucket)  # the optimizer's own change: not refused at step()
         return total
 
     def finish_reductions(self) -> None:
@@ -506,7 +552,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._start_sharding()  # the first step's gradients are complete: every shard of them is valid
         super().finish_reductions()
         for bucket in range(len(self.model.manager.plan.buckets)):
-            self._bind_grads(bucket)
+            self._bind_grads(bucket, note=True)
 
     def _nonfinite_gradient_names(self) -> list[str]:
         """From the shards: each rank flags the parameters its pieces found not finite (one small allreduce)."""
@@ -545,6 +591,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _skip_step(self) -> None:
         self._steps_applied = self._reduction()
+        self._bound_guard.clear()
         for _, tensor in self._pieces:
             tensor.grad = None
 
