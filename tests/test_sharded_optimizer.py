@@ -315,9 +315,9 @@ def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
 
 def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
     """A loop that never clears gradients (under DDP they accumulate across steps: refused sharded), a second
-    step() after one backward (under DDP applied again: refused), and loops
-    that clear them through the module instead of the optimizer (``model.zero_grad()``, to None and to zeros,
-    with a micro-batch under no_sync): DDP's result."""
+    step() after one backward (under DDP applied again: refused), loops that clear them through the module
+    instead of the optimizer (``model.zero_grad()``, to None and to zeros, with a micro-batch under no_sync),
+    and a step() with no backward on gradients cleared to zeros: DDP's result."""
     import torch
 
     import collective_ops as co
@@ -361,6 +361,20 @@ def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
                 loss(model, step, 1).backward()
                 optimizer.step()
             out[("cleared by the module", set_to_none, ours)] = snapshot(net)
+    for ours in (False, True):  # a step() on gradients zero_grad() left as zeros: AdamW decays and moves them
+        net = build("mlp")
+        model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
+        optimizer = (
+            co.DistributedOptimizer(model, torch.optim.AdamW, lr=0.01, shard=True)
+            if ours
+            else torch.optim.AdamW(model.parameters(), lr=0.01)
+        )
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=False)
+            if step != 2:  # no backward at step 2 (a skipped batch): the step still applies, as under DDP
+                loss(model, step, 0).backward()
+            optimizer.step()
+        out[("stepped on zeros", ours)] = snapshot(net)
     return out
 
 
@@ -668,7 +682,8 @@ def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(
 
 def test_gradients_never_cleared_after_a_step_are_refused(two_ranks) -> None:
     """Under DDP a loop without zero_grad() accumulates across steps; sharded it summed a half-averaged buffer,
-    silently off DDP's. Refused at the next backward; gradients cleared by the module train as DDP's."""
+    silently off DDP's. Refused at the next backward; gradients cleared by the module train as DDP's. A step()
+    with no backward on gradients cleared to zeros was a no-op, where DDP + AdamW decays and moves them."""
     for rank, out in enumerate(result["kept_after_step"] for result in two_ranks):
         assert out["error"] is not None and out["at"] == 1, f"rank {rank}: trained on silently"
         assert "never cleared" in out["error"] and "opt.zero_grad()" in out["error"], out["error"]
@@ -676,6 +691,8 @@ def test_gradients_never_cleared_after_a_step_are_refused(two_ranks) -> None:
         for set_to_none in (True, False):
             ours, ddp = (out[("cleared by the module", set_to_none, flag)] for flag in (True, False))
             assert_identical(ours, ddp, f"model.zero_grad(set_to_none={set_to_none}), rank {rank}")
+        ours, ddp = (out[("stepped on zeros", flag)] for flag in (True, False))
+        assert_identical(ours, ddp, f"step() on zeroed gradients with no backward, rank {rank}")
 
 
 def test_a_step_on_gradients_never_averaged_is_refused(two_ranks) -> None:

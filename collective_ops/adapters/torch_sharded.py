@@ -236,7 +236,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         reduction = self._reduction()
         if reduction == self._steps_applied:
             self._refuse_gradients_kept("step() again after step() with no backward in between, while")
-            return  # no gradients reduced since the last step (cleared): nothing to apply, as torch skips None
+            self._step_on_cleared_gradients()
+            return
         self._refuse_bound_gradients_changed()
         if self._allreduce_first_step:
             self._start_sharding()  # the gradients of this step are complete: every shard of them is valid
@@ -253,6 +254,24 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._advance(block=True)
         else:
             self.synchronize()
+
+    def _step_on_cleared_gradients(self) -> None:
+        """step() with no backward since the last one. A plain optimizer under DDP skips the parameters whose
+        gradient is None and steps on those ``zero_grad(set_to_none=False)`` left as zeros (AdamW still decays
+        them, momentum still moves them): each rank steps its pieces of the latter on zeros, then every bucket
+        is all-gathered (blocking; every rank alike, as their loops clear gradients alike)."""
+        if all(p.grad is None for p in self._model_params()):
+            return  # cleared to None: nothing to apply, as torch skips None
+        zeroed = [(piece, t) for piece, t in self._pieces if self.model._params[piece.param_index].grad is not None]
+        for _, tensor in zeroed:
+            tensor.grad = torch.zeros_like(tensor)
+        self._timed_step({id(tensor) for _, tensor in zeroed}, None)
+        for piece, tensor in zeroed:
+            tensor.grad = None
+            if _is_master(piece, tensor, self._param_buffers):
+                self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel).copy_(tensor)
+        self._next_gather = 0
+        self.synchronize()  # (no step owed: it launches every all-gather, in order, and waits for them)
 
     def step_while_joined(self) -> None:
         """In a step a joined rank shadows (``model.join()``): its shards' update from the reduced gradients and
