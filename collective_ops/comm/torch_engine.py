@@ -33,16 +33,6 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _GLOO_SHARD_PIECE_BYTES = 1 << 20
 _REDUCE_SCATTER_TAG, _ALL_GATHER_TAG = 0x5253, 0x4147  # point-to-point tags of the sharded collectives
 
-# Gloo adds half-precision elements one at a time, converting each; torch's add is vectorised. So at 2 Gloo
-# ranks an fp16/bf16 sum of up to 8 MiB goes as an all-gather and a local add: the same bytes on the wire as a
-# ring allreduce (each rank's tensor, once), in one round instead of two, and the same sum (float(a) + float(b)
-# rounded to the dtype, as Gloo adds them): bit-equal. 0.5 MiB of fp16 (a 1 MiB bucket compressed) on
-# loopback: 2.1 ms wall and 1.5 ms of CPU against the allreduce's 3.9 and 2.3; `collective-ops bench --spawn 2
-# -d float16` at 0.5/2/8 MiB: 1.1-1.9/2.8-3.0/8.9-11.4 ms against 2.5-3.0/3.7-4.7/11.7-11.9. From 16 MiB the
-# twice-as-large receive buffer and Gloo's large all-gathers make it slower (43 against 21 ms): Gloo's allreduce.
-_SUMMED_BY_GATHER = (torch.float16, torch.bfloat16)
-_SUMMED_BY_GATHER_MAX_BYTES = 8 << 20
-
 
 def _nonzero_rows(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The rows of the ``rows`` x ``cols`` table at the start of ``buffer`` that hold a non-zero (NaN != 0: sent).
@@ -157,38 +147,18 @@ class TorchEngine(Engine):
                     "use op='sum' and divide, or cast to a floating dtype"
                 )
             world = dist.get_world_size(group)
-            work = self._sum(t, group)
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
             def done() -> Any:
                 t.div_(world)  # sum then divide: the same arithmetic on every backend
                 return tensor
 
             return finish(ThenHandle(work, done), async_op)
-        if op == "sum" and self._sums_by_gather(t, group):
-            return finish(ThenHandle(self._sum(t, group), lambda: tensor), async_op)
         if not async_op:  # the latency-critical path: no handle objects
             dist.all_reduce(t, op=_TORCH_OPS[op], group=group)
             return tensor
         work = dist.all_reduce(t, op=_TORCH_OPS[op], group=group, async_op=True)
         return ThenHandle(work, lambda: tensor)
-
-    def _sum(self, t: torch.Tensor, group: Any) -> Any:
-        """The sum of every rank's ``t`` into it, launched: a handle (an all-gather and an add where
-        :func:`_sums_by_gather`, else Gloo's/NCCL's allreduce)."""
-        if not self._sums_by_gather(t, group):
-            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        flat = t.view(-1)
-        gathered = torch.empty(2 * flat.numel(), dtype=t.dtype, device=t.device)
-        work = _all_gather_single(gathered, flat, group=group, async_op=True)
-        return ThenHandle(work, lambda: torch.add(gathered[: flat.numel()], gathered[flat.numel() :], out=flat))
-
-    def _sums_by_gather(self, t: torch.Tensor, group: Any) -> bool:
-        """True for a half-precision CPU tensor of up to 8 MiB summed over 2 Gloo ranks (see _SUMMED_BY_GATHER)."""
-        if self.backend != "gloo" or t.dtype not in _SUMMED_BY_GATHER or t.device.type != "cpu":
-            return False
-        if t.numel() * t.element_size() > _SUMMED_BY_GATHER_MAX_BYTES:
-            return False
-        return (self._world_size if group is None else dist.get_world_size(group)) == 2
 
     def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False, group: Any = None) -> Any:
         t = self._as_torch(tensor, "broadcast")
@@ -378,7 +348,7 @@ class TorchEngine(Engine):
             packed.mul_(factor)
         if checked:
             wire[count] = float(outside)
-        work = self._sum(wire, group)
+        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
         def unpack() -> torch.Tensor:
             if checked and wire[count].item() != 0:
