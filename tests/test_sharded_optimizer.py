@@ -345,15 +345,19 @@ def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
         out["stepped_twice"] = None
     except RuntimeError as exc:
         out["stepped_twice"] = str(exc)
+
+    def ddp_or_ours(ours: bool, optimizer_class) -> tuple:
+        """(inner module, model, optimizer): ours sharded, or torch DDP + the plain class."""
+        net = build("mlp")
+        if not ours:
+            model = torch.nn.parallel.DistributedDataParallel(net)
+            return net, model, optimizer_class(model.parameters(), lr=0.01)
+        model = co.wrap(net, **BUCKET)
+        return net, model, co.DistributedOptimizer(model, optimizer_class, lr=0.01, shard=True)
+
     for set_to_none in (True, False):
         for ours in (False, True):
-            net = build("mlp")
-            model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
-            optimizer = (
-                co.DistributedOptimizer(model, torch.optim.SGD, lr=0.01, shard=True)
-                if ours
-                else torch.optim.SGD(model.parameters(), lr=0.01)
-            )
+            net, model, optimizer = ddp_or_ours(ours, torch.optim.SGD)
             for step in range(steps):
                 model.zero_grad(set_to_none=set_to_none)  # the module's, not the optimizer's
                 with model.no_sync():
@@ -362,13 +366,7 @@ def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
                 optimizer.step()
             out[("cleared by the module", set_to_none, ours)] = snapshot(net)
     for ours in (False, True):  # a step() on gradients zero_grad() left as zeros: AdamW decays and moves them
-        net = build("mlp")
-        model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
-        optimizer = (
-            co.DistributedOptimizer(model, torch.optim.AdamW, lr=0.01, shard=True)
-            if ours
-            else torch.optim.AdamW(model.parameters(), lr=0.01)
-        )
+        net, model, optimizer = ddp_or_ours(ours, torch.optim.AdamW)
         for step in range(steps):
             optimizer.zero_grad(set_to_none=False)
             if step != 2:  # no backward at step 2 (a skipped batch): the step still applies, as under DDP
