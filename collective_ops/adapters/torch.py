@@ -21,7 +21,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,11 @@ logger = logging.getLogger("collective_ops")
 BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in large fused chunks
 # model -> its live wrapper (weakly, both ways): wrapping a model twice would reduce its gradients twice.
 _LIVE_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def names_text(names: Sequence[str], limit: int = 5) -> str:
+    """Parameter names for an error message: the first ``limit``, quoted, then "..." if there are more."""
+    return ", ".join(repr(n) for n in names[:limit]) + (" ..." if len(names) > limit else "")
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -418,8 +423,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def bucket_members_text(self, bucket: int) -> str:
         """The names of a bucket's parameters, for errors: the first five."""
-        names = [self._param_names[i] for i in self.manager.plan.buckets[bucket].param_indices]
-        return ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+        return names_text([self._param_names[i] for i in self.manager.plan.buckets[bucket].param_indices])
 
     def _changed_gradients_error(self, bucket: int) -> RuntimeError:
         return RuntimeError(

@@ -42,5 +42,9 @@ class InPlaceGuard:
             self._noted.clear()
         return changed
 
+    def noted(self) -> list[Hashable]:
+        """The keys noted and not yet released, in the order noted."""
+        return list(self._noted)
+
     def clear(self) -> None:
         self._noted.clear()

@@ -37,7 +37,7 @@ from ..bucketing.plan import BucketPlan
 from ..bucketing.schedule import OrderPrediction, simulate_sharded
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
-from .torch import DistributedDataParallel, view_like
+from .torch import DistributedDataParallel, names_text, view_like
 from .torch_inplace import InPlaceGuard
 from .torch_optimizer import DistributedOptimizer
 from .torch_optimizer_set import given_optimizers
@@ -161,6 +161,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _lay_out(self, plan: BucketPlan) -> None:
         """Parameters as views of padded per-bucket buffers; this rank's pieces (views, or fp32 masters)."""
         engine = self.model.engine
+        self._bound_guard.clear()  # (noted per bucket of the old layout)
         self._layout = ShardLayout(plan, engine.world_size)
         self._param_buffers = []
         for spec, shards in zip(plan.buckets, self._layout.buckets):
@@ -265,11 +266,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         zeroed = [(piece, t) for piece, t in self._pieces if self.model._params[piece.param_index].grad is not None]
         for _, tensor in zeroed:
             tensor.grad = torch.zeros_like(tensor)
-        self._timed_step({id(tensor) for _, tensor in zeroed}, None)
-        for piece, tensor in zeroed:
-            tensor.grad = None
-            if _is_master(piece, tensor, self._param_buffers):
-                self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel).copy_(tensor)
+        self._step_pieces(zeroed, None)
         self._next_gather = 0
         self.synchronize()  # (no step owed: it launches every all-gather, in order, and waits for them)
 
@@ -346,7 +343,11 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """The class's step over these buckets' pieces; fp32 masters copied into the parameters' shards."""
         for bucket in buckets:
             self._bind_grads(bucket)
-        pieces = [(piece, tensor) for bucket in buckets for piece, tensor in self._bucket_pieces[bucket]]
+        self._step_pieces([pt for bucket in buckets for pt in self._bucket_pieces[bucket]], frozen)
+
+    def _step_pieces(self, pieces: list[tuple[ShardPiece, torch.Tensor]], frozen: PendingUpdates | None) -> None:
+        """The class's step over ``pieces`` (their ``.grad`` bound), then unbound; fp32 masters copied into the
+        parameters' shards."""
         self._timed_step({id(tensor) for _, tensor in pieces}, frozen)
         for piece, tensor in pieces:
             tensor.grad = None
@@ -388,9 +389,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         from them (torch.nn.utils.clip_grad_norm_'s norm over ``opt.param_groups``, as Lightning clips, or
         over the parameters after ``opt.finish_reductions()``) differs per rank: the ranks' weights would part,
         silently. (GradScaler's unscale moves no version counter; opt.clip_grad_norm_ notes its own change.)"""
-        changed = [
+        changed = [  # (only buckets bound before step(): none in a loop that reads no param_groups there)
             bucket
-            for bucket in range(len(self.model.manager.plan.buckets))
+            for bucket in self._bound_guard.noted()
             if self._bound_guard.changed(bucket, self._bound_gradients(bucket), release=False)
         ]
         self._bound_guard.clear()
@@ -528,7 +529,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             return
         raise RuntimeError(
             f"shard=True: {what} the gradients that step used were never cleared "
-            f"({', '.join(repr(n) for n in kept[:3])}{' ...' if len(kept) > 3 else ''}). Under DDP a plain optimizer "
+            f"({names_text(kept, limit=3)}). Under DDP a plain optimizer "
             "would use them again (a second step() applies them twice; a backward adds onto them, accumulating "
             "across steps); sharded, the step consumed this rank's averaged shard of them and the rest holds its "
             "local gradients, so the result would differ from DDP's. Call opt.zero_grad() after step() or before "
