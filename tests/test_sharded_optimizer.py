@@ -383,6 +383,12 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     from collective_ops.bucketing.shard import ShardLayout
     from tests.models import MLP, TinyTransformer, build
 
+    def mlp() -> torch.nn.Module:
+        return build("mlp")
+
+    def sharded_adamw(model: torch.nn.Module) -> co.DistributedOptimizer:
+        return co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+
     out: dict = {}
     for name in ("transformer", "cnn"):
         for opt in ("sgd", "adamw"):
@@ -405,63 +411,30 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     optimizer = co.DistributedOptimizer(model, cls, shard=True, overlap=False, **kwargs)
     out["no_overlap"] = (reference, _train(rank, model, optimizer, MLP))
     for set_to_none in (True, False):
-        out[f"zero_grad_after_step_{set_to_none}"] = zero_grad_after_step(
-            rank,
-            lambda: build("mlp"),
-            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
-            set_to_none,
-        )
-    out["grad_scaler"] = scaled_training(
-        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
-    )
-    out["grad_scaler_one_element"] = scaled_training(  # the overflow in one rank's shard: every rank must skip
-        rank,
-        lambda: build("mlp"),
-        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
-        one_element=True,
-    )
+        out[f"zero_grad_after_step_{set_to_none}"] = zero_grad_after_step(rank, mlp, sharded_adamw, set_to_none)
+    out["grad_scaler"] = scaled_training(rank, mlp, sharded_adamw)
+    # the overflow in one rank's shard: every rank must skip
+    out["grad_scaler_one_element"] = scaled_training(rank, mlp, sharded_adamw, one_element=True)
     try:  # torch's announced GradScaler protocol: refused sharded (the per-rank verdict stays in the scaler)
-        scaled_training(
-            rank,
-            lambda: build("mlp"),
-            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
-            new_protocol=True,
-        )
+        scaled_training(rank, mlp, sharded_adamw, new_protocol=True)
         out["new_protocol_refused"] = None
     except RuntimeError as exc:
         out["new_protocol_refused"] = str(exc)
-    out["grad_scaler_unscale_clip"] = scaled_training(
-        rank,
-        lambda: build("mlp"),
-        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
-        unscale_clip=True,
-    )
-    out["eval_between_steps"] = eval_between_steps(
-        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
-    )
-    out["nonfinite"] = nonfinite_step_refused(
-        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
-    )
+    out["grad_scaler_unscale_clip"] = scaled_training(rank, mlp, sharded_adamw, unscale_clip=True)
+    out["eval_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw)
+    out["nonfinite"] = nonfinite_step_refused(rank, mlp, sharded_adamw)
     out["two_backwards"] = _two_backwards_per_step(rank)
     out["kept_after_step"] = _gradients_kept_after_step(rank)
-    out["group_added"] = group_added_mid_training(rank, lambda: build("mlp"), shard=True)
+    out["group_added"] = group_added_mid_training(rank, mlp, shard=True)
     out["frozen_layer"] = frozen_layer_in_params(rank, shard=True)
-    out["no_sync_only"] = step_after_no_sync_only(
-        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
-    )
-    out["changed_params"] = params_changed_after_step(
-        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True)
-    )
-    out["through_the_model"] = read_through_the_model(  # no clip: sharded, p.grad is not for other code
-        rank,
-        lambda: build("mlp"),
-        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
-        clip=False,
-    )
+    out["no_sync_only"] = step_after_no_sync_only(rank, mlp, sharded_adamw)
+    out["changed_params"] = params_changed_after_step(rank, mlp, sharded_adamw)
+    # no clip: sharded, p.grad is not for other code
+    out["through_the_model"] = read_through_the_model(rank, mlp, sharded_adamw, clip=False)
     out["changed_gradients"] = gradients_changed_before_step(
         rank,
-        lambda: build("mlp"),
-        lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
+        mlp,
+        sharded_adamw,
         cases=("torch_clip", "one_gradient", "clip_over_param_groups", "clip_after_finish_reductions"),
     )
     out["interleaved"] = _interleaved_user_collectives(rank)
