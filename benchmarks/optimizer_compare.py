@@ -15,8 +15,9 @@ matrices and AdamW for the rest, two plain optimizers beside DDP and ``wrap``, b
 DistributedOptimizer). With ``--compression fp16``
 the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Each
 DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
-in-flight communication is charged to it. Also reported: compute alone (one rank's step
-without communication) and the link time of one step's gradients, whose maximum bounds
+in-flight communication is charged to it. Also reported: compute alone (the plain model and
+optimizer with no communication, a setup of the alternation on every rank at once, so it
+shares the CPU and the machine's noise with the steps it bounds) and the link time of one step's gradients, whose maximum bounds
 the step from below; on the link, the tighter bound of the lead (see ``_print_lead_bound``);
 with ``--contention``, the compute of a step while a stream of allreduces keeps the link busy
 beside it (on a CPU the transport's threads take cycles from the ranks' compute).
@@ -78,10 +79,15 @@ def _ours(args, wrapped, **options):
     return co.DistributedOptimizer(wrapped, cls, **options, **kwargs)
 
 
+COMPUTE_ALONE = "compute alone (no communication)"
+
+
 def _setups(args, name: str, batches: list) -> dict:
     import collective_ops as co
 
-    setups = {}
+    model, _ = build_model(name)
+    # alternated with the races, both ranks at once: the same CPU sharing and machine noise as the steps it bounds
+    setups = {COMPUTE_ALONE: (model, _plain(args, model), batches)}
     for mb in DDP_SWEEP_MB:
         model, _ = build_model(name)
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
@@ -163,7 +169,6 @@ def _compute_beside_traffic(args, name: str, batches: list, repeats: int = 5) ->
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     import collective_ops as co
-    from collective_ops.runtime import get_engine
 
     torch.set_num_threads(1)
     co.init("gloo", rank=rank, world_size=world, master_port=port)
@@ -172,7 +177,6 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         _, batch = build_model(name)
         gen = torch.Generator().manual_seed(rank)
         batches = [batch(gen) for _ in range(4)]
-        compute = get_engine("torch").reduce_floats([_compute_alone(args, name, batches)], "max")[0]
         contention = _compute_beside_traffic(args, name, batches) if args.contention else None
         setups = _setups(args, name, batches)
         times = alternate_steps(setups, args.rounds, args.block)
@@ -181,7 +185,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         link = _link_seconds(grad_bytes // (2 if args.compression else 1))
         results[name] = {
             "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
-            "compute_alone_ms": compute * 1e3,
+            "compute_alone_ms": statistics.median(times[COMPUTE_ALONE]) * 1e3,
             "link_ms": link * 1e3 if link else None,
             # what one step of ours sent (a row-sparse embedding sends its looked-up rows only)
             "sent_link_ms": _link_seconds(ours.manager.last_stats.bytes_communicated) * 1e3 if link else None,
