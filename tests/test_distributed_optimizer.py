@@ -122,11 +122,13 @@ def _ddp_or_ours(ours: bool, build, make_optimizer, wrap_kwargs: dict | None = N
 
 
 def assert_evaluations_equal_ddp(results: list[dict], label: str) -> None:
-    """The ``eval_between_steps`` results of every rank: weights and evaluation outputs as DDP's."""
+    """The ``eval_between_steps`` results of every rank (under no_grad, and under inference_mode): weights and
+    evaluation outputs as DDP's."""
     for rank, out in enumerate(results):
-        (ddp, ddp_evals), (ours, our_evals) = out["eval_between_steps"]
-        assert_identical(ours, ddp, f"weights, {label}rank {rank}")
-        assert_identical(our_evals, ddp_evals, f"evaluation outputs after each step, {label}rank {rank}")
+        for key in ("eval_between_steps", "inference_between_steps"):
+            (ddp, ddp_evals), (ours, our_evals) = out[key]
+            assert_identical(ours, ddp, f"weights, {key}, {label}rank {rank}")
+            assert_identical(our_evals, ddp_evals, f"evaluation outputs after each step, {key}, {label}rank {rank}")
 
 
 def assert_scaled_training_equals_ddp(results: list[dict], label: str, clip_exact: bool = True) -> None:
@@ -164,25 +166,34 @@ def zero_grad_after_step(rank: int, build, make_optimizer, set_to_none: bool, st
     return results[0], results[1]
 
 
-def eval_between_steps(rank: int, build, make_optimizer, steps: int = 5) -> tuple[tuple, tuple]:
-    """(DDP, ours) evaluating under model.eval() and no_grad after every step: the evaluation sees updated weights."""
+def eval_between_steps(
+    rank: int, build, make_optimizer, steps: int = 5, inference_mode: bool = False
+) -> tuple[tuple, tuple]:
+    """(DDP, ours) evaluating under model.eval() and no_grad after every step: the evaluation sees updated weights.
+    With ``inference_mode``, under ``torch.inference_mode()`` instead (Lightning's validation), and once before
+    training too (its sanity check): the owed updates it pays for must leave no inference tensor behind."""
     import torch
 
     from tests.models import MLP, rank_batch
+
+    def evaluate(model, evaluations: list) -> None:
+        model.eval()
+        with torch.inference_mode() if inference_mode else torch.no_grad():
+            evaluations.append(model(rank_batch(MLP, 100, rank)[0]).numpy().copy())
+        model.train()
 
     results = []
     for ours in (False, True):
         model, optimizer = _ddp_or_ours(ours, build, make_optimizer)
         evaluations = []
+        if inference_mode:
+            evaluate(model, evaluations)
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
-            model.eval()
-            with torch.no_grad():
-                evaluations.append(model(rank_batch(MLP, 100, rank)[0]).numpy().copy())
-            model.train()
+            evaluate(model, evaluations)
         results.append((snapshot(model if ours else model.module), evaluations))
     return results[0], results[1]
 
@@ -853,9 +864,13 @@ def optimizer_checks(rank: int, world: int) -> dict:
     out["torch_clip_after_finish"] = clipped_by_torch_after_finish_reductions(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
-    out["eval_between_steps"] = eval_between_steps(
-        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
-    )
+    for key, inference_mode in (("eval_between_steps", False), ("inference_between_steps", True)):
+        out[key] = eval_between_steps(
+            rank,
+            lambda: build("mlp"),
+            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
+            inference_mode=inference_mode,
+        )
     out["several_optimizers"] = several_optimizers(rank, lambda: build("mlp"))
     out["given_one"] = zero_grad_after_step(  # one optimizer built by the user, given in place of a class
         rank,

@@ -422,6 +422,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         out["new_protocol_refused"] = str(exc)
     out["grad_scaler_unscale_clip"] = scaled_training(rank, mlp, sharded_adamw, unscale_clip=True)
     out["eval_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw)
+    out["inference_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw, inference_mode=True)
     out["nonfinite"] = nonfinite_step_refused(rank, mlp, sharded_adamw)
     out["two_backwards"] = _two_backwards_per_step(rank)
     out["kept_after_step"] = _gradients_kept_after_step(rank)

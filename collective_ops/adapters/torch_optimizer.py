@@ -629,9 +629,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._needs[owner] = indices
 
     @torch.no_grad()
+    @torch.inference_mode(False)
     def _finish(self, buckets: list[int], module: str = "") -> None:
         """Finish these buckets' reductions (where not yet) and apply their owed updates in one call of the
-        class's step (its per-call cost paid once, not per bucket); traced when tracing is on."""
+        class's step (its per-call cost paid once, not per bucket); traced when tracing is on.
+
+        Out of inference mode: an evaluation under ``torch.inference_mode()`` (Lightning's validation) pays
+        the owed updates in its forward, and state the class's step creates there (a momentum buffer) would
+        be an inference tensor that the next training step may not update in place."""
         manager = self.model.manager
         tracer = getattr(manager.observer, "bucket_update", None)
         step = manager.steps_synced
