@@ -20,6 +20,7 @@ reports the in-place update (a loud error, never a silent stale read).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
@@ -629,14 +630,19 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._needs[owner] = indices
 
     @torch.no_grad()
-    @torch.inference_mode(False)
     def _finish(self, buckets: list[int], module: str = "") -> None:
         """Finish these buckets' reductions (where not yet) and apply their owed updates in one call of the
         class's step (its per-call cost paid once, not per bucket); traced when tracing is on.
 
-        Out of inference mode: an evaluation under ``torch.inference_mode()`` (Lightning's validation) pays
-        the owed updates in its forward, and state the class's step creates there (a momentum buffer) would
-        be an inference tensor that the next training step may not update in place."""
+        Often called from a forward pre-hook, so inside the forward's contexts, which a plain step after
+        backward never sees: out of inference mode (an evaluation under ``torch.inference_mode()``, as
+        Lightning validates, made the state a first update creates, a momentum buffer, an inference tensor
+        that the next training step could not update in place) and out of autocast (an update through a
+        matmul, as Shampoo-like preconditioners compute, ran in bf16 under a bf16 forward: silently off DDP's)."""
+        with torch.inference_mode(False), _without_autocast(self.model.engine.device.type):
+            self._finish_buckets(buckets, module)
+
+    def _finish_buckets(self, buckets: list[int], module: str) -> None:
         manager = self.model.manager
         tracer = getattr(manager.observer, "bucket_update", None)
         step = manager.steps_synced
@@ -1042,6 +1048,13 @@ class _HookOf:
 
     def __reduce__(self) -> tuple:  # deepcopy and pickle both rebuild from it
         return _make_no_hook, ()
+
+
+def _without_autocast(device_type: str) -> Any:
+    """A context that turns autocast off for ``device_type`` (none where that device has no autocast)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _no_hook(*args: Any) -> None:
