@@ -22,6 +22,7 @@ from tests.test_distributed_optimizer import (
     _train,
     assert_changed_gradients_refused,
     assert_changed_params_handled,
+    assert_closure_steps_equal_ddp,
     assert_evaluations_equal_ddp,
     assert_frozen_layer_as_ddp,
     assert_nonfinite_step_refused,
@@ -38,6 +39,7 @@ from tests.test_distributed_optimizer import (
     read_through_the_model,
     scaled_training,
     step_after_no_sync_only,
+    step_with_closure,
     zero_grad_after_step,
 )
 
@@ -423,6 +425,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["grad_scaler_unscale_clip"] = scaled_training(rank, mlp, sharded_adamw, unscale_clip=True)
     out["eval_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw)
     out["inference_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw, inference_mode=True)
+    out["closure"] = step_with_closure(rank, mlp, sharded_adamw)
     out["nonfinite"] = nonfinite_step_refused(rank, mlp, sharded_adamw)
     out["two_backwards"] = _two_backwards_per_step(rank)
     out["kept_after_step"] = _gradients_kept_after_step(rank)
@@ -621,6 +624,10 @@ def test_replanned_buckets_move_the_sharded_state(two_ranks) -> None:
 
 def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
     assert_evaluations_equal_ddp(two_ranks, "sharded, ")
+
+
+def test_a_closure_is_called_once_and_its_loss_returned_as_torch_optimizers_do(two_ranks) -> None:
+    assert_closure_steps_equal_ddp(two_ranks, "sharded, ")
 
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:

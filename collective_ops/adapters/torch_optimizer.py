@@ -291,17 +291,26 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         return self.model.manager.deferred_pending or self._pending is not None
 
     # -- torch.optim.Optimizer ------------------------------------------------------------------
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
+        """Update every bucket whose reduction has landed; the rest as the next forward needs them.
+
+        ``closure``, as torch's optimizers take it (Lightning's automatic optimization passes one): called
+        once, with gradients enabled, to run the forward and backward; its loss is returned."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step(grad_scaler)
+        return loss
+
     @torch.no_grad()
-    def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
-        """Update every bucket whose reduction has landed; the rest as the next forward needs them."""
+    def _step(self, grad_scaler: Any) -> None:
         if grad_scaler is not None:
             self._scaled_step(grad_scaler)
             return
         if getattr(self, "found_inf", None) is not None:
             self._step_by_scaler_attributes(self.found_inf, getattr(self, "grad_scale", None))
             return
-        if closure is not None:
-            raise ValueError("DistributedOptimizer.step() takes no closure (updates land bucket by bucket)")
         if self.model.manager.has_unreduced_accumulation:
             raise RuntimeError(
                 "step() on gradients accumulated under model.no_sync() that no backward outside it has averaged "
