@@ -330,6 +330,27 @@ def feature_checks(rank: int, world: int) -> dict:
         "not_a_model": lambda: co.wrap(object()),
     }
     out["errors"] = collect_errors(cases, (ValueError, TypeError, ModelMismatchError))
+
+    # conversions after wrap(): refused where they change what the buckets were laid out for (they trained on,
+    # averaging stale or reordered elements, the ranks parting silently); conversions that change nothing pass
+    def converted(convert) -> None:
+        convert(co.wrap(build("cnn")))
+
+    def inner_cast_then_backward() -> None:
+        model = co.wrap(build("mlp"))
+        model.module.double()  # past the wrapper: seen at the first gradient
+        x, y = rank_batch(MLP, 0, rank)
+        loss_fn(model(x.double()), y).backward()
+
+    out["conversion_errors"] = collect_errors(
+        {
+            "channels_last": lambda: converted(lambda m: m.to(memory_format=torch.channels_last)),
+            "double": lambda: converted(lambda m: m.double()),
+            "no_op": lambda: converted(lambda m: m.to("cpu").float()),
+            "inner_cast": inner_cast_then_backward,
+        },
+        (RuntimeError, ValueError),
+    )
     return out
 
 
@@ -389,4 +410,9 @@ def test_adapter_features(world: int) -> None:
         assert "'avg' or 'sum'" in errors["bad_reduce_op"]
         assert "unknown compression 'int8'" in errors["bad_compression"]
         assert "torch.nn.Module or a mindspore.nn.Cell" in errors["not_a_model"]
+        conversions = out["conversion_errors"]
+        for name in ("channels_last", "double"):
+            assert "cast, moved or re-laid out after wrap()" in (conversions[name] or ""), conversions
+        assert conversions["no_op"] is None, conversions
+        assert "cast or moved after wrap()" in (conversions["inner_cast"] or ""), conversions
     assert len({out["rebuild"][2] for out in results}) == 1, "rebuilt plans differ across ranks"

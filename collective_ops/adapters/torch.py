@@ -59,6 +59,11 @@ def names_text(names: Sequence[str], limit: int = 5) -> str:
     return ", ".join(repr(n) for n in names[:limit]) + (" ..." if len(names) > limit else "")
 
 
+def _storage_layout(p: torch.Tensor) -> tuple:
+    """What a parameter's bucket and shard views were built for: dtype, device, strides, storage."""
+    return p.dtype, p.device, p.stride(), p.data_ptr()
+
+
 class DistributedDataParallel(nn.Module, Joinable):
     """A data-parallel ``torch.nn.Module`` on the collective_ops bucketing core.
 
@@ -322,6 +327,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         view = self._views[index]
         prescaled = False
         if grad.data_ptr() != view.data_ptr():
+            if (grad.dtype, grad.device) != (view.dtype, view.device):  # copy_ would cast it silently
+                self.manager.check_gradient(index, grad)
             # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
             # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
             scale = manager.copy_in_scale
@@ -655,6 +662,24 @@ class DistributedDataParallel(nn.Module, Joinable):
         if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
             optimizer.synchronize()
         return super().named_parameters(*args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:
+        """``model.to(...)``, ``.half()``, ``.double()``, ``.cuda()``: refused where they change a parameter's
+        dtype, device, memory layout or storage. The gradient buckets (and, sharded, the parameters' shard
+        buffers) were laid out for the parameters as wrap() found them: after such a change gradients were
+        averaged from stale or reordered elements, and ranks parted silently. A conversion that changes
+        nothing (``.to(device)`` where the model already is) passes."""
+        before = [_storage_layout(p) for p in self._params]
+        result = super()._apply(fn, recurse)
+        changed = [name for name, p, old in zip(self._param_names, self._params, before) if _storage_layout(p) != old]
+        if changed:
+            raise RuntimeError(
+                f"the model's parameters were cast, moved or re-laid out after wrap() ({names_text(changed, 3)}): "
+                "its gradient buckets were planned for them as they were, and training on would average the "
+                "wrong elements. Cast and move the model before wrapping it, as DDP requires: "
+                "co.wrap(net.to(device, dtype, memory_format=...))"
+            )
+        return result
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -309,7 +309,7 @@ class BucketManager:
             # Engines that assemble buckets (MindSpore) pay a pipeline wait to describe a tensor: their
             # gradients' layout is checked in the first synchronised step, whose shapes later ones repeat.
             if not (self._assembles and self.steps_synced > 0):
-                self._check_gradient(index, grad)
+                self.check_gradient(index, grad)
             if self._assembles:
                 self._staged[index] = grad  # concatenated with its bucket-mates at launch: one op
             else:
@@ -342,13 +342,15 @@ class BucketManager:
         synchronised backward whose buckets are still being finished (a deferred step) is reducing them."""
         return bool(self._accumulated) and not self._deferred
 
-    def _check_gradient(self, index: int, grad: Any) -> None:
+    def check_gradient(self, index: int, grad: Any) -> None:
+        """Refuse a gradient that is not what the plan laid its bucket out for."""
         numel, dtype, device = self.engine.describe(grad)
         spec = self.plan.params[index]
         if (numel, dtype, device) != (spec.numel, spec.dtype, spec.device):
             raise ValueError(
                 f"gradient of parameter {spec.name!r} has numel={numel}, dtype={dtype}, device={device}; "
-                f"the bucket plan expects numel={spec.numel}, dtype={spec.dtype}, device={spec.device}"
+                f"the bucket plan expects numel={spec.numel}, dtype={spec.dtype}, device={spec.device}. If the "
+                "model was cast or moved after wrap(), cast and move it before wrapping"
             )
 
     def _launch_ready_buckets(self) -> None:
