@@ -98,6 +98,7 @@ def test_wrap_equals_ddp_and_single_process(world: int) -> None:
 
 
 def feature_checks(rank: int, world: int) -> dict:
+    import gc
     import time
     import warnings
 
@@ -342,12 +343,45 @@ def feature_checks(rank: int, world: int) -> dict:
         x, y = rank_batch(MLP, 0, rank)
         loss_fn(model(x.double()), y).backward()
 
+    # trainable parameters registered on a wrapped model (in no bucket: never averaged, as under DDP) are
+    # refused; a parametrization (the planned parameter moved under a new module), a frozen one, and changes
+    # after the wrapper is gone pass
+    def changed(change, keep_wrapper: bool = True) -> None:
+        net = build("mlp")
+        wrapper = co.wrap(net)
+        if not keep_wrapper:
+            del wrapper
+            gc.collect()
+        change(net)
+
+    def new_head(net) -> None:
+        net.net[4] = nn.Linear(64, 4)
+
+    def frozen_extra(net) -> None:
+        net.extra = nn.Linear(4, 4).requires_grad_(False)
+
+    def reassigned(net) -> None:  # the planned parameter set again, and a frozen one beside it
+        net.net[0].weight = net.net[0].weight
+        net.net[0].scale = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def assigned(net) -> None:
+        net.load_state_dict({k: v.clone() for k, v in net.state_dict().items()}, assign=True)
+
+    def parametrized(net) -> None:
+        torch.nn.utils.parametrize.register_parametrization(net.net[0], "weight", nn.Identity())
+
     out["conversion_errors"] = collect_errors(
         {
             "channels_last": lambda: converted(lambda m: m.to(memory_format=torch.channels_last)),
             "double": lambda: converted(lambda m: m.double()),
             "no_op": lambda: converted(lambda m: m.to("cpu").float()),
             "inner_cast": inner_cast_then_backward,
+            "new_head": lambda: changed(new_head),
+            "assign": lambda: changed(assigned),
+            "frozen_extra": lambda: changed(frozen_extra),
+            "reassigned": lambda: changed(reassigned),
+            "parametrized": lambda: changed(parametrized),
+            "new_head_unwrapped": lambda: changed(new_head, keep_wrapper=False),
         },
         (RuntimeError, ValueError),
     )
@@ -415,4 +449,9 @@ def test_adapter_features(world: int) -> None:
             assert "cast, moved or re-laid out after wrap()" in (conversions[name] or ""), conversions
         assert conversions["no_op"] is None, conversions
         assert "cast or moved after wrap()" in (conversions["inner_cast"] or ""), conversions
+        for name in ("new_head", "assign"):
+            assert "a trainable parameter was added to a wrapped model" in (conversions[name] or ""), conversions
+        assert "'4.weight', '4.bias'" in conversions["new_head"], conversions
+        for name in ("frozen_extra", "reassigned", "parametrized", "new_head_unwrapped"):
+            assert conversions[name] is None, conversions
     assert len({out["rebuild"][2] for out in results}) == 1, "rebuilt plans differ across ranks"

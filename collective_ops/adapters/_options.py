@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..bucketing import CommHook, hook_for_compression, validate_bucket_mb
@@ -25,3 +26,8 @@ def resolve_options(
     if comm_hook is not None and compression is not None:
         raise ValueError("give either compression or comm_hook, not both (compression is a built-in comm_hook)")
     return bucket_size_mb, first_bucket_mb, reduce_op, comm_hook or hook_for_compression(compression)
+
+
+def names_text(names: Sequence[str], limit: int = 5) -> str:
+    """Parameter names for an error message: the first ``limit``, quoted, then "..." if there are more."""
+    return ", ".join(repr(n) for n in names[:limit]) + (" ..." if len(names) > limit else "")

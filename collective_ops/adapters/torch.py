@@ -21,7 +21,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -43,20 +43,16 @@ from ..bucketing import (
 from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
-from ._options import resolve_options
+from ._options import names_text, resolve_options
 from .torch_ddp_hooks import DDPCommHook, ddp_comm_hook
 from .torch_inplace import InPlaceGuard
+from .torch_model_watch import PlannedParameters, watch
 
 logger = logging.getLogger("collective_ops")
 
 BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in large fused chunks
 # model -> its live wrapper (weakly, both ways): wrapping a model twice would reduce its gradients twice.
 _LIVE_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def names_text(names: Sequence[str], limit: int = 5) -> str:
-    """Parameter names for an error message: the first ``limit``, quoted, then "..." if there are more."""
-    return ", ".join(repr(n) for n in names[:limit]) + (" ..." if len(names) > limit else "")
 
 
 def _storage_layout(p: torch.Tensor) -> tuple:
@@ -208,6 +204,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._hook_handles += _record_lookups(tables, self.manager.row_sparse)
         weakref.finalize(self, _remove_all, self._hook_handles)
         _LIVE_WRAPPERS[module] = this
+        self._planned = PlannedParameters(self._params)  # (watched while this wrapper lives)
+        watch(module, self._planned)
         if os.environ.get("COLLECTIVE_OPS_LOG_PLAN") or logger.isEnabledFor(logging.DEBUG):
             logger.info("%s", plan.describe())
 
@@ -671,7 +669,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         nothing (``.to(device)`` where the model already is) passes."""
         before = [_storage_layout(p) for p in self._params]
         result = super()._apply(fn, recurse)
-        changed = [name for name, p, old in zip(self._param_names, self._params, before) if _storage_layout(p) != old]
+        now = dict(self.module.named_parameters())  # (torch's overwrite-on-conversion mode makes new ones)
+        changed = [
+            name
+            for name, p, old in zip(self._param_names, self._params, before)
+            if now.get(name) is not p or _storage_layout(p) != old
+        ]
         if changed:
             raise RuntimeError(
                 f"the model's parameters were cast, moved or re-laid out after wrap() ({names_text(changed, 3)}): "
