@@ -35,6 +35,8 @@ def _make_optimizer(kind: str):
 
     if kind == "sgd":
         return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+    if kind == "adamw_tensor_lr":  # (a new tensor each call: an LR scheduler fills it in place)
+        return torch.optim.AdamW, {"lr": torch.tensor(1e-2), "weight_decay": 0.01}
     return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01}
 
 
@@ -79,7 +81,7 @@ def _pair(
     ours_model = co.wrap(
         build(), bucket_size_mb=0.004, first_bucket_mb=0.001, find_unused_parameters=find_unused, **(wrap_kwargs or {})
     )
-    ours = co.DistributedOptimizer(ours_model, cls, **kwargs)
+    ours = co.DistributedOptimizer(ours_model, cls, **_make_optimizer(opt_kind)[1])
     if arrange is not None:
         arrange(ours_model)
     results = []
@@ -839,6 +841,16 @@ def optimizer_checks(rank: int, world: int) -> dict:
         model_cls=MLP,
         scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8),
     )
+    # a tensor lr, which the scheduler fills in place after step(): the owed updates (landing late) take the
+    # lr of their step()
+    out["scheduler_tensor_lr"] = _pair(
+        rank,
+        lambda: build("mlp"),
+        "adamw_tensor_lr",
+        model_cls=MLP,
+        wrap_kwargs={"comm_hook": late_allreduce},
+        scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    )
     out["accumulation"] = _pair(rank, lambda: build("mlp"), "sgd", model_cls=MLP, accumulate=3, steps=6)
     # classic weight_norm / spectral_norm derive weights in pre-hooks of their own: ours must run first (the owed
     # updates land 0.2 s late, so they are owed at every forward, whatever the machine's speed)
@@ -1104,6 +1116,7 @@ CASES = [
     "cnn_sgd",
     "cnn_adamw",
     "scheduler",
+    "scheduler_tensor_lr",
     "accumulation",
     "unused",
     "held",

@@ -363,7 +363,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not manager.deferred_pending:  # every bucket already finished (or nothing was reduced)
             self._timed_step(None, None)
             return
-        self._pending = PendingUpdates.start(len(manager.plan.buckets), self._groups)
+        self._pending = PendingUpdates.start(len(manager.plan.buckets), self._groups, frozen_setting)
         self._finish([bucket for bucket in self._pending.buckets if manager.bucket_ready(bucket)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -1057,6 +1057,16 @@ class _HookOf:
 
     def __reduce__(self) -> tuple:  # deepcopy and pickle both rebuild from it
         return _make_no_hook, ()
+
+
+def frozen_setting(value: Any) -> Any:
+    """A parameter group's setting as it is now: tensors (a tensor lr, tensor betas) copied, since LR
+    schedulers change a tensor lr in place (``fill_``)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(frozen_setting(v) for v in value)
+    return value
 
 
 def _without_autocast(device_type: str) -> Any:

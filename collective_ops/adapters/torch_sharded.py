@@ -39,7 +39,7 @@ from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
 from .torch import DistributedDataParallel, names_text, view_like
 from .torch_inplace import InPlaceGuard
-from .torch_optimizer import DistributedOptimizer
+from .torch_optimizer import DistributedOptimizer, frozen_setting
 from .torch_optimizer_set import given_optimizers
 
 _log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._steps_applied = reduction
         # what a backward before the next zero_grad() would add onto (_refuse_gradients_kept_after_step)
         self._stepped_grads = [(p, p.grad) for p in self._model_params() if p.grad is not None]
-        self._pending = PendingUpdates.start(len(self.model.manager.plan.buckets), self._groups)
+        self._pending = PendingUpdates.start(len(self.model.manager.plan.buckets), self._groups, frozen_setting)
         self._next_gather = 0
         if self.overlap:
             # Every reduce-scatter waited for and every all-gather launched before step() returns, so code that

@@ -10,7 +10,7 @@ when the next forward needs their parameters: :meth:`take` hands each out exactl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +24,13 @@ class PendingUpdates:
     clear_after: bool | None = None  # None: keep gradients; True: set to None; False: zero them
 
     @classmethod
-    def start(cls, bucket_count: int, groups: Sequence[dict[str, Any]]) -> PendingUpdates:
-        """Every bucket owed; each group's settings (everything but its parameters) frozen now."""
-        frozen = {id(group): {k: v for k, v in group.items() if k != "params"} for group in groups}
+    def start(
+        cls, bucket_count: int, groups: Sequence[dict[str, Any]], copy_value: Callable[[Any], Any] = lambda v: v
+    ) -> PendingUpdates:
+        """Every bucket owed; each group's settings (everything but its parameters) frozen now. ``copy_value``
+        copies a value that could change in place before the owed updates are applied (a tensor learning
+        rate, which schedulers fill in place: kept by reference, the owed update took the next step's)."""
+        frozen = {id(group): {k: copy_value(v) for k, v in group.items() if k != "params"} for group in groups}
         return cls(list(range(bucket_count)), frozen)
 
     def settings_for(self, group: dict[str, Any]) -> dict[str, Any] | None:
