@@ -107,7 +107,7 @@ def feature_checks(rank: int, world: int) -> dict:
 
     import collective_ops as co
     from collective_ops.consistency import ModelMismatchError
-    from tests.models import MLP, WithUnusedBranch, build, rank_batch
+    from tests.models import MLP, SmallCNN, WithUnusedBranch, build, rank_batch
 
     out: dict = {}
     loss_fn = nn.functional.cross_entropy
@@ -343,6 +343,13 @@ def feature_checks(rank: int, world: int) -> dict:
         x, y = rank_batch(MLP, 0, rank)
         loss_fn(model(x.double()), y).backward()
 
+    def inner_channels_last_after_a_step() -> None:  # the gradients it holds (our bucket views) re-pointed
+        model = co.wrap(build("cnn"))
+        x, y = rank_batch(SmallCNN, 0, rank)
+        loss_fn(model(x), y).backward()
+        model.module.to(memory_format=torch.channels_last)
+        loss_fn(model(x), y).backward()
+
     # trainable parameters registered on a wrapped model (in no bucket: never averaged, as under DDP) are
     # refused; a parametrization (the planned parameter moved under a new module), a frozen one, and changes
     # after the wrapper is gone pass
@@ -376,6 +383,7 @@ def feature_checks(rank: int, world: int) -> dict:
             "double": lambda: converted(lambda m: m.double()),
             "no_op": lambda: converted(lambda m: m.to("cpu").float()),
             "inner_cast": inner_cast_then_backward,
+            "inner_channels_last": inner_channels_last_after_a_step,
             "new_head": lambda: changed(new_head),
             "assign": lambda: changed(assigned),
             "frozen_extra": lambda: changed(frozen_extra),
@@ -449,6 +457,7 @@ def test_adapter_features(world: int) -> None:
             assert "cast, moved or re-laid out after wrap()" in (conversions[name] or ""), conversions
         assert conversions["no_op"] is None, conversions
         assert "cast or moved after wrap()" in (conversions["inner_cast"] or ""), conversions
+        assert "no longer lies in its bucket" in (conversions["inner_channels_last"] or ""), conversions
         for name in ("new_head", "assign"):
             assert "a trainable parameter was added to a wrapped model" in (conversions[name] or ""), conversions
         assert "'4.weight', '4.bias'" in conversions["new_head"], conversions

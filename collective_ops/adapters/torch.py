@@ -254,6 +254,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         for i, p in enumerate(self._params):
             buffer, offset, _numel = self.manager.param_segment(i)
             self._views.append(view_like(p, buffer, offset))
+        # where each view lies: a conversion of the inner module (net.to(...)) re-points p.grad, our view
+        self._view_addresses = [view.data_ptr() for view in self._views]
 
     def _on_rebuild(self, plan: BucketPlan) -> None:
         old = self._views
@@ -324,9 +326,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             return
         view = self._views[index]
         prescaled = False
-        if grad.data_ptr() != view.data_ptr():
+        if grad.data_ptr() != self._view_addresses[index]:
             if (grad.dtype, grad.device) != (view.dtype, view.device):  # copy_ would cast it silently
                 self.manager.check_gradient(index, grad)
+            if view.data_ptr() != self._view_addresses[index]:
+                raise RuntimeError(
+                    f"the gradient view of parameter {self._param_names[index]!r} no longer lies in its bucket: "
+                    "the model was converted after wrap() through the inner module (net.to(...) re-points the "
+                    "gradients it holds), so its gradients would not be averaged. Cast and move the model before "
+                    "wrapping it"
+                )
             # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
             # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
             scale = manager.copy_in_scale
