@@ -276,6 +276,33 @@ def assert_closure_steps_equal_ddp(results: list[dict], label: str) -> None:
         assert our_losses == ddp_losses, f"{label}losses step(closure) returned, rank {rank}"
 
 
+def state_read_after_step(rank: int, steps: int = 4) -> tuple[list, list]:
+    """(DDP + AdamW, ours) AdamW's first moments read from ``optimizer.state`` right after every step(), the
+    reductions landing late so that the updates are owed there: ours must apply them first."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    results = []
+    for ours in (False, True):
+        if ours:
+            model = co.wrap(build("mlp"), bucket_size_mb=0.004, comm_hook=late_allreduce)
+            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(build("mlp"))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        params, moments = list(model.module.parameters()), []
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            moments.append([optimizer.state[p]["exp_avg"].clone().numpy() for p in params])
+        results.append(moments)
+    return results[0], results[1]
+
+
 def _step_without_scaler_argument(optimizer, *args, **kwargs):
     """``optimizer``'s class step, behind a signature without ``grad_scaler``."""
     return type(optimizer).step(optimizer, *args, **kwargs)
@@ -961,6 +988,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         )
     out["several_optimizers"] = several_optimizers(rank, lambda: build("mlp"))
     out["autocast_forward"] = autocast_forward(rank)
+    out["state_read_after_step"] = state_read_after_step(rank)
     out["closure"] = step_with_closure(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
     )
@@ -1227,6 +1255,13 @@ def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
 
 def test_a_closure_is_called_once_and_its_loss_returned_as_torch_optimizers_do(two_ranks) -> None:
     assert_closure_steps_equal_ddp(two_ranks, "")
+
+
+def test_optimizer_state_read_right_after_step_is_that_steps(two_ranks) -> None:
+    for rank, out in enumerate(two_ranks):
+        ddp, ours = out["state_read_after_step"]
+        for step, (theirs, mine) in enumerate(zip(ddp, ours, strict=True)):
+            assert_identical(mine, theirs, f"AdamW exp_avg read after step {step}, rank {rank}")
 
 
 def test_updates_owed_into_an_autocast_forward_run_as_a_plain_step_does(two_ranks) -> None:

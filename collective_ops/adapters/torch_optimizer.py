@@ -248,6 +248,19 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self._groups = groups
 
+    @property
+    def state(self) -> Any:
+        """The wrapped class's state. Read while a step's updates are owed (right after ``step()``: a logged
+        moment, a checkpoint taken by hand), they are applied first, as ``state_dict()`` applies them; the
+        state read is the step's, not the one before (that step loses its overlap with the next forward)."""
+        if getattr(self, "_built", False) and not self._stepping and self._pending is not None:
+            self.synchronize()
+        return self._state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._state = state
+
     def _gradients_unstepped(self) -> bool:
         """True between a backward whose reductions run on past it and the step() that consumes them."""
         return self.model.manager.deferred_pending and self._pending is None
