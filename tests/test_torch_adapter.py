@@ -334,8 +334,19 @@ def feature_checks(rank: int, world: int) -> dict:
 
     # conversions after wrap(): refused where they change what the buckets were laid out for (they trained on,
     # averaging stale or reordered elements, the ranks parting silently); conversions that change nothing pass
-    def converted(convert) -> None:
-        convert(co.wrap(build("cnn")))
+    def converted(convert, train_mode: bool = True) -> None:
+        """Converted after wrap(): evaluation and saving work (model.cpu() at the end of training), then a
+        step with gradients is refused (before any collective)."""
+        model = co.wrap(build("cnn"))
+        convert(model)
+        x, y = rank_batch(SmallCNN, 0, rank)
+        x = x.to(next(model.parameters()).dtype)
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.state_dict()
+        model.train(train_mode)
+        loss_fn(model(x).float(), y).backward()
 
     def inner_cast_then_backward() -> None:
         model = co.wrap(build("mlp"))
@@ -382,6 +393,9 @@ def feature_checks(rank: int, world: int) -> dict:
             "channels_last": lambda: converted(lambda m: m.to(memory_format=torch.channels_last)),
             "double": lambda: converted(lambda m: m.double()),
             "no_op": lambda: converted(lambda m: m.to("cpu").float()),
+            "channels_last_eval_backward": lambda: converted(
+                lambda m: m.to(memory_format=torch.channels_last), train_mode=False
+            ),
             "inner_cast": inner_cast_then_backward,
             "inner_channels_last": inner_channels_last_after_a_step,
             "new_head": lambda: changed(new_head),
@@ -453,8 +467,10 @@ def test_adapter_features(world: int) -> None:
         assert "unknown compression 'int8'" in errors["bad_compression"]
         assert "torch.nn.Module or a mindspore.nn.Cell" in errors["not_a_model"]
         conversions = out["conversion_errors"]
-        for name in ("channels_last", "double"):
-            assert "cast, moved or re-laid out after wrap()" in (conversions[name] or ""), conversions
+        for name in ("channels_last", "double", "channels_last_eval_backward"):
+            message = conversions[name] or ""
+            assert "cast, moved or re-laid out after wrap()" in message, conversions
+            assert "evaluation and saving work, training does not" in message, conversions
         assert conversions["no_op"] is None, conversions
         assert "cast or moved after wrap()" in (conversions["inner_cast"] or ""), conversions
         assert "no longer lies in its bucket" in (conversions["inner_channels_last"] or ""), conversions

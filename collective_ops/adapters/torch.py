@@ -68,6 +68,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     so checkpoints load into an unwrapped model.
     """
 
+    # Parameters a conversion after wrap() changed (names, for the message): training is refused from then on.
+    _converted_after_wrap: str | None = None
     # The attached DistributedOptimizer, weakly (attach_optimizer); a class default, so that the optimizer
     # property (which named_parameters asks) answers None on an instance whose __init__ has not set it yet.
     _optimizer_ref: weakref.ref | None = None
@@ -288,6 +290,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite_local.append(self._param_names[index])
         if not self._step_end_owed:  # this backward's first gradient
+            self._refuse_training_if_converted()
             self.backward_began = self._outputs_reached_at or time.perf_counter()
             self._outputs_reached_at = None
             if self.optimizer is not None:
@@ -671,11 +674,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         return super().named_parameters(*args, **kwargs)
 
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:
-        """``model.to(...)``, ``.half()``, ``.double()``, ``.cuda()``: refused where they change a parameter's
-        dtype, device, memory layout or storage. The gradient buckets (and, sharded, the parameters' shard
-        buffers) were laid out for the parameters as wrap() found them: after such a change gradients were
-        averaged from stale or reordered elements, and ranks parted silently. A conversion that changes
-        nothing (``.to(device)`` where the model already is) passes."""
+        """``model.to(...)``, ``.half()``, ``.double()``, ``.cuda()``. One that changes a parameter's dtype,
+        device, memory layout or storage leaves the model usable for evaluation and saving (``model.cpu()``
+        at the end of training), but not for training: the gradient buckets (and, sharded, the parameters'
+        shard buffers) were laid out for the parameters as wrap() found them, and gradients would be averaged
+        from stale or reordered elements, the ranks parting silently. The next backward raises at its first
+        gradient, before any collective (:meth:`_refuse_training_if_converted`). A conversion that changes
+        nothing passes."""
         before = [_storage_layout(p) for p in self._params]
         result = super()._apply(fn, recurse)
         now = dict(self.module.named_parameters())  # (torch's overwrite-on-conversion mode makes new ones)
@@ -684,14 +689,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             for name, p, old in zip(self._param_names, self._params, before)
             if now.get(name) is not p or _storage_layout(p) != old
         ]
-        if changed:
-            raise RuntimeError(
-                f"the model's parameters were cast, moved or re-laid out after wrap() ({names_text(changed, 3)}): "
-                "its gradient buckets were planned for them as they were, and training on would average the "
-                "wrong elements. Cast and move the model before wrapping it, as DDP requires: "
-                "co.wrap(net.to(device, dtype, memory_format=...))"
-            )
+        if changed and self._converted_after_wrap is None:
+            self._converted_after_wrap = names_text(changed, 3)
         return result
+
+    def _refuse_training_if_converted(self) -> None:
+        if self._converted_after_wrap is not None:
+            raise RuntimeError(
+                f"the model's parameters were cast, moved or re-laid out after wrap() ({self._converted_after_wrap}"
+                "): evaluation and saving work, training does not, since its gradient buckets were planned for "
+                "the parameters as they were and would average the wrong elements. Cast and move the model "
+                "before wrapping it, as DDP requires: co.wrap(net.to(device, dtype, memory_format=...))"
+            )
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
