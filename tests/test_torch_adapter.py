@@ -365,12 +365,19 @@ def feature_checks(rank: int, world: int) -> dict:
     # refused; a parametrization (the planned parameter moved under a new module), a frozen one, and changes
     # after the wrapper is gone pass
     def changed(change, keep_wrapper: bool = True) -> None:
+        """The change made after wrap(); a no-grad evaluation works, then a training step (refused where a
+        trainable parameter the plan does not hold was added, before any collective)."""
         net = build("mlp")
-        wrapper = co.wrap(net)
+        model = co.wrap(net)
         if not keep_wrapper:
-            del wrapper
+            del model
             gc.collect()
+            model = net
         change(net)
+        x, y = rank_batch(MLP, 0, rank)
+        with torch.no_grad():
+            model(x)
+        loss_fn(model(x), y).backward()
 
     def new_head(net) -> None:
         net.net[4] = nn.Linear(64, 4)
@@ -475,8 +482,10 @@ def test_adapter_features(world: int) -> None:
         assert "cast or moved after wrap()" in (conversions["inner_cast"] or ""), conversions
         assert "no longer lies in its bucket" in (conversions["inner_channels_last"] or ""), conversions
         for name in ("new_head", "assign"):
-            assert "a trainable parameter was added to a wrapped model" in (conversions[name] or ""), conversions
-        assert "'4.weight', '4.bias'" in conversions["new_head"], conversions
+            message = conversions[name] or ""
+            assert "a trainable parameter was added to the wrapped model after wrap()" in message, conversions
+            assert "Evaluation works, training does not" in message, conversions
+        assert "'4.weight of a Sequential', '4.bias of a Sequential'" in conversions["new_head"], conversions
         for name in ("frozen_extra", "reassigned", "parametrized", "new_head_unwrapped"):
             assert conversions[name] is None, conversions
     assert len({out["rebuild"][2] for out in results}) == 1, "rebuilt plans differ across ranks"

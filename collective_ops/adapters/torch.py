@@ -140,8 +140,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         _refuse_unsupported(module, named)
         self._params = [p for _, p in named]
         self._param_names = [n for n, _ in named]
-        # requires_grad of every parameter at wrap time: the plan depends on it (checked each step)
-        self._requires_grad = [p.requires_grad for p in module.parameters()]
 
         # the built-in reductions send rows (a custom comm_hook reduces the whole bucket)
         tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine) if reduces_rows(hook) else {}
@@ -307,6 +305,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         it (a reentrant checkpoint around the output layer runs one of its own), which ends before the
         outer backward has delivered the gradients of the layers outside the checkpoint.
         """
+        self._refuse_training_if_converted()  # (where every parameter was replaced, no gradient hook runs)
         self._outputs_reached_at = time.perf_counter()
         if self._end_of_backward_queued or not self.manager.sync_enabled:
             return
@@ -485,12 +484,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             runtime.finish_in_flight_before_leaving(self._let_go_of_groups)
 
     def _check_requires_grad_unchanged(self) -> None:
-        now = [p.requires_grad for p in self.module.parameters()]
-        if now == self._requires_grad:
+        """The plan holds the parameters trainable at wrap time: one frozen or unfrozen since is refused (a
+        frozen one added since passes: nothing to average)."""
+        planned = self._planned.ids
+        if {id(p) for p in self.module.parameters() if p.requires_grad} == planned:
             return
-        names = [
-            n for (n, p), was in zip(self.module.named_parameters(), self._requires_grad) if p.requires_grad != was
-        ]
+        names = [n for n, p in self.module.named_parameters() if (id(p) in planned) != p.requires_grad]
         self.manager.abort_iteration()
         raise RuntimeError(
             f"requires_grad changed after wrap() for {names[:10]}: the bucket plan (the same on every rank) was built "
@@ -694,6 +693,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return result
 
     def _refuse_training_if_converted(self) -> None:
+        """The first gradient of a backward after the model changed under the plan: refused, before any collective."""
+        self._planned.refuse_training_if_added()
         if self._converted_after_wrap is not None:
             raise RuntimeError(
                 f"the model's parameters were cast, moved or re-laid out after wrap() ({self._converted_after_wrap}"
