@@ -288,7 +288,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite_local.append(self._param_names[index])
         if not self._step_end_owed:  # this backward's first gradient
-            self._refuse_training_if_converted()
+            self._refuse_training_if_model_changed()
             self.backward_began = self._outputs_reached_at or time.perf_counter()
             self._outputs_reached_at = None
             if self.optimizer is not None:
@@ -305,7 +305,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         it (a reentrant checkpoint around the output layer runs one of its own), which ends before the
         outer backward has delivered the gradients of the layers outside the checkpoint.
         """
-        self._refuse_training_if_converted()  # (where every parameter was replaced, no gradient hook runs)
+        self._refuse_training_if_model_changed()  # (where every parameter was replaced, no gradient hook runs)
         self._outputs_reached_at = time.perf_counter()
         if self._end_of_backward_queued or not self.manager.sync_enabled:
             return
@@ -678,7 +678,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         at the end of training), but not for training: the gradient buckets (and, sharded, the parameters'
         shard buffers) were laid out for the parameters as wrap() found them, and gradients would be averaged
         from stale or reordered elements, the ranks parting silently. The next backward raises at its first
-        gradient, before any collective (:meth:`_refuse_training_if_converted`). A conversion that changes
+        gradient, before any collective (:meth:`_refuse_training_if_model_changed`). A conversion that changes
         nothing passes."""
         before = [_storage_layout(p) for p in self._params]
         result = super()._apply(fn, recurse)
@@ -692,8 +692,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._converted_after_wrap = names_text(changed, 3)
         return result
 
-    def _refuse_training_if_converted(self) -> None:
-        """The first gradient of a backward after the model changed under the plan: refused, before any collective."""
+    def _refuse_training_if_model_changed(self) -> None:
+        """A backward (at the outputs or the first gradient) after the model changed under the plan since wrap()
+        (converted, or given trainable parameters the plan does not hold): refused, before any collective."""
         self._planned.refuse_training_if_added()
         if self._converted_after_wrap is not None:
             raise RuntimeError(
