@@ -286,12 +286,12 @@ def state_read_after_step(rank: int, steps: int = 4) -> tuple[list, list]:
 
     results = []
     for ours in (False, True):
-        if ours:
-            model = co.wrap(build("mlp"), bucket_size_mb=0.004, comm_hook=late_allreduce)
-            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-        else:
-            model = torch.nn.parallel.DistributedDataParallel(build("mlp"))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = _ddp_or_ours(
+            ours,
+            lambda: build("mlp"),
+            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
+            {"comm_hook": late_allreduce},
+        )
         params, moments = list(model.module.parameters()), []
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)

@@ -37,7 +37,8 @@ from ..bucketing.plan import BucketPlan
 from ..bucketing.schedule import OrderPrediction, simulate_sharded
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
-from .torch import DistributedDataParallel, names_text, view_like
+from ._options import names_text
+from .torch import DistributedDataParallel, view_like
 from .torch_inplace import InPlaceGuard
 from .torch_optimizer import DistributedOptimizer, frozen_setting
 from .torch_optimizer_set import given_optimizers
