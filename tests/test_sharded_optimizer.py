@@ -277,6 +277,58 @@ def _bf16_weights_loaded(rank: int, steps: int = 5, at: int = 3) -> dict:
     return out
 
 
+def _bf16_edited_in_place(rank: int, steps: int = 5, at: int = 2) -> dict:
+    """A bf16 model whose weights are halved in place right after step ``at`` (through the wrapped model's
+    parameters, which finish the step first), as weight clipping changes them; the same halving loaded with
+    ``model.module.load_state_dict()`` (whose masters follow it: tested above); no change. Weights after
+    ``steps`` steps (float32 numpy arrays)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    out = {}
+    for case in ("in_place", "loaded", "untouched"):
+        model = co.wrap(build("mlp").to(torch.bfloat16), **BUCKET)
+        optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+            optimizer.step()
+            if step == at and case == "in_place":
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+            elif step == at and case == "loaded":
+                optimizer.synchronize()
+                model.module.load_state_dict({k: v * 0.5 for k, v in model.module.state_dict().items()})
+        optimizer.synchronize()
+        out[case] = {name: p.detach().float().numpy() for name, p in model.module.named_parameters()}
+    return out
+
+
+def _params_moved(rank: int) -> dict:
+    """A parameter given new storage after the optimizer was built (``p.data = ...``), then trained on: the
+    error of the next backward, on each rank (None: it trained on)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build
+
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    _train(rank, model, optimizer, MLP, steps=2)
+    optimizer.synchronize()
+    weight = next(model.module.parameters())
+    weight.data = weight.data.clone()
+    try:
+        _train(rank, model, optimizer, MLP, steps=1)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
 def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
     """Loops that run backward twice per step: without no_sync (accumulating: refused), and with zero_grad()
     between (the first micro-batch dropped: DDP's result, from the second alone)."""
@@ -483,6 +535,8 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     )
     out["bf16"] = _bf16_loss_curves(rank)
     out["bf16_loaded"] = _bf16_weights_loaded(rank)
+    out["bf16_edited"] = _bf16_edited_in_place(rank)
+    out["params_moved"] = _params_moved(rank)
 
     # bucket_size_mb="auto": the online tune weighs each candidate by the simulated sharded step
     model = co.wrap(build("transformer"), bucket_size_mb="auto")
@@ -776,6 +830,23 @@ def test_bf16_weights_loaded_into_the_model_reach_the_fp32_masters(two_ranks) ->
         assert_identical(out["weights_alone"], out["saved_weights"], f"masters after loading weights, rank {rank}")
         assert_identical(out["optimizer_first"], out["saved_masters"], f"masters after loading both, rank {rank}")
         assert any((out["saved_masters"][n] != out["saved_weights"][n]).any() for n in out["saved_weights"])
+
+
+def test_bf16_weights_changed_in_place_reach_the_fp32_masters(two_ranks) -> None:
+    """Weights of a bf16 model changed in place between steps (weight clipping; here halved) are what the next
+    step updates, as model.load_state_dict() of the same weights: before, the step wrote the old fp32 masters
+    back over the change, silently."""
+    for rank, out in enumerate(result["bf16_edited"] for result in two_ranks):
+        assert_identical(out["in_place"], out["loaded"], f"halved in place vs loaded halved, rank {rank}")
+        assert any((out["in_place"][n] != out["untouched"][n]).any() for n in out["untouched"])
+
+
+def test_a_parameter_given_new_storage_is_refused_not_left_untrained(two_ranks) -> None:
+    """``p.data = tensor`` after the shards were laid out: the parameter no longer views its shard buffer, so
+    it would keep its values while its shard trains. Refused at the next backward on every rank."""
+    for rank, out in enumerate(result["params_moved"] for result in two_ranks):
+        assert out["error"] is not None, f"rank {rank} trained on"
+        assert "'net.0.weight' was replaced" in out["error"] and "p.copy_(value)" in out["error"], out["error"]
 
 
 def test_continued_from_checkpoint_as_unsharded_at_two_ranks(two_ranks) -> None:

@@ -111,6 +111,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         # finish_reductions()): changed in place by other code from then on, they are refused at step()
         self._bound_guard = InPlaceGuard()
         self._masters_loaded = False  # load_state_dict() brought fp32 masters since the last step
+        # bucket -> its parameters' version counters when the optimizer last wrote them (low precision only):
+        # a change in place since (weight clipping, a re-initialised layer) is taken into the fp32 masters
+        self._written_versions: dict[int, list[int]] = {}
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
         # Only for "has every rank come to gather the full state?": a rank that never comes (state_dict() called
@@ -165,6 +168,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._bound_guard.clear()  # (noted per bucket of the old layout)
         self._layout = ShardLayout(plan, engine.world_size)
         self._param_buffers = []
+        self._param_addresses = {}  # model index -> where its view of the buffers starts (see _refuse_params_moved)
         for spec, shards in zip(plan.buckets, self._layout.buckets):
             buffer = torch.zeros(shards.padded_numel, dtype=getattr(torch, spec.dtype), device=spec.device)
             with torch.no_grad():
@@ -173,6 +177,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                     view = view_like(p, buffer, offset)
                     view.copy_(p.detach())
                     p.data = view
+                    self._param_addresses[index] = view.data_ptr()
             self._param_buffers.append(buffer)
         self._pieces: list[tuple[ShardPiece, torch.Tensor]] = []
         for piece in self._layout.pieces(engine.rank):
@@ -183,6 +188,46 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for piece, tensor in self._pieces:
             self._bucket_pieces[piece.bucket].append((piece, tensor))
         self._gather_order = list(reversed(range(len(plan.buckets))))  # the forward needs the last buckets first
+        self._written_versions.clear()
+        for bucket in range(len(plan.buckets)):
+            self._note_written(bucket)
+
+    def _note_written(self, bucket: int) -> None:
+        """The optimizer wrote this bucket's parameters (laid out, all-gathered): their version counters, where
+        this rank holds fp32 masters of them."""
+        if any(_is_master(piece, tensor, self._param_buffers) for piece, tensor in self._bucket_pieces[bucket]):
+            self._written_versions[bucket] = [p._version for p in self._bucket_params(bucket)]
+
+    def _masters_follow_edits(self) -> None:
+        """Before a step's updates: low-precision parameters changed in place since the optimizer last wrote them
+        (``p.clamp_()`` as WGAN clips weights, ``torch.nn.init`` on a layer, under no_grad) have their fp32 masters
+        take the change, as a plain optimizer steps from the changed weights; else the step would write the old
+        masters back over it. Seen by the version counters: a change through ``p.data`` is not."""
+        edited = [
+            bucket
+            for bucket, versions in self._written_versions.items()
+            if [p._version for p in self._bucket_params(bucket)] != versions
+        ]
+        if edited:
+            self._take_params_into_masters(only_changed=True, buckets=edited)
+
+    def _refuse_params_moved(self) -> None:
+        """A parameter whose storage was replaced after the shards were laid out (``p.data = tensor``,
+        ``p.set_()``, a conversion of the inner module) no longer views the buffer its all-gather writes: it would
+        keep its values while the optimizer trains the shard, silently. Refused at the first gradient of a
+        backward, before any collective."""
+        params = self.model._params
+        moved = [index for index, address in self._param_addresses.items() if params[index].data_ptr() != address]
+        if not moved:
+            return
+        raise RuntimeError(
+            f"shard=True: the storage of {names_text([self.model._param_names[i] for i in moved], 3)} was replaced "
+            "after DistributedOptimizer was built (p.data = tensor, p.set_(), or a cast or move of the inner "
+            "module): the optimizer updates each parameter through its view of the shard buffers, so this one "
+            "would keep its values while its shard trains. Change parameters' values in place (with "
+            "torch.no_grad(): p.copy_(value)), load weights with model.load_state_dict(), and convert the model "
+            "before wrap()"
+        )
 
     def _param_shard(self, bucket: int) -> torch.Tensor:
         return self.model.engine.shard_of(self._param_buffers[bucket])
@@ -233,6 +278,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """Update each bucket's shard once its reduce-scatter lands and all-gather it; the rest as needed."""
         if self._pending is not None or self._gathers:
             self.synchronize()  # a previous step's updates were never needed: owed first
+        self._masters_follow_edits()
         self.update_seconds = 0.0
         self._masters_loaded = False
         reduction = self._reduction()
@@ -420,6 +466,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             raise self.model.manager.explain_failure(bucket, exc, _GATHER_NAMED) from exc
         end = time.perf_counter()
         self._timeline.waited(end - start)
+        self._note_written(bucket)
         tracer = getattr(self.model.manager.observer, "bucket_update", None)
         if tracer is not None and module:
             tracer("forward wait", bucket, self.model.manager.steps_synced, start, end, module)
@@ -493,6 +540,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """A backward that reduces, while the last one's reduced gradients wait for step(): refused. Its
         gradients would add to a buffer averaged in this rank's shard only (the rest holds the last local
         gradients), and the next reduce-scatter would mix the two: DDP's accumulation would not come out."""
+        self._refuse_params_moved()
         if self._steps_applied == self._reduction():
             return
         raise RuntimeError(
@@ -673,9 +721,14 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _refresh_masters(self, only_changed: bool) -> None:
         self.synchronize()
+        self._take_params_into_masters(only_changed)
+
+    def _take_params_into_masters(self, only_changed: bool, buckets: list[int] | None = None) -> None:
+        """Each fp32 master piece (of ``buckets``: all) from its low-precision parameter elements; ``only_changed``:
+        only the elements the parameters no longer round the master to."""
         with torch.no_grad():
             for piece, tensor in self._pieces:
-                if _is_master(piece, tensor, self._param_buffers):
+                if _is_master(piece, tensor, self._param_buffers) and (buckets is None or piece.bucket in buckets):
                     param = self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel)
                     values = param.to(tensor.dtype)
                     if only_changed:
