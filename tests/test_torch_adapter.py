@@ -98,11 +98,13 @@ def test_wrap_equals_ddp_and_single_process(world: int) -> None:
 
 
 def feature_checks(rank: int, world: int) -> dict:
+    import copy
     import gc
     import time
     import warnings
 
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     import collective_ops as co
@@ -361,6 +363,34 @@ def feature_checks(rank: int, world: int) -> dict:
         model.module.to(memory_format=torch.channels_last)
         loss_fn(model(x), y).backward()
 
+    def inner_channels_last_first() -> None:  # before any backward: the views keep the planned strides
+        model = co.wrap(build("cnn"))
+        model.module.to(memory_format=torch.channels_last)
+        x, y = rank_batch(SmallCNN, 0, rank)
+        loss_fn(model(x), y).backward()
+
+    def inner_channels_last_copied() -> float:
+        """Copy mode (gradients copied into the buckets, in their own layout) trains the same conversion right:
+        the averaged gradients after a backward (and the first step's bucket rebuild at its end) against the
+        average of the ranks' own gradients. (Torch's DDP is off here, and view mode was: the rebuild moved
+        the values flat into views of the other layout.)"""
+        net = build("cnn")
+        model = co.wrap(net, gradient_as_bucket_view=False)
+        net.to(memory_format=torch.channels_last)
+        own = copy.deepcopy(net)
+        x, y = rank_batch(SmallCNN, 0, rank)
+        loss_fn(model(x), y).backward()
+        loss_fn(own(x), y).backward()
+        worst = 0.0
+        for p, q in zip(net.parameters(), own.parameters()):
+            local = q.grad.contiguous()
+            gathered = [torch.zeros_like(local) for _ in range(world)]
+            dist.all_gather(gathered, local)
+            worst = max(worst, float((p.grad - torch.stack(gathered).sum(0) / world).abs().max()))
+        return worst
+
+    out["inner_channels_last_copied"] = inner_channels_last_copied()
+
     # trainable parameters registered on a wrapped model (in no bucket: never averaged, as under DDP) are
     # refused; a parametrization (the planned parameter moved under a new module), a frozen one, and changes
     # after the wrapper is gone pass
@@ -405,6 +435,7 @@ def feature_checks(rank: int, world: int) -> dict:
             ),
             "inner_cast": inner_cast_then_backward,
             "inner_channels_last": inner_channels_last_after_a_step,
+            "inner_channels_last_first": inner_channels_last_first,
             "new_head": lambda: changed(new_head),
             "assign": lambda: changed(assigned),
             "frozen_extra": lambda: changed(frozen_extra),
@@ -481,6 +512,9 @@ def test_adapter_features(world: int) -> None:
         assert conversions["no_op"] is None, conversions
         assert "cast or moved after wrap()" in (conversions["inner_cast"] or ""), conversions
         assert "no longer lies in its bucket" in (conversions["inner_channels_last"] or ""), conversions
+        message = conversions["inner_channels_last_first"] or ""
+        assert "re-laid out after wrap() through the inner module" in message, conversions
+        assert out["inner_channels_last_copied"] == 0.0, out["inner_channels_last_copied"]
         for name in ("new_head", "assign"):
             message = conversions[name] or ""
             assert "a trainable parameter was added to the wrapped model after wrap()" in message, conversions

@@ -60,6 +60,11 @@ def _storage_layout(p: torch.Tensor) -> tuple:
     return p.dtype, p.device, p.stride(), p.data_ptr()
 
 
+def _same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape lay out their elements alike (strides of size-1 dims say nothing)."""
+    return all(size == 1 or x == y for size, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
 class DistributedDataParallel(nn.Module, Joinable):
     """A data-parallel ``torch.nn.Module`` on the collective_ops bucketing core.
 
@@ -337,6 +342,14 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "the model was converted after wrap() through the inner module (net.to(...) re-points the "
                     "gradients it holds), so its gradients would not be averaged. Cast and move the model before "
                     "wrapping it"
+                )
+            if not _same_memory_order(grad, view):  # autograd lays a fresh gradient out as its parameter
+                raise RuntimeError(
+                    f"parameter {self._param_names[index]!r} was re-laid out after wrap() through the inner module "
+                    f"(strides {tuple(grad.stride())}, planned {tuple(view.stride())}: net.to(memory_format=...)): "
+                    "its gradient view and the bucket rebuild assume the planned layout and would permute its "
+                    "averaged gradient. Convert the model before wrapping it: "
+                    "co.wrap(net.to(memory_format=torch.channels_last))"
                 )
             # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
             # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
