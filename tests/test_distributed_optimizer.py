@@ -276,6 +276,31 @@ def assert_closure_steps_equal_ddp(results: list[dict], label: str) -> None:
         assert our_losses == ddp_losses, f"{label}losses step(closure) returned, rank {rank}"
 
 
+def resumed_through_torch_dcp(rank: int, steps: int = 3, more: int = 2) -> tuple[dict, dict]:
+    """torch.distributed.checkpoint's get_state_dict() after ``steps``, set_state_dict() into a fresh model (other
+    initial weights) and a fresh optimizer (no state yet: DCP initialises it with a zero step), ``more`` steps:
+    (the run continued, the resumed run)."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import collective_ops as co
+    from tests.models import MLP, build
+
+    def build_pair(seed: int) -> tuple:
+        model = co.wrap(build("mlp", seed=seed), bucket_size_mb=0.004)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+    model, opt = build_pair(0)
+    _train(rank, model, opt, MLP, steps=steps)
+    # (copied, as saving and loading does: the state dicts hold the optimizer's own tensors)
+    model_state, optim_state = copy.deepcopy(get_state_dict(model, opt))
+    resumed, resumed_opt = build_pair(1)
+    set_state_dict(resumed, resumed_opt, model_state_dict=model_state, optim_state_dict=optim_state)
+    return _train(rank, model, opt, MLP, steps=more), _train(rank, resumed, resumed_opt, MLP, steps=more)
+
+
 def state_read_after_step(rank: int, steps: int = 4) -> tuple[list, list]:
     """(DDP + AdamW, ours) AdamW's first moments read from ``optimizer.state`` right after every step(), the
     reductions landing late so that the updates are owed there: ours must apply them first."""
@@ -1016,6 +1041,8 @@ def optimizer_checks(rank: int, world: int) -> dict:
         saved["param_groups"] == back.state_dict()["param_groups"],
     )
 
+    out["dcp_resumed"] = resumed_through_torch_dcp(rank)
+
     # clip_grad_norm_ on the averaged gradients, as torch's after DDP
     clipped = functools.partial(clipped_step, rank)
     ddp = torch.nn.parallel.DistributedDataParallel(build("mlp"))
@@ -1181,6 +1208,13 @@ def test_state_dict_round_trips_through_a_plain_optimizer(two_ranks) -> None:
         assert saved.keys() == back.keys() and len(saved) > 0
         assert_identical(back, saved, "state after DistributedOptimizer -> AdamW -> DistributedOptimizer")
         assert groups_equal
+
+
+def test_resumed_through_torch_distributed_checkpoint_as_if_never_stopped(two_ranks) -> None:
+    """get_state_dict()/set_state_dict() of torch.distributed.checkpoint, into a fresh model and optimizer."""
+    for rank, out in enumerate(two_ranks):
+        continued, resumed = out["dcp_resumed"]
+        assert_identical(resumed, continued, f"resumed from DCP's state dicts, rank {rank}")
 
 
 def test_clip_grad_norm_matches_torch_on_averaged_gradients(two_ranks) -> None:

@@ -554,6 +554,19 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         torch.save(saved, checkpoint)
     out["continued"] = _continue_from(rank, saved)
 
+    # torch.distributed.checkpoint maps optimizer state through param_groups (here: pieces): a clear error, raised
+    # on every rank before anything is gathered or stepped (it was a KeyError: 0 from inside torch)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out["dcp_errors"] = collect_errors(
+        {
+            "get": lambda: get_state_dict(model, optimizer),
+            "set": lambda: set_state_dict(
+                model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"]
+            ),
+        },
+        (RuntimeError,),
+    )
     out["errors"] = collect_errors(
         {
             "custom_hook": lambda: co.DistributedOptimizer(
@@ -873,6 +886,10 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "LoggingAdamW is not known" in errors["subclass"]
     assert "option of the sharded optimizer" in errors["assumed_unsharded"]
     assert two_ranks[0]["assumed"] == "ShardedDistributedOptimizer"
+    for out in two_ranks:
+        for call, message in out["dcp_errors"].items():
+            assert "not supported by torch.distributed.checkpoint" in (message or ""), (call, message)
+            assert "opt.state_dict()" in message and "shard=False" in message, message
 
 
 def test_checkpoint_of_two_ranks_loads_at_one_rank(two_ranks, checkpoint) -> None:

@@ -23,6 +23,7 @@ would interleave differently on each rank with the forward's buffer broadcast or
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
@@ -55,6 +56,9 @@ ELEMENTWISE_OPTIMIZERS = tuple(
 )
 MASTER_KEY = "master_param"  # fp32 master values of a low-precision parameter, in state_dict()
 GRAD_REDUCE_DTYPES = (None, "float32")
+# torch.distributed.checkpoint's get_state_dict()/set_state_dict() (and get/set_optimizer_state_dict): they
+# read ``optim.state`` first, then map state to parameters through ``optim.param_groups``
+_TORCH_DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 
 
 class ShardedDistributedOptimizer(DistributedOptimizer):
@@ -67,6 +71,24 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     """
 
     shards = True
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's state of this rank's pieces (owed updates applied first)."""
+        if sys._getframe(1).f_globals.get("__name__") == _TORCH_DCP_MODULE:
+            raise RuntimeError(
+                "shard=True is not supported by torch.distributed.checkpoint's get_state_dict()/set_state_dict(): "
+                "they map the optimizer's state to the model's parameters through opt.param_groups, which here "
+                "hold this rank's flat pieces. "
+                "Save opt.state_dict() (the full state in the plain optimizer's format, gathered on every rank) "
+                "from one rank with torch.save, and load it with opt.load_state_dict() at any world size; or use "
+                "shard=False, which they support"
+            )
+        return DistributedOptimizer.state.fget(self)
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        DistributedOptimizer.state.fset(self, state)
 
     def __init__(
         self,
