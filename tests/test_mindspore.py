@@ -283,10 +283,14 @@ def test_sharded_optimizer_trains_as_distributed_grad_reducer_with_the_same_opti
 
 def test_sharded_optimizer_checkpoint_loads_into_a_plain_optimizer_and_back() -> None:
     """gathered_state() after 2 steps is a plain Adam's state by name: loaded into nn.Adam (strict) or into a new
-    sharded optimizer, training continues as in the optimizer that saved it."""
+    sharded optimizer (the network's weights loaded before it was built, or after), training continues as in the
+    optimizer that saved it."""
     for rank, out in enumerate(results_of("pynative", 2, "sharded")):
         assert out["plain_not_loaded"] == [], out["plain_not_loaded"]
         assert_identical(out["resumed_sharded"], out["resumed_ours"], f"resumed sharded, rank {rank}")
+        for how in ("load_param_into_net", "copy_", "assign_then_reload"):
+            resumed = out[f"resumed_late_{how}"]
+            assert_identical(resumed, out["resumed_ours"], f"weights written after the optimizer ({how}), rank {rank}")
         _assert_close(out["resumed_plain"], out["resumed_ours"], f"resumed into a plain nn.Adam, rank {rank}")
 
 

@@ -135,6 +135,7 @@ class DistributedOptimizer:
         piece_of = {id(param): piece for piece, param in self._pieces.items()}
         self._inner_order = [piece_of[id(p)] for p in self.optimizer.parameters]  # the pieces as it lists them
         network._sharded_optimizer = True  # join() refuses: a joined rank cannot shadow this optimizer's steps
+        self._note_written()
         self._warn_mccl()
 
     # -- construction ----------------------------------------------------------------
@@ -189,6 +190,7 @@ class DistributedOptimizer:
         if len(grads) != len(self.parameters):
             raise ValueError(f"got {len(grads)} gradients for {len(self.parameters)} parameters (opt.parameters)")
         _refuse_misordered(grads, self.parameters)  # packed by size alone, misordered ones would be used silently
+        self._take_network_values()
         by_index = dict(zip(self._indices, grads))
         piece_grads = {}
         for bucket, shards in enumerate(self._layout.buckets):
@@ -199,6 +201,32 @@ class DistributedOptimizer:
         result = self.optimizer(tuple(piece_grads[piece] for piece in self._inner_order))
         self._all_gather_parameters()
         return result
+
+    def _note_written(self) -> None:
+        """Each network parameter's data address and version now, when its values are the pieces' (built, or
+        all-gathered): a later ``set_data`` (``ms.load_param_into_net``) moves the address, ``copy_`` the version."""
+        self._written = [_written_mark(p) for p in self.network._params]
+
+    def _take_network_values(self) -> None:
+        """The pieces of parameters whose data was replaced or copied into since the optimizer wrote them, from
+        the parameters, before the step updates them: weights loaded after the optimizer was built (a loop that
+        builds everything, then resumes with ``ms.load_param_into_net``) are what this step updates, as with a
+        plain optimizer. The pieces are float32 copies (MindSpore has no views): without this the step's
+        all-gather wrote the old values back over the loaded ones. In-place ops that move neither mark
+        (``ops.assign``, item assignment, ``add_``) are not seen: ``opt.reload_network_params()`` after them."""
+        params = self.network._params
+        changed = {i for i, (p, mark) in enumerate(zip(params, self._written)) if _written_mark(p) != mark}
+        self._copy_pieces_from_network(lambda piece: piece.param_index in changed)
+
+    def reload_network_params(self) -> None:
+        """Take every piece from the network's parameters (after writing them by a means not seen at the step)."""
+        self._copy_pieces_from_network(lambda piece: True)
+
+    def _copy_pieces_from_network(self, which: Any) -> None:
+        for piece, holder in self._pieces.items():
+            if which(piece):
+                param = self.network._params[piece.param_index]
+                holder.copy_(fresh_copy(param.value().reshape(-1)[piece.param_start : piece.param_end]))
 
     def _reduce_scatter(self, bucket: int, by_index: dict[int, ms.Tensor]) -> ms.Tensor:
         """This rank's shard of bucket ``bucket``'s averaged gradients."""
@@ -218,6 +246,7 @@ class DistributedOptimizer:
         for index, values in self._gather(lambda piece: self._pieces[piece].value()):
             param = self.network._params[index]
             param.set_data(values.reshape(param.shape))
+        self._note_written()
 
     def _gather(self, value_of: Any) -> Iterator[tuple[int, ms.Tensor]]:
         """(parameter index, a copy of its flat values) for every parameter, all-gathered bucket by bucket from
@@ -326,6 +355,11 @@ class DistributedOptimizer:
         if name in ("optimizer", "network", "_own"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+
+def _written_mark(param: Parameter) -> tuple[int, int]:
+    """What a write to a parameter changes: its data address (``set_data``) and its version (``copy_``)."""
+    return param.data_ptr(), param._version
 
 
 def _split(tensor: ms.Tensor, sizes: list[int]) -> tuple[ms.Tensor, ...]:

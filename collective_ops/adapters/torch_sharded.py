@@ -561,7 +561,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def backward_starts(self) -> None:
         """A backward that reduces, while the last one's reduced gradients wait for step(): refused. Its
         gradients would add to a buffer averaged in this rank's shard only (the rest holds the last local
-        gradients), and the next reduce-scatter would mix the two: DDP's accumulation would not come out."""
+        gradients), and the next reduce-scatter would mix the two: DDP's accumulation would not come out.
+        (Checked first, at every backward: a parameter moved off its shard buffer, :meth:`_refuse_params_moved`.)"""
         self._refuse_params_moved()
         if self._steps_applied == self._reduction():
             return

@@ -153,6 +153,26 @@ if world == 2:  # world-independent checks: once
     loaded_opt.load_gathered_state(saved_state)
     train(loaded_net.network, loaded_opt, lambda grads: grads, range(2, 4))
     out["resumed_sharded"] = weights(loaded_net.network)
+    # the same resume with the weights loaded after the optimizer was built (a loop that builds everything, then
+    # restores a checkpoint): the pieces were copies taken at construction, and the first step's all-gather wrote
+    # the old weights back over the loaded ones
+    # (seen by the parameters' data address, or version; an ops.assign moves neither: reload_network_params())
+    for how in ("load_param_into_net", "copy_", "assign_then_reload"):
+        late_net = co.wrap(build(1), bucket_size_mb=BUCKET_MB, overlap=False)
+        late_opt = co.DistributedOptimizer(late_net, *ADAM[:1], shard=True, **ADAM[1])
+        if how == "load_param_into_net":
+            loaded = {k: ms.Parameter(ms.Tensor(v), name=k) for k, v in saved_weights.items()}
+            ms.load_param_into_net(late_net.network, loaded)
+        for param in late_net.trainable_params() if how != "load_param_into_net" else ():
+            if how == "copy_":
+                param.copy_(ms.Tensor(saved_weights[param.name]))
+            else:
+                ms.ops.assign(param, ms.Tensor(saved_weights[param.name]))
+        if how == "assign_then_reload":
+            late_opt.reload_network_params()
+        late_opt.load_gathered_state(saved_state)
+        train(late_net.network, late_opt, lambda grads: grads, range(2, 4))
+        out[f"resumed_late_{how}"] = weights(late_net.network)
 
     # 5. refused, on every rank, with what to do
     overlapping = co.wrap(build(0), overlap=True)
