@@ -342,11 +342,13 @@ def scaled_training(
     wrap_kwargs: dict | None = None,
     one_element: bool = False,
     new_protocol: bool = False,
+    torch_clip: bool = False,
 ) -> tuple[tuple, tuple]:
     """(DDP, ours) with torch.amp.GradScaler's loop, step 2 overflowing (skipped, the scale halved): the whole
     loss, or with ``one_element`` one element of the first weight's gradient on rank 1 only (sharded, its sum
     then lives in one rank's shard). With ``unscale_clip``, torch's recipe for clipping: ``scaler.unscale_(opt)``
-    right after backward, then a clip to norm 0.5 (torch's for DDP, the optimizer's own for ours). With
+    right after backward, then a clip to norm 0.5 (torch's for DDP, the optimizer's own for ours; with
+    ``torch_clip``, torch's over ``model.parameters()`` for ours too). With
     ``new_protocol``, ours is stepped by torch's announced GradScaler protocol (``grad_scale`` and ``found_inf``
     set on the optimizer, no ``grad_scaler`` argument): torch 2.13's GradScaler takes it for an optimizer whose
     ``step`` has no such parameter."""
@@ -380,7 +382,7 @@ def scaled_training(
             scaler.scale(loss).backward()
             if unscale_clip:
                 scaler.unscale_(optimizer)  # reads optimizer.param_groups: ours finishes the reductions first
-                if ours:
+                if ours and not torch_clip:
                     optimizer.clip_grad_norm_(0.5)
                 else:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -556,10 +558,10 @@ def group_added_mid_training(
     return results[0], results[1]
 
 
-def read_through_the_model(rank: int, build, make_optimizer, clip: bool, steps: int = 5) -> tuple[tuple, tuple]:
-    """(DDP, ours): a DDP loop that takes the parameters through the model, torch's clip_grad_norm_ on
-    model.parameters() after backward (with ``clip``) and an EMA (AveragedModel) updated after step(), while
-    updates are still owed. Weights and EMA weights."""
+def read_through_the_model(rank: int, build, make_optimizer, clip: str | None, steps: int = 5) -> tuple[tuple, tuple]:
+    """(DDP, ours): a DDP loop that takes the parameters through the model, torch's clip_grad_norm_ (``clip``
+    "norm") or clip_grad_value_ ("value") on model.parameters() after backward, and an EMA (AveragedModel)
+    updated after step(), while updates are still owed. Weights and EMA weights."""
     import torch
 
     from tests.models import MLP, rank_batch
@@ -572,8 +574,10 @@ def read_through_the_model(rank: int, build, make_optimizer, clip: bool, steps: 
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            if clip:
+            if clip == "norm":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            elif clip == "value":
+                torch.nn.utils.clip_grad_value_(model.parameters(), 0.002)
             optimizer.step()
             ema.update_parameters(model)
         results.append((snapshot(model if ours else model.module), snapshot(ema.module)))
@@ -999,7 +1003,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         wrap_kwargs={"comm_hook": late_allreduce},
     )
     out["through_the_model"] = read_through_the_model(
-        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2), clip=True
+        rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2), clip="norm"
     )
     out["torch_clip_after_finish"] = clipped_by_torch_after_finish_reductions(
         rank, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)

@@ -308,6 +308,39 @@ def _bf16_edited_in_place(rank: int, steps: int = 5, at: int = 2) -> dict:
     return out
 
 
+def _bf16_value_clip_under_scaler(rank: int, steps: int = 4) -> dict:
+    """A bf16 model (fp32 master pieces: gradients bound to them are copies) clipped by value with torch's
+    clip_grad_value_ over model.parameters(): plain, and under a GradScaler after ``scaler.unscale_(opt)``
+    (unscaled in the pieces' copies, which the gather writes back first). Scaling by a power of two is exact,
+    so the two train alike. Weights (float32 numpy arrays) of each."""
+    import warnings
+
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    out = {}
+    for scaled in (False, True):
+        model = co.wrap(build("mlp").to(torch.bfloat16), **BUCKET)
+        optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.002)
+            with warnings.catch_warnings():  # torch announces a change of its optimizer protocol (FutureWarning)
+                warnings.simplefilter("ignore", FutureWarning)
+                scaler.step(optimizer)
+            scaler.update()
+        optimizer.synchronize()
+        out[scaled] = {name: p.detach().float().numpy() for name, p in model.module.named_parameters()}
+    return out
+
+
 def _params_moved(rank: int) -> dict:
     """A parameter given new storage after the optimizer was built (``p.data = ...``), then trained on: the
     error of the next backward, on each rank (None: it trained on)."""
@@ -475,6 +508,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     except RuntimeError as exc:
         out["new_protocol_refused"] = str(exc)
     out["grad_scaler_unscale_clip"] = scaled_training(rank, mlp, sharded_adamw, unscale_clip=True)
+    out["grad_scaler_unscale_torch_clip"] = scaled_training(
+        rank, mlp, sharded_adamw, unscale_clip=True, torch_clip=True
+    )
     out["eval_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw)
     out["inference_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw, inference_mode=True)
     out["closure"] = step_with_closure(rank, mlp, sharded_adamw)
@@ -486,7 +522,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["no_sync_only"] = step_after_no_sync_only(rank, mlp, sharded_adamw)
     out["changed_params"] = params_changed_after_step(rank, mlp, sharded_adamw)
     # no clip: sharded, p.grad is not for other code
-    out["through_the_model"] = read_through_the_model(rank, mlp, sharded_adamw, clip=False)
+    # model.parameters() between backward and step all-gathers the averaged gradients: torch's clips over them
+    out["through_the_model"] = read_through_the_model(rank, mlp, sharded_adamw, clip="norm")
+    out["through_the_model_value"] = read_through_the_model(rank, mlp, sharded_adamw, clip="value")
     out["changed_gradients"] = gradients_changed_before_step(
         rank,
         mlp,
@@ -536,6 +574,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["bf16"] = _bf16_loss_curves(rank)
     out["bf16_loaded"] = _bf16_weights_loaded(rank)
     out["bf16_edited"] = _bf16_edited_in_place(rank)
+    out["bf16_value_clip"] = _bf16_value_clip_under_scaler(rank)
     out["params_moved"] = _params_moved(rank)
 
     # bucket_size_mb="auto": the online tune weighs each candidate by the simulated sharded step
@@ -699,6 +738,10 @@ def test_a_closure_is_called_once_and_its_loss_returned_as_torch_optimizers_do(t
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
     assert_scaled_training_equals_ddp(two_ranks, "sharded, ", clip_exact=False)
+    for rank, out in enumerate(two_ranks):  # unscale_, then torch's clip over model.parameters(): gathered first
+        (ddp, ddp_scale), (ours, our_scale) = out["grad_scaler_unscale_torch_clip"]
+        assert ddp_scale == our_scale == 2.0**9
+        assert_identical(ours, ddp, f"unscale_ then torch's clip over model.parameters(), rank {rank}")
     for out in two_ranks:
         assert "torch's newer protocol" in (out["new_protocol_refused"] or ""), out["new_protocol_refused"]
 
@@ -758,7 +801,14 @@ def test_parameters_changed_after_step_are_loaded_after_it_or_refused(two_ranks)
 
 
 def test_parameters_taken_through_the_model_after_step_are_final(two_ranks) -> None:
+    """Also torch's clip_grad_norm_ and clip_grad_value_ over model.parameters() between backward and step: the
+    averaged gradients are all-gathered first, so every rank clips the whole averaged gradient, as under DDP
+    (before, only this rank's shard was averaged and the change was refused at step())."""
     assert_through_the_model_equals_ddp(two_ranks, "sharded, ")
+    for rank, out in enumerate(two_ranks):
+        (ddp, ddp_ema), (ours, our_ema) = out["through_the_model_value"]
+        assert_identical(ours, ddp, f"sharded, clip_grad_value_, weights, rank {rank}")
+        assert_identical(our_ema, ddp_ema, f"sharded, clip_grad_value_, EMA, rank {rank}")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:
@@ -852,6 +902,14 @@ def test_bf16_weights_changed_in_place_reach_the_fp32_masters(two_ranks) -> None
     for rank, out in enumerate(result["bf16_edited"] for result in two_ranks):
         assert_identical(out["in_place"], out["loaded"], f"halved in place vs loaded halved, rank {rank}")
         assert any((out["in_place"][n] != out["untouched"][n]).any() for n in out["untouched"])
+
+
+def test_bf16_gradients_unscaled_in_the_pieces_reach_a_clip_over_model_parameters(two_ranks) -> None:
+    """scaler.unscale_(opt) unscales the pieces' fp32 copies of a bf16 model's gradients; torch's clip over
+    model.parameters() then gathers the gradients, written back from the pieces first: the same training as
+    without a scaler (a power-of-two scale is exact)."""
+    for rank, out in enumerate(result["bf16_value_clip"] for result in two_ranks):
+        assert_identical(out[True], out[False], f"bf16, value clip under a GradScaler vs none, rank {rank}")
 
 
 def test_a_parameter_given_new_storage_is_refused_not_left_untrained(two_ranks) -> None:

@@ -442,6 +442,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         for bucket in buckets:
             self._gradients_guard.note(bucket, self._gradient_tensors(bucket))
 
+    def forget_gradients_owned(self) -> None:
+        """The optimizer handed the gradients to other code (final and the same on every rank): changes are theirs."""
+        self._gradients_guard.clear()
+
     def check_gradients_untouched(self, buckets: Iterable[int]) -> None:
         """Raise where code outside the optimizer changed these buckets' gradients in place since they were
         noted: while their reduction was in flight (it races the reduction), or, sharded, where only this
@@ -677,12 +681,13 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As torch's; with a DistributedOptimizer, its work in flight is finished first (reductions waited for,
-        owed updates applied), so code that takes the parameters through the model (``model.parameters()``:
-        an EMA after ``step()``, ``clip_grad_norm_`` after ``backward()``, ``model.zero_grad()``) sees final
-        values, as under DDP. (That step loses its overlap with the next forward.)"""
+        owed updates applied; sharded, between backward and step, the averaged gradients all-gathered), so code
+        that takes the parameters through the model (``model.parameters()``: an EMA after ``step()``,
+        ``clip_grad_norm_`` after ``backward()``, ``model.zero_grad()``) sees final values, as under DDP. (That
+        step loses its overlap with the next forward.)"""
         optimizer = self.optimizer
-        if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
-            optimizer.synchronize()
+        if optimizer is not None and not torch.compiler.is_compiling():
+            optimizer.before_parameters_read()
         return super().named_parameters(*args, **kwargs)
 
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:

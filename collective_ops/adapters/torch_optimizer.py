@@ -303,6 +303,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """True while a step's reductions or updates are not all finished (synchronize() finishes them)."""
         return self.model.manager.deferred_pending or self._pending is not None
 
+    def before_parameters_read(self) -> None:
+        """The wrapped model's ``parameters()`` is about to hand the parameters out: work in flight finished."""
+        if self.in_flight:
+            self.synchronize()
+
     # -- torch.optim.Optimizer ------------------------------------------------------------------
     def step(self, closure: Any = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
         """Update every bucket whose reduction has landed; the rest as the next forward needs them.

@@ -136,6 +136,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         # bucket -> its parameters' version counters when the optimizer last wrote them (low precision only):
         # a change in place since (weight clipping, a re-initialised layer) is taken into the fp32 masters
         self._written_versions: dict[int, list[int]] = {}
+        self._gradients_gathered = False  # this backward's averaged gradients all-gathered for model.parameters()
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
         # Only for "has every rank come to gather the full state?": a rank that never comes (state_dict() called
@@ -301,6 +302,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._pending is not None or self._gathers:
             self.synchronize()  # a previous step's updates were never needed: owed first
         self._masters_follow_edits()
+        self._gradients_gathered = False
         self.update_seconds = 0.0
         self._masters_loaded = False
         reduction = self._reduction()
@@ -554,6 +556,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         gradients reduced but never stepped on are dropped with them."""
         self._stepped_grads = []
         self._bound_guard.clear()
+        self._gradients_gathered = False
         super().zero_grad(set_to_none)
         if self._steps_applied != self._reduction():
             self._skip_step()
@@ -639,12 +642,52 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def finish_reductions(self) -> None:
         """Wait for every reduce-scatter of the last backward; each piece's ``.grad`` then holds its
-        averaged gradient (``param_groups`` holds the pieces: what ``scaler.unscale_(opt)`` reads)."""
+        averaged gradient (``param_groups`` holds the pieces: what ``scaler.unscale_(opt)`` reads). The
+        gradients are the pieces' again: a later ``model.parameters()`` all-gathers what they hold then."""
         if self._allreduce_first_step and self._reduction() != self._steps_applied:
             self._start_sharding()  # the first step's gradients are complete: every shard of them is valid
+        self._gradients_gathered = False
         super().finish_reductions()
         for bucket in range(len(self.model.manager.plan.buckets)):
             self._bind_grads(bucket, note=True)
+
+    def before_parameters_read(self) -> None:
+        """``model.parameters()`` between backward() and step(): every rank's averaged gradient shards are
+        all-gathered into the gradient buffers (once), so each ``p.grad`` holds the averaged gradient, as under
+        DDP, and code that reads or changes gradients through them (torch's ``clip_grad_norm_`` or
+        ``clip_grad_value_``, a logged gradient norm) computes the same on every rank; step() takes its shard
+        of them from the buffers. That step pays one all-gather of the gradients (and loses its overlap).
+        Where gradients are reduced in another dtype than the buffers' (``grad_reduce_dtype``, compression),
+        nothing is gathered: changes are refused at step() as before."""
+        gather = self._reduction() != self._steps_applied and not self._gradients_gathered
+        if self._stepping or not gather or self._wire_dtype() is not None:
+            super().before_parameters_read()
+            return
+        self.synchronize()  # this backward's reduce-scatters waited for (and anything owed before them)
+        if not self._allreduce_first_step:  # (the first step is all-reduced, as by DDP: whole already)
+            self._gather_gradients()
+        self._bound_guard.clear()
+        self.model.forget_gradients_owned()
+        self._gradients_gathered = True
+
+    def _gather_gradients(self) -> None:
+        """Gradients bound to the pieces (``param_groups`` read, GradScaler's unscale in place) written back into
+        this rank's shard of the buffers and unbound (step() binds them again, with any change made meanwhile);
+        then every bucket's shard all-gathered, on the all-gathers' own group."""
+        manager = self.model.manager
+        handles = []
+        for bucket, buffer in enumerate(manager.buffers):
+            source = self.model.engine.shard_of(buffer)
+            for piece, tensor in self._bucket_pieces[bucket]:
+                if tensor.grad is not None:
+                    source.narrow(0, piece.shard_offset, piece.numel).copy_(tensor.grad)
+                    tensor.grad = None
+            handles.append(self.model.engine.all_gather_shard(buffer, async_op=True, group=self._gather_group))
+        for bucket, handle in enumerate(handles):
+            try:
+                wait_with_timeout(handle, manager.stall_timeout_s)
+            except Exception as exc:
+                raise manager.explain_failure(bucket, exc, "the all-gather of averaged gradients") from exc
 
     def _nonfinite_gradient_names(self) -> list[str]:
         """From the shards: each rank flags the parameters its pieces found not finite (one small allreduce)."""
@@ -684,6 +727,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _skip_step(self) -> None:
         self._steps_applied = self._reduction()
         self._bound_guard.clear()
+        self._gradients_gathered = False
         for _, tensor in self._pieces:
             tensor.grad = None
 
