@@ -473,9 +473,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             "changed in place between backward() and step(), after opt.param_groups or opt.finish_reductions() "
             "bound them to this rank's shard. Each rank holds the averaged gradient only in its own shard, so what "
             "code outside the optimizer computes from them differs per rank: torch.nn.utils.clip_grad_norm_ over "
-            "opt.param_groups (or over the parameters) takes this rank's norm only, and the ranks' weights would "
-            "part. Clip with opt.clip_grad_norm_(max_norm) (the global norm, from the shards), and leave gradients "
-            "to the optimizer between backward() and step(); or use shard=False, where they are final"
+            "opt.param_groups (or over parameters held from before) takes this rank's norm only, and the ranks' "
+            "weights would part. Clip with opt.clip_grad_norm_(max_norm) (the global norm, from the shards), or "
+            "take the parameters through the model: model.parameters() between backward() and step() all-gathers "
+            "the averaged gradients first, so torch's clip_grad_norm_/clip_grad_value_ over it work as under DDP"
         )
 
     def _wait_gather(self, bucket: int, module: str = "") -> None:
