@@ -348,7 +348,7 @@ def scaled_training(
     loss, or with ``one_element`` one element of the first weight's gradient on rank 1 only (sharded, its sum
     then lives in one rank's shard). With ``unscale_clip``, torch's recipe for clipping: ``scaler.unscale_(opt)``
     right after backward, then a clip to norm 0.5 (torch's for DDP, the optimizer's own for ours; with
-    ``torch_clip``, torch's over ``model.parameters()`` for ours too). With
+    ``torch_clip``, torch's over ``model.parameters()`` for ours too, after ``opt.gather_gradients()``). With
     ``new_protocol``, ours is stepped by torch's announced GradScaler protocol (``grad_scale`` and ``found_inf``
     set on the optimizer, no ``grad_scaler`` argument): torch 2.13's GradScaler takes it for an optimizer whose
     ``step`` has no such parameter."""
@@ -382,6 +382,8 @@ def scaled_training(
             scaler.scale(loss).backward()
             if unscale_clip:
                 scaler.unscale_(optimizer)  # reads optimizer.param_groups: ours finishes the reductions first
+                if ours and torch_clip:
+                    optimizer.gather_gradients()
                 if ours and not torch_clip:
                     optimizer.clip_grad_norm_(0.5)
                 else:
@@ -558,10 +560,13 @@ def group_added_mid_training(
     return results[0], results[1]
 
 
-def read_through_the_model(rank: int, build, make_optimizer, clip: str | None, steps: int = 5) -> tuple[tuple, tuple]:
+def read_through_the_model(
+    rank: int, build, make_optimizer, clip: str | None, steps: int = 5, gather: bool = False
+) -> tuple[tuple, tuple]:
     """(DDP, ours): a DDP loop that takes the parameters through the model, torch's clip_grad_norm_ (``clip``
-    "norm") or clip_grad_value_ ("value") on model.parameters() after backward, and an EMA (AveragedModel)
-    updated after step(), while updates are still owed. Weights and EMA weights."""
+    "norm") or clip_grad_value_ ("value") on model.parameters() after backward (ours after
+    ``opt.gather_gradients()`` with ``gather``), and an EMA (AveragedModel) updated after step(), while
+    updates are still owed. Weights and EMA weights."""
     import torch
 
     from tests.models import MLP, rank_batch
@@ -574,6 +579,8 @@ def read_through_the_model(rank: int, build, make_optimizer, clip: str | None, s
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
+            if ours and gather:
+                optimizer.gather_gradients()
             if clip == "norm":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
             elif clip == "value":

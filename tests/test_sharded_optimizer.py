@@ -310,8 +310,8 @@ def _bf16_edited_in_place(rank: int, steps: int = 5, at: int = 2) -> dict:
 
 def _bf16_value_clip_under_scaler(rank: int, steps: int = 4) -> dict:
     """A bf16 model (fp32 master pieces: gradients bound to them are copies) clipped by value with torch's
-    clip_grad_value_ over model.parameters(): plain, and under a GradScaler after ``scaler.unscale_(opt)``
-    (unscaled in the pieces' copies, which the gather writes back first). Scaling by a power of two is exact,
+    clip_grad_value_ over model.parameters() after opt.gather_gradients(): plain, and under a GradScaler after
+    ``scaler.unscale_(opt)`` (unscaled in the pieces' copies, which the gather writes back first). Scaling by a power of two is exact,
     so the two train alike. Weights (float32 numpy arrays) of each."""
     import warnings
 
@@ -331,6 +331,7 @@ def _bf16_value_clip_under_scaler(rank: int, steps: int = 4) -> dict:
             loss = torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
+            optimizer.gather_gradients()
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.002)
             with warnings.catch_warnings():  # torch announces a change of its optimizer protocol (FutureWarning)
                 warnings.simplefilter("ignore", FutureWarning)
@@ -339,6 +340,35 @@ def _bf16_value_clip_under_scaler(rank: int, steps: int = 4) -> dict:
         optimizer.synchronize()
         out[scaled] = {name: p.detach().float().numpy() for name, p in model.module.named_parameters()}
     return out
+
+
+def _gradients_read_on_rank_0_alone(rank: int, steps: int = 4) -> tuple[dict, dict]:
+    """(DDP, ours): a gradient norm read through model.parameters() between backward and step on rank 0 only,
+    as a loop logs it: no collective may come of it (one there would pair with the other rank's next ones).
+    Weights after ``steps`` steps."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    results = []
+    for ours in (False, True):
+        net = build("mlp")
+        if ours:
+            model = co.wrap(net, **BUCKET)
+            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(net)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if rank == 0:
+                float(sum(p.grad.norm() for p in model.parameters()))
+            optimizer.step()
+        results.append(snapshot(model if ours else model.module))
+    return results[0], results[1]
 
 
 def _params_moved(rank: int) -> dict:
@@ -522,9 +552,10 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["no_sync_only"] = step_after_no_sync_only(rank, mlp, sharded_adamw)
     out["changed_params"] = params_changed_after_step(rank, mlp, sharded_adamw)
     # no clip: sharded, p.grad is not for other code
-    # model.parameters() between backward and step all-gathers the averaged gradients: torch's clips over them
-    out["through_the_model"] = read_through_the_model(rank, mlp, sharded_adamw, clip="norm")
-    out["through_the_model_value"] = read_through_the_model(rank, mlp, sharded_adamw, clip="value")
+    # opt.gather_gradients() between backward and step all-gathers the averaged gradients: torch's clips after it
+    out["through_the_model"] = read_through_the_model(rank, mlp, sharded_adamw, clip="norm", gather=True)
+    out["through_the_model_value"] = read_through_the_model(rank, mlp, sharded_adamw, clip="value", gather=True)
+    out["read_on_rank_0_alone"] = _gradients_read_on_rank_0_alone(rank)
     out["changed_gradients"] = gradients_changed_before_step(
         rank,
         mlp,
@@ -620,6 +651,13 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
             "reduce_dtype": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True, grad_reduce_dtype="float64"
             ),
+            "gather_reduced_in_fp32": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp").to(torch.bfloat16)),
+                torch.optim.SGD,
+                lr=0.1,
+                shard=True,
+                grad_reduce_dtype="float32",
+            ).gather_gradients(),
             "reduce_dtype_unsharded": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, grad_reduce_dtype="float32"
             ),
@@ -738,7 +776,7 @@ def test_a_closure_is_called_once_and_its_loss_returned_as_torch_optimizers_do(t
 
 def test_grad_scaler_loop_with_an_overflow_step_equals_ddp(two_ranks) -> None:
     assert_scaled_training_equals_ddp(two_ranks, "sharded, ", clip_exact=False)
-    for rank, out in enumerate(two_ranks):  # unscale_, then torch's clip over model.parameters(): gathered first
+    for rank, out in enumerate(two_ranks):  # unscale_, gather_gradients(), then torch's clip over model.parameters()
         (ddp, ddp_scale), (ours, our_scale) = out["grad_scaler_unscale_torch_clip"]
         assert ddp_scale == our_scale == 2.0**9
         assert_identical(ours, ddp, f"unscale_ then torch's clip over model.parameters(), rank {rank}")
@@ -801,14 +839,16 @@ def test_parameters_changed_after_step_are_loaded_after_it_or_refused(two_ranks)
 
 
 def test_parameters_taken_through_the_model_after_step_are_final(two_ranks) -> None:
-    """Also torch's clip_grad_norm_ and clip_grad_value_ over model.parameters() between backward and step: the
-    averaged gradients are all-gathered first, so every rank clips the whole averaged gradient, as under DDP
-    (before, only this rank's shard was averaged and the change was refused at step())."""
+    """Also torch's clip_grad_norm_ and clip_grad_value_ over model.parameters() between backward and step, after
+    opt.gather_gradients(): every rank clips the whole averaged gradient, as under DDP (without it only this
+    rank's shard is averaged, and the change is refused at step()). A read on rank 0 alone starts no collective."""
     assert_through_the_model_equals_ddp(two_ranks, "sharded, ")
     for rank, out in enumerate(two_ranks):
         (ddp, ddp_ema), (ours, our_ema) = out["through_the_model_value"]
         assert_identical(ours, ddp, f"sharded, clip_grad_value_, weights, rank {rank}")
         assert_identical(our_ema, ddp_ema, f"sharded, clip_grad_value_, EMA, rank {rank}")
+        ddp, ours = out["read_on_rank_0_alone"]
+        assert_identical(ours, ddp, f"sharded, gradients read on rank 0 alone, rank {rank}")
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:
@@ -905,8 +945,8 @@ def test_bf16_weights_changed_in_place_reach_the_fp32_masters(two_ranks) -> None
 
 
 def test_bf16_gradients_unscaled_in_the_pieces_reach_a_clip_over_model_parameters(two_ranks) -> None:
-    """scaler.unscale_(opt) unscales the pieces' fp32 copies of a bf16 model's gradients; torch's clip over
-    model.parameters() then gathers the gradients, written back from the pieces first: the same training as
+    """scaler.unscale_(opt) unscales the pieces' fp32 copies of a bf16 model's gradients; opt.gather_gradients()
+    writes them back before gathering, and torch's clip over model.parameters() follows: the same training as
     without a scaler (a power-of-two scale is exact)."""
     for rank, out in enumerate(result["bf16_value_clip"] for result in two_ranks):
         assert_identical(out[True], out[False], f"bf16, value clip under a GradScaler vs none, rank {rank}")
@@ -939,6 +979,7 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "not supported with shard=True" in errors["schedule_auto"]
     assert "'float32'" in errors["reduce_dtype"]
     assert "shard=True" in errors["reduce_dtype_unsharded"]
+    assert "not in the gradient buffers" in errors["gather_reduced_in_fp32"], errors["gather_reduced_in_fp32"]
     assert "Adafactor is not known to update each element" in errors["not_elementwise"]
     assert "shard=False" in errors["not_elementwise"] and "assume_elementwise=True" in errors["not_elementwise"]
     assert "LoggingAdamW is not known" in errors["subclass"]

@@ -466,7 +466,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             "never is outside this rank's shard). Take the parameters through the model (model.parameters() "
             "finishes the reductions first; so does opt.param_groups, which scaler.unscale_(opt) reads), or call "
             "opt.finish_reductions() before code that reads or changes gradients between backward() and step(); "
-            "with shard=True clip with opt.clip_grad_norm_(max_norm)"
+            "with shard=True clip with opt.clip_grad_norm_(max_norm), or call opt.gather_gradients() on every rank "
+            "before torch's clips"
         )
 
     def _owns_any(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -681,10 +682,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As torch's; with a DistributedOptimizer, its work in flight is finished first (reductions waited for,
-        owed updates applied; sharded, between backward and step, the averaged gradients all-gathered), so code
-        that takes the parameters through the model (``model.parameters()``: an EMA after ``step()``,
-        ``clip_grad_norm_`` after ``backward()``, ``model.zero_grad()``) sees final values, as under DDP. (That
-        step loses its overlap with the next forward.)"""
+        owed updates applied), so code that takes the parameters through the model (``model.parameters()``:
+        an EMA after ``step()``, ``clip_grad_norm_`` after ``backward()`` unsharded, ``model.zero_grad()``) sees
+        final values, as under DDP. (That step loses its overlap with the next forward.) No collective: a loop
+        may call it on one rank only (sharded gradients: ``opt.gather_gradients()`` on every rank)."""
         optimizer = self.optimizer
         if optimizer is not None and not torch.compiler.is_compiling():
             optimizer.before_parameters_read()

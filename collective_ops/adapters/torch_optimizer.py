@@ -303,6 +303,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """True while a step's reductions or updates are not all finished (synchronize() finishes them)."""
         return self.model.manager.deferred_pending or self._pending is not None
 
+    def gather_gradients(self) -> None:
+        """Every gradient averaged on every rank, as DDP's after backward (for code that reads or changes them
+        between backward() and step()): here the reductions finished (``finish_reductions()``); with
+        ``shard=True``, where each rank holds its shard of them only, an all-gather of them."""
+        self.finish_reductions()
+
     def before_parameters_read(self) -> None:
         """The wrapped model's ``parameters()`` is about to hand the parameters out: work in flight finished."""
         if self.in_flight:

@@ -473,10 +473,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             "changed in place between backward() and step(), after opt.param_groups or opt.finish_reductions() "
             "bound them to this rank's shard. Each rank holds the averaged gradient only in its own shard, so what "
             "code outside the optimizer computes from them differs per rank: torch.nn.utils.clip_grad_norm_ over "
-            "opt.param_groups (or over parameters held from before) takes this rank's norm only, and the ranks' "
-            "weights would part. Clip with opt.clip_grad_norm_(max_norm) (the global norm, from the shards), or "
-            "take the parameters through the model: model.parameters() between backward() and step() all-gathers "
-            "the averaged gradients first, so torch's clip_grad_norm_/clip_grad_value_ over it work as under DDP"
+            "opt.param_groups (or over the parameters) takes this rank's norm only, and the ranks' weights would "
+            "part. Clip with opt.clip_grad_norm_(max_norm) (the global norm, from the shards), or call "
+            "opt.gather_gradients() on every rank first: it all-gathers the averaged gradients, after which "
+            "torch's clip_grad_norm_/clip_grad_value_ over model.parameters() work as under DDP"
         )
 
     def _wait_gather(self, bucket: int, module: str = "") -> None:
@@ -652,18 +652,26 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for bucket in range(len(self.model.manager.plan.buckets)):
             self._bind_grads(bucket, note=True)
 
-    def before_parameters_read(self) -> None:
-        """``model.parameters()`` between backward() and step(): every rank's averaged gradient shards are
-        all-gathered into the gradient buffers (once), so each ``p.grad`` holds the averaged gradient, as under
-        DDP, and code that reads or changes gradients through them (torch's ``clip_grad_norm_`` or
-        ``clip_grad_value_``, a logged gradient norm) computes the same on every rank; step() takes its shard
-        of them from the buffers. That step pays one all-gather of the gradients (and loses its overlap).
-        Where gradients are reduced in another dtype than the buffers' (``grad_reduce_dtype``, compression),
-        nothing is gathered: changes are refused at step() as before."""
-        gather = self._reduction() != self._steps_applied and not self._gradients_gathered
-        if self._stepping or not gather or self._wire_dtype() is not None:
-            super().before_parameters_read()
+    def gather_gradients(self) -> None:
+        """Between backward() and step(), on every rank (a collective): every rank's averaged gradient shards
+        all-gathered into the gradient buffers, so each ``p.grad`` holds the averaged gradient, as under DDP,
+        and torch's ``clip_grad_norm_``/``clip_grad_value_`` over the parameters, or any change to ``p.grad``,
+        computes the same on every rank; step() takes its shard from the buffers. That step pays one all-gather
+        of the gradients (and loses its overlap). Not done by ``model.parameters()`` itself: a loop may read
+        those on one rank only (a gradient norm logged on rank 0), where a collective would hang. Ranks first
+        meet as ``state_dict()``'s do, so a call on one rank alone raises ``StallError`` rather than pair with
+        the others' next collectives. Nothing to do where no backward reduced since the last step, or already
+        gathered; refused where gradients are reduced in another dtype than the buffers'."""
+        wire = self._wire_dtype()
+        if wire is not None and any(spec.dtype != wire for spec in self.model.manager.plan.buckets):
+            raise ValueError(
+                f"gather_gradients() with gradients reduced in {wire} (grad_reduce_dtype or compression): the "
+                "reduced shards are not in the gradient buffers. Clip with opt.clip_grad_norm_(max_norm), which "
+                "takes the global norm from the shards"
+            )
+        if self._reduction() == self._steps_applied or self._gradients_gathered:
             return
+        self._wait_for_every_rank("gather_gradients()")
         self.synchronize()  # this backward's reduce-scatters waited for (and anything owed before them)
         if not self._allreduce_first_step:  # (the first step is all-reduced, as by DDP: whole already)
             self._gather_gradients()
