@@ -371,6 +371,33 @@ def _gradients_read_on_rank_0_alone(rank: int, steps: int = 4) -> tuple[dict, di
     return results[0], results[1]
 
 
+def _gathered_before_unscale(rank: int) -> str | None:
+    """opt.gather_gradients() before scaler.unscale_(opt) (which binds the pieces again and unscales only this
+    rank's shard), then torch's clip over model.parameters(): the error of step(), None if it trained on."""
+    import warnings
+
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y = rank_batch(MLP, 0, rank)
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    optimizer.gather_gradients()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    try:
+        with warnings.catch_warnings():  # torch announces a change of its optimizer protocol (FutureWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            scaler.step(optimizer)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def _params_moved(rank: int) -> dict:
     """A parameter given new storage after the optimizer was built (``p.data = ...``), then trained on: the
     error of the next backward, on each rank (None: it trained on)."""
@@ -556,6 +583,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["through_the_model"] = read_through_the_model(rank, mlp, sharded_adamw, clip="norm", gather=True)
     out["through_the_model_value"] = read_through_the_model(rank, mlp, sharded_adamw, clip="value", gather=True)
     out["read_on_rank_0_alone"] = _gradients_read_on_rank_0_alone(rank)
+    out["gathered_before_unscale"] = _gathered_before_unscale(rank)
     out["changed_gradients"] = gradients_changed_before_step(
         rank,
         mlp,
@@ -849,6 +877,8 @@ def test_parameters_taken_through_the_model_after_step_are_final(two_ranks) -> N
         assert_identical(our_ema, ddp_ema, f"sharded, clip_grad_value_, EMA, rank {rank}")
         ddp, ours = out["read_on_rank_0_alone"]
         assert_identical(ours, ddp, f"sharded, gradients read on rank 0 alone, rank {rank}")
+        # gathered before unscale_ (which binds the pieces again): the clip after it is refused, saying so
+        assert "call it after unscale_" in (out["gathered_before_unscale"] or ""), out["gathered_before_unscale"]
 
 
 def test_collectives_between_step_and_forward_do_not_mismatch(two_ranks) -> None:

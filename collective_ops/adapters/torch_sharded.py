@@ -136,7 +136,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         # bucket -> its parameters' version counters when the optimizer last wrote them (low precision only):
         # a change in place since (weight clipping, a re-initialised layer) is taken into the fp32 masters
         self._written_versions: dict[int, list[int]] = {}
-        self._gradients_gathered = False  # this backward's averaged gradients all-gathered for model.parameters()
+        self._gradients_gathered = False  # this backward's averaged gradients all-gathered (gather_gradients())
+        self._bound_after_gather = False  # and then bound to the pieces again (param_groups read: unscale_)
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
         # Only for "has every rank come to gather the full state?": a rank that never comes (state_dict() called
@@ -302,7 +303,6 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._pending is not None or self._gathers:
             self.synchronize()  # a previous step's updates were never needed: owed first
         self._masters_follow_edits()
-        self._gradients_gathered = False
         self.update_seconds = 0.0
         self._masters_loaded = False
         reduction = self._reduction()
@@ -311,6 +311,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._step_on_cleared_gradients()
             return
         self._refuse_bound_gradients_changed()
+        self._gradients_gathered = self._bound_after_gather = False
         if self._allreduce_first_step:
             self._start_sharding()  # the gradients of this step are complete: every shard of them is valid
         self._steps_applied = reduction
@@ -468,6 +469,12 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._bound_guard.clear()
         if not changed:
             return
+        order = (
+            " (here opt.gather_gradients() came before opt.param_groups was read, as scaler.unscale_(opt) reads it: "
+            "the pieces were bound again and the gathered gradients went stale; call it after unscale_)"
+            if self._bound_after_gather
+            else ""
+        )
         raise RuntimeError(
             f"shard=True: the gradients of bucket {changed[0]} ({self.model.bucket_members_text(changed[0])}) were "
             "changed in place between backward() and step(), after opt.param_groups or opt.finish_reductions() "
@@ -476,7 +483,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             "opt.param_groups (or over the parameters) takes this rank's norm only, and the ranks' weights would "
             "part. Clip with opt.clip_grad_norm_(max_norm) (the global norm, from the shards), or call "
             "opt.gather_gradients() on every rank first: it all-gathers the averaged gradients, after which "
-            "torch's clip_grad_norm_/clip_grad_value_ over model.parameters() work as under DDP"
+            f"torch's clip_grad_norm_/clip_grad_value_ over model.parameters() work as under DDP{order}"
         )
 
     def _wait_gather(self, bucket: int, module: str = "") -> None:
@@ -557,7 +564,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         gradients reduced but never stepped on are dropped with them."""
         self._stepped_grads = []
         self._bound_guard.clear()
-        self._gradients_gathered = False
+        self._gradients_gathered = self._bound_after_gather = False
         super().zero_grad(set_to_none)
         if self._steps_applied != self._reduction():
             self._skip_step()
@@ -647,6 +654,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         gradients are the pieces' again: a later ``model.parameters()`` all-gathers what they hold then."""
         if self._allreduce_first_step and self._reduction() != self._steps_applied:
             self._start_sharding()  # the first step's gradients are complete: every shard of them is valid
+        self._bound_after_gather = self._bound_after_gather or self._gradients_gathered  # (named in its error)
         self._gradients_gathered = False
         super().finish_reductions()
         for bucket in range(len(self.model.manager.plan.buckets)):
