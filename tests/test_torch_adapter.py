@@ -422,6 +422,9 @@ def feature_checks(rank: int, world: int) -> dict:
     def assigned(net) -> None:
         net.load_state_dict({k: v.clone() for k, v in net.state_dict().items()}, assign=True)
 
+    def tied(net) -> None:  # a planned parameter replaced by another the plan holds (weights tied after wrap())
+        net.net[2].bias = net.net[0].bias
+
     def parametrized(net) -> None:
         torch.nn.utils.parametrize.register_parametrization(net.net[0], "weight", nn.Identity())
 
@@ -441,6 +444,7 @@ def feature_checks(rank: int, world: int) -> dict:
             "frozen_extra": lambda: changed(frozen_extra),
             "reassigned": lambda: changed(reassigned),
             "parametrized": lambda: changed(parametrized),
+            "tied": lambda: changed(tied),
             "new_head_unwrapped": lambda: changed(new_head, keep_wrapper=False),
         },
         (RuntimeError, ValueError),
@@ -520,6 +524,8 @@ def test_adapter_features(world: int) -> None:
             assert "a trainable parameter was added to the wrapped model after wrap()" in message, conversions
             assert "Evaluation works, training does not" in message, conversions
         assert "'4.weight of a Sequential', '4.bias of a Sequential'" in conversions["new_head"], conversions
+        message = conversions["tied"] or ""
+        assert "no longer in the model ('net.2.bias')" in message and "before wrapping" in message, conversions
         for name in ("frozen_extra", "reassigned", "parametrized", "new_head_unwrapped"):
             assert conversions[name] is None, conversions
     assert len({out["rebuild"][2] for out in results}) == 1, "rebuilt plans differ across ranks"

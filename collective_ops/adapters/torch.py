@@ -508,7 +508,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         if {id(p) for p in self.module.parameters() if p.requires_grad} == planned:
             return
         names = [n for n, p in self.module.named_parameters() if (id(p) in planned) != p.requires_grad]
+        present = {id(p) for p in self.module.parameters()}
+        gone = [self._param_names[i] for i, p in enumerate(self._params) if id(p) not in present]
         self.manager.abort_iteration()
+        if gone:  # (a planned parameter replaced by another the plan holds: weights tied after wrap())
+            raise RuntimeError(
+                f"parameters the bucket plan holds are no longer in the model ({names_text(gone, 5)}): replaced "
+                "after wrap() by another parameter (weights tied, model.tie_weights() after resizing embeddings). "
+                "Tie or replace parameters before wrapping, as DDP requires, then wrap again (call remove_hooks() "
+                "on this wrapper first)."
+            )
         raise RuntimeError(
             f"requires_grad changed after wrap() for {names[:10]}: the bucket plan (the same on every rank) was built "
             "from the trainable parameters at wrap time. Freeze or unfreeze parameters before wrapping, then "
