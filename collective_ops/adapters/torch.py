@@ -696,8 +696,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         final values, as under DDP. (That step loses its overlap with the next forward.) No collective: a loop
         may call it on one rank only (sharded gradients: ``opt.gather_gradients()`` on every rank)."""
         optimizer = self.optimizer
-        if optimizer is not None and not torch.compiler.is_compiling():
-            optimizer.before_parameters_read()
+        if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
+            optimizer.synchronize()
         return super().named_parameters(*args, **kwargs)
 
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:

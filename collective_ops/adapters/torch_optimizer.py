@@ -309,11 +309,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         ``shard=True``, where each rank holds its shard of them only, an all-gather of them."""
         self.finish_reductions()
 
-    def before_parameters_read(self) -> None:
-        """The wrapped model's ``parameters()`` is about to hand the parameters out: work in flight finished."""
-        if self.in_flight:
-            self.synchronize()
-
     # -- torch.optim.Optimizer ------------------------------------------------------------------
     def step(self, closure: Any = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
         """Update every bucket whose reduction has landed; the rest as the next forward needs them.
