@@ -276,28 +276,31 @@ def assert_closure_steps_equal_ddp(results: list[dict], label: str) -> None:
         assert our_losses == ddp_losses, f"{label}losses step(closure) returned, rank {rank}"
 
 
-def resumed_through_torch_dcp(rank: int, steps: int = 3, more: int = 2) -> tuple[dict, dict]:
-    """torch.distributed.checkpoint's get_state_dict() after ``steps``, set_state_dict() into a fresh model (other
-    initial weights) and a fresh optimizer (no state yet: DCP initialises it with a zero step), ``more`` steps:
-    (the run continued, the resumed run)."""
+def resumed_through_torch_dcp(rank: int, steps: int = 3, more: int = 2, shard: bool = False) -> tuple[dict, dict]:
+    """torch.distributed.checkpoint's get_state_dict() after ``steps``, then into a fresh model (other initial
+    weights) and a fresh optimizer (no state yet: DCP initialises it with a zero-lr step), the model's state first
+    and the optimizer's after it, as a loop restoring them one by one (torchtitan's) does (set_state_dict() loads
+    the optimizer first: its initial step would not show on the weights), ``more`` steps: (the run continued,
+    the resumed run)."""
     import copy
 
     import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_optimizer_state_dict
 
     import collective_ops as co
     from tests.models import MLP, build
 
     def build_pair(seed: int) -> tuple:
         model = co.wrap(build("mlp", seed=seed), bucket_size_mb=0.004)
-        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, shard=shard)
 
     model, opt = build_pair(0)
     _train(rank, model, opt, MLP, steps=steps)
     # (copied, as saving and loading does: the state dicts hold the optimizer's own tensors)
     model_state, optim_state = copy.deepcopy(get_state_dict(model, opt))
     resumed, resumed_opt = build_pair(1)
-    set_state_dict(resumed, resumed_opt, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_model_state_dict(resumed, model_state)
+    set_optimizer_state_dict(resumed, resumed_opt, optim_state)
     return _train(rank, model, opt, MLP, steps=more), _train(rank, resumed, resumed_opt, MLP, steps=more)
 
 

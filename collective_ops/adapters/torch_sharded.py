@@ -56,9 +56,25 @@ ELEMENTWISE_OPTIMIZERS = tuple(
 )
 MASTER_KEY = "master_param"  # fp32 master values of a low-precision parameter, in state_dict()
 GRAD_REDUCE_DTYPES = (None, "float32")
-# torch.distributed.checkpoint's get_state_dict()/set_state_dict() (and get/set_optimizer_state_dict): they
-# read ``optim.state`` first, then map state to parameters through ``optim.param_groups``
+# torch.distributed.checkpoint's get_state_dict()/set_state_dict() (and get/set_optimizer_state_dict): they map
+# the state of ``optim.state_dict()`` (ours: the full state, numbered as the plain optimizer numbers the model's
+# parameters) to parameter names through ``optim.param_groups``, which here hold the pieces
 _TORCH_DCP_MODULE = "torch.distributed.checkpoint.state_dict"
+
+
+class _ModelParamsGroup(dict):
+    """One of the sharded optimizer's groups with the model's parameters as ``"params"``, for
+    torch.distributed.checkpoint; its other keys are written through to the group."""
+
+    def __init__(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        super().__init__(group)
+        super().__setitem__("params", list(params))
+        self._group = group
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key != "params":
+            self._group[key] = value
 
 
 class ShardedDistributedOptimizer(DistributedOptimizer):
@@ -73,22 +89,18 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     shards = True
 
     @property
-    def state(self) -> Any:
-        """The inner optimizer's state of this rank's pieces (owed updates applied first)."""
-        if sys._getframe(1).f_globals.get("__name__") == _TORCH_DCP_MODULE:
-            raise RuntimeError(
-                "shard=True is not supported by torch.distributed.checkpoint's get_state_dict()/set_state_dict(): "
-                "they map the optimizer's state to the model's parameters through opt.param_groups, which here "
-                "hold this rank's flat pieces. "
-                "Save opt.state_dict() (the full state in the plain optimizer's format, gathered on every rank) "
-                "from one rank with torch.save, and load it with opt.load_state_dict() at any world size; or use "
-                "shard=False, which they support"
-            )
-        return DistributedOptimizer.state.fget(self)
+    def param_groups(self) -> list[dict[str, Any]]:
+        """This rank's pieces, grouped; read by torch.distributed.checkpoint's ``get_state_dict()``/
+        ``set_state_dict()``, which map the state to the model's parameters through them, the model's parameters
+        instead (settings written there, as its zero-lr initial step does, reach the groups)."""
+        groups = DistributedOptimizer.param_groups.fget(self)
+        if sys._getframe(1).f_globals.get("__name__") != _TORCH_DCP_MODULE:
+            return groups
+        return [_ModelParamsGroup(group, params) for group, params in zip(groups, self._model_groups)]
 
-    @state.setter
-    def state(self, state: Any) -> None:
-        DistributedOptimizer.state.fset(self, state)
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        DistributedOptimizer.param_groups.fset(self, groups)
 
     def __init__(
         self,
