@@ -276,12 +276,13 @@ def assert_closure_steps_equal_ddp(results: list[dict], label: str) -> None:
         assert our_losses == ddp_losses, f"{label}losses step(closure) returned, rank {rank}"
 
 
-def resumed_through_torch_dcp(rank: int, steps: int = 3, more: int = 2, shard: bool = False) -> tuple[dict, dict]:
+def resumed_through_torch_dcp(rank: int, steps: int = 3, more: int = 2, shard: bool = False) -> tuple:
     """torch.distributed.checkpoint's get_state_dict() after ``steps``, then into a fresh model (other initial
     weights) and a fresh optimizer (no state yet: DCP initialises it with a zero-lr step), the model's state first
     and the optimizer's after it, as a loop restoring them one by one (torchtitan's) does (set_state_dict() loads
-    the optimizer first: its initial step would not show on the weights), ``more`` steps: (the run continued,
-    the resumed run)."""
+    the optimizer first: its initial step would not show on the weights), ``more`` steps; and the same into torch's
+    DDP + AdamW (the checkpoint names entries as the model does). (The run continued, resumed as ours, resumed into
+    DDP.)"""
     import copy
 
     import torch
@@ -290,18 +291,28 @@ def resumed_through_torch_dcp(rank: int, steps: int = 3, more: int = 2, shard: b
     import collective_ops as co
     from tests.models import MLP, build
 
-    def build_pair(seed: int) -> tuple:
-        model = co.wrap(build("mlp", seed=seed), bucket_size_mb=0.004)
-        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, shard=shard)
+    settings = {"lr": 1e-2, "weight_decay": 0.01}
 
-    model, opt = build_pair(0)
+    def ours(seed: int) -> tuple:
+        model = co.wrap(build("mlp", seed=seed), bucket_size_mb=0.004)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, shard=shard, **settings)
+
+    def ddp(seed: int) -> tuple:
+        model = torch.nn.parallel.DistributedDataParallel(build("mlp", seed=seed))
+        return model, torch.optim.AdamW(model.parameters(), **settings)
+
+    model, opt = ours(0)
     _train(rank, model, opt, MLP, steps=steps)
     # (copied, as saving and loading does: the state dicts hold the optimizer's own tensors)
-    model_state, optim_state = copy.deepcopy(get_state_dict(model, opt))
-    resumed, resumed_opt = build_pair(1)
-    set_model_state_dict(resumed, model_state)
-    set_optimizer_state_dict(resumed, resumed_opt, optim_state)
-    return _train(rank, model, opt, MLP, steps=more), _train(rank, resumed, resumed_opt, MLP, steps=more)
+    saved = copy.deepcopy(get_state_dict(model, opt))
+    results = [_train(rank, model, opt, MLP, steps=more)]
+    for build_pair in (ours, ddp):
+        resumed, resumed_opt = build_pair(1)
+        model_state, optim_state = copy.deepcopy(saved)
+        set_model_state_dict(resumed, model_state)
+        set_optimizer_state_dict(resumed, resumed_opt, optim_state)
+        results.append(_train(rank, resumed, resumed_opt, MLP, steps=more))
+    return tuple(results)
 
 
 def state_read_after_step(rank: int, steps: int = 4) -> tuple[list, list]:
@@ -1225,10 +1236,12 @@ def test_state_dict_round_trips_through_a_plain_optimizer(two_ranks) -> None:
 
 
 def test_resumed_through_torch_distributed_checkpoint_as_if_never_stopped(two_ranks) -> None:
-    """get_state_dict()/set_state_dict() of torch.distributed.checkpoint, into a fresh model and optimizer."""
+    """get_state_dict()/set_*_state_dict() of torch.distributed.checkpoint, into a fresh model and optimizer, ours
+    or torch's DDP + AdamW (the wrapper's checkpoints name entries as the model does, not module.*)."""
     for rank, out in enumerate(two_ranks):
-        continued, resumed = out["dcp_resumed"]
+        continued, resumed, into_ddp = out["dcp_resumed"]
         assert_identical(resumed, continued, f"resumed from DCP's state dicts, rank {rank}")
+        assert_identical(into_ddp, continued, f"resumed into DDP + AdamW from DCP's state dicts, rank {rank}")
 
 
 def test_clip_grad_norm_matches_torch_on_averaged_gradients(two_ranks) -> None:

@@ -983,10 +983,12 @@ def test_a_parameter_given_new_storage_is_refused_not_left_untrained(two_ranks) 
 
 def test_resumed_through_torch_distributed_checkpoint_as_if_never_stopped(two_ranks) -> None:
     """get_state_dict()/set_state_dict() of torch.distributed.checkpoint, into a fresh model and a fresh sharded
-    optimizer (DCP's zero-lr initial step runs through it): the same weights as the run that went on."""
+    optimizer (DCP's zero-lr initial step runs through it), and into torch's DDP + AdamW: the same weights as the
+    run that went on."""
     for rank, out in enumerate(two_ranks):
-        continued, resumed = out["dcp_resumed"]
+        continued, resumed, into_ddp = out["dcp_resumed"]
         assert_identical(resumed, continued, f"sharded, resumed from DCP's state dicts, rank {rank}")
+        assert_identical(into_ddp, continued, f"sharded, resumed into DDP + AdamW from DCP's state dicts, rank {rank}")
 
 
 def test_continued_from_checkpoint_as_unsharded_at_two_ranks(two_ranks) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -50,6 +51,9 @@ from .torch_model_watch import PlannedParameters, watch
 
 logger = logging.getLogger("collective_ops")
 
+# torch.distributed.checkpoint's get/set_state_dict() (and their model/optimizer halves): they map optimizer state
+# to names through the model's named_parameters() and the optimizer's param_groups
+TORCH_DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in large fused chunks
 # model -> its live wrapper (weakly, both ways): wrapping a model twice would reduce its gradients twice.
 _LIVE_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -698,7 +702,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         optimizer = self.optimizer
         if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
             optimizer.synchronize()
+        if sys._getframe(1).f_globals.get("__name__") == TORCH_DCP_MODULE:
+            # torch.distributed.checkpoint names optimizer state by these; it drops torch DDP's "module." prefix
+            # only: without ours too, the checkpoints' optimizer entries would not match the model's keys
+            return self.module.named_parameters(*args, **kwargs)
         return super().named_parameters(*args, **kwargs)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch.distributed.checkpoint (its hook for modules whose state-dict keys skip a level): the names
+        under the wrapped model are the model's own, as this wrapper's state_dict() keys are, not ``module.*``."""
+        inner = self.module
+        return {name: "module" for name in (*inner._modules, *inner._parameters, *inner._buffers)}
 
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:
         """``model.to(...)``, ``.half()``, ``.double()``, ``.cuda()``. One that changes a parameter's dtype,

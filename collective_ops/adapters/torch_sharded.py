@@ -39,7 +39,7 @@ from ..bucketing.schedule import OrderPrediction, simulate_sharded
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
 from ._options import names_text
-from .torch import DistributedDataParallel, view_like
+from .torch import TORCH_DCP_MODULE, DistributedDataParallel, view_like
 from .torch_inplace import InPlaceGuard
 from .torch_optimizer import DistributedOptimizer, frozen_setting
 from .torch_optimizer_set import given_optimizers
@@ -56,10 +56,6 @@ ELEMENTWISE_OPTIMIZERS = tuple(
 )
 MASTER_KEY = "master_param"  # fp32 master values of a low-precision parameter, in state_dict()
 GRAD_REDUCE_DTYPES = (None, "float32")
-# torch.distributed.checkpoint's get_state_dict()/set_state_dict() (and get/set_optimizer_state_dict): they map
-# the state of ``optim.state_dict()`` (ours: the full state, numbered as the plain optimizer numbers the model's
-# parameters) to parameter names through ``optim.param_groups``, which here hold the pieces
-_TORCH_DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 
 
 class _ModelParamsGroup(dict):
@@ -91,10 +87,11 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """This rank's pieces, grouped; read by torch.distributed.checkpoint's ``get_state_dict()``/
-        ``set_state_dict()``, which map the state to the model's parameters through them, the model's parameters
-        instead (settings written there, as its zero-lr initial step does, reach the groups)."""
+        ``set_state_dict()``, which name the state of ``state_dict()`` (the full state, numbered as the plain
+        optimizer numbers the model's parameters) through them, the model's parameters instead (settings written
+        there, as its zero-lr initial step does, reach the groups)."""
         groups = DistributedOptimizer.param_groups.fget(self)
-        if sys._getframe(1).f_globals.get("__name__") != _TORCH_DCP_MODULE:
+        if sys._getframe(1).f_globals.get("__name__") != TORCH_DCP_MODULE:
             return groups
         return [_ModelParamsGroup(group, params) for group, params in zip(groups, self._model_groups)]
 
