@@ -17,6 +17,7 @@ from tests.harness import run_ranks
 from tests.reference import assert_identical, collect_errors, snapshot
 from tests.test_distributed_optimizer import (
     STEPS,
+    _ddp_or_ours,
     _make_optimizer,
     _state_arrays,
     _train,
@@ -343,24 +344,17 @@ def _bf16_value_clip_under_scaler(rank: int, steps: int = 4) -> dict:
     return out
 
 
-def _gradients_read_on_rank_0_alone(rank: int, steps: int = 4) -> tuple[dict, dict]:
+def _gradients_read_on_rank_0_alone(rank: int, build, make_optimizer, steps: int = 4) -> tuple[dict, dict]:
     """(DDP, ours): a gradient norm read through model.parameters() between backward and step on rank 0 only,
     as a loop logs it: no collective may come of it (one there would pair with the other rank's next ones).
     Weights after ``steps`` steps."""
     import torch
 
-    import collective_ops as co
-    from tests.models import MLP, build, rank_batch
+    from tests.models import MLP, rank_batch
 
     results = []
     for ours in (False, True):
-        net = build("mlp")
-        if ours:
-            model = co.wrap(net, **BUCKET)
-            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
-        else:
-            model = torch.nn.parallel.DistributedDataParallel(net)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = _ddp_or_ours(ours, build, make_optimizer, {"first_bucket_mb": BUCKET["first_bucket_mb"]})
         for step in range(steps):
             x, y = rank_batch(MLP, step, rank)
             optimizer.zero_grad()
@@ -583,7 +577,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     # opt.gather_gradients() between backward and step all-gathers the averaged gradients: torch's clips after it
     out["through_the_model"] = read_through_the_model(rank, mlp, sharded_adamw, clip="norm", gather=True)
     out["through_the_model_value"] = read_through_the_model(rank, mlp, sharded_adamw, clip="value", gather=True)
-    out["read_on_rank_0_alone"] = _gradients_read_on_rank_0_alone(rank)
+    out["read_on_rank_0_alone"] = _gradients_read_on_rank_0_alone(rank, mlp, sharded_adamw)
     out["gathered_before_unscale"] = _gathered_before_unscale(rank)
     out["changed_gradients"] = gradients_changed_before_step(
         rank,

@@ -169,8 +169,12 @@ class DistributedOptimizer:
         """A float32 Parameter holding one piece of a network parameter, named after it (so MindSpore's
         name-based weight-decay filter, 'beta'/'gamma', treats it as its parameter)."""
         param = self.network._params[piece.param_index]
-        values = fresh_copy(param.value().reshape(-1)[piece.param_start : piece.param_end])
-        return Parameter(values, name=f"{param.name}.shard_{piece.param_start}")
+        return Parameter(self._network_values(piece), name=f"{param.name}.shard_{piece.param_start}")
+
+    def _network_values(self, piece: ShardPiece) -> ms.Tensor:
+        """A float32 copy of the network parameter's elements that ``piece`` holds."""
+        param = self.network._params[piece.param_index]
+        return fresh_copy(param.value().reshape(-1)[piece.param_start : piece.param_end])
 
     def _warn_mccl(self) -> None:
         global _warned_mccl
@@ -225,8 +229,7 @@ class DistributedOptimizer:
     def _copy_pieces_from_network(self, which: Any) -> None:
         for piece, holder in self._pieces.items():
             if which(piece):
-                param = self.network._params[piece.param_index]
-                holder.copy_(fresh_copy(param.value().reshape(-1)[piece.param_start : piece.param_end]))
+                holder.copy_(self._network_values(piece))
 
     def _reduce_scatter(self, bucket: int, by_index: dict[int, ms.Tensor]) -> ms.Tensor:
         """This rank's shard of bucket ``bucket``'s averaged gradients."""
