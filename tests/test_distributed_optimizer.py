@@ -632,17 +632,19 @@ def params_changed_after_step(
 ) -> dict:
     """Loops that change parameters right after step(), while its updates (sharded: all-gathers) are owed.
     "reloaded": (DDP, ours) after loading a checkpoint of step 1 (the inner module's weights, the optimizer's
-    state) at step ``at``. "edited": one layer's weight scaled in place through the inner module; where it
-    was refused (its error and step), or None if training went on."""
+    state) at step ``at``. "submodule": (DDP, ours), each (the last layer's state_dict() read right after step
+    ``at``, the weights at the end), where only the middle layer's weights of step 1 were loaded then, through
+    that layer's own load_state_dict(). "edited": one layer's weight scaled in place through the inner module;
+    where it was refused (its error and step), or None if training went on."""
     import copy
 
     import torch
 
     from tests.models import MLP, rank_batch
 
-    out: dict = {"reloaded": [], "edited": None}
-    for case in ("ddp", "ours", "edited"):
-        model, optimizer = _ddp_or_ours(case != "ddp", build, make_optimizer, wrap_kwargs)
+    out: dict = {"reloaded": [], "submodule": [], "edited": None}
+    for case in ("ddp", "ours", "edited", "ddp_submodule", "ours_submodule"):
+        model, optimizer = _ddp_or_ours(case.startswith("ours") or case == "edited", build, make_optimizer, wrap_kwargs)
         try:
             for step in range(steps):
                 x, y = rank_batch(MLP, step, rank)
@@ -651,9 +653,13 @@ def params_changed_after_step(
                 optimizer.step()
                 if step == 1:
                     saved = copy.deepcopy((model.module.state_dict(), optimizer.state_dict()))
+                    saved_middle = copy.deepcopy(model.module.net[2].state_dict())
                 if step == at and case == "edited":
                     with torch.no_grad():
                         model.module.net[0].weight.mul_(0.5)
+                elif step == at and case.endswith("submodule"):
+                    last_read = {k: v.clone().numpy() for k, v in model.module.net[4].state_dict().items()}
+                    model.module.net[2].load_state_dict(saved_middle)
                 elif step == at:
                     model.module.load_state_dict(saved[0])
                     optimizer.load_state_dict(saved[1])
@@ -662,7 +668,9 @@ def params_changed_after_step(
                 raise
             out["edited"] = (str(exc), step)
             continue
-        if case != "edited":
+        if case.endswith("submodule"):
+            out["submodule"].append((last_read, snapshot(model.module)))
+        elif case != "edited":
             out["reloaded"].append(snapshot(model.module))
     return out
 
@@ -672,6 +680,9 @@ def assert_changed_params_handled(results: list[dict], label: str, at: int = 3) 
     for rank, out in enumerate(result["changed_params"] for result in results):
         ddp, ours = out["reloaded"]
         assert_identical(ours, ddp, f"{label}checkpoint loaded after step(), rank {rank}")
+        (ddp_read, ddp_end), (our_read, our_end) = out["submodule"]
+        assert_identical(our_read, ddp_read, f"{label}a submodule's state_dict() read after step(), rank {rank}")
+        assert_identical(our_end, ddp_end, f"{label}a submodule's weights loaded after step(), rank {rank}")
         assert out["edited"] is not None, f"{label}rank {rank}: an in-place change after step() trained on silently"
         error, step = out["edited"]
         assert step == at + 1 and "['net.0.weight']" in error and "changed in place after step()" in error, error
@@ -1363,7 +1374,9 @@ def test_a_frozen_layer_given_to_the_optimizer_trains_and_saves_as_ddp(two_ranks
 
 def test_parameters_changed_after_step_are_loaded_after_it_or_refused(two_ranks) -> None:
     """model.module.load_state_dict() right after step() landed under the owed updates (and an in-place edit
-    of a parameter was updated on, silently): the load now comes after them, the edit is refused."""
+    of a parameter was updated on, silently): the load now comes after them, the edit is refused. A submodule's
+    own state_dict() read stale weights (the last step's updates missing) and its own load_state_dict() was
+    refused at the owed write: both now as under DDP."""
     assert_changed_params_handled(two_ranks, "")
 
 

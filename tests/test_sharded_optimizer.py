@@ -243,7 +243,8 @@ def _bf16_loss_curves(rank: int) -> dict:
 
 def _bf16_weights_loaded(rank: int, steps: int = 5, at: int = 3) -> dict:
     """A bf16 model whose weights of step 1 are loaded at step ``at`` (right after step()): alone, then with
-    the optimizer's state loaded first. The fp32 masters after each load, and the weights loaded and the
+    the optimizer's state loaded first, then into the middle layer only (its own load_state_dict()), then
+    none. The fp32 masters after each load (and at step ``at`` without one), and the weights loaded and the
     masters saved beside them (float32 numpy arrays, by parameter name)."""
     import copy
 
@@ -258,7 +259,7 @@ def _bf16_weights_loaded(rank: int, steps: int = 5, at: int = 3) -> dict:
         return {name: state[i][MASTER_KEY].float().numpy() for i, name in enumerate(names)}
 
     out = {}
-    for case in ("weights_alone", "optimizer_first"):
+    for case in ("weights_alone", "optimizer_first", "middle_layer", "no_load"):
         model = co.wrap(build("mlp").to(torch.bfloat16), **BUCKET)
         optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
         names = [name for name, _ in model.module.named_parameters()]
@@ -274,7 +275,12 @@ def _bf16_weights_loaded(rank: int, steps: int = 5, at: int = 3) -> dict:
             if step == at:
                 if case == "optimizer_first":
                     optimizer.load_state_dict(saved[1])
-                model.module.load_state_dict(saved[0])
+                if case == "middle_layer":
+                    model.module.net[2].load_state_dict(
+                        {k[len("net.2.") :]: v for k, v in saved[0].items() if k.startswith("net.2.")}
+                    )
+                elif case != "no_load":
+                    model.module.load_state_dict(saved[0])
                 out[case] = masters(optimizer)
     return out
 
@@ -943,11 +949,15 @@ def test_bf16_model_with_fp32_master_shards_tracks_fp32(two_ranks) -> None:
 def test_bf16_weights_loaded_into_the_model_reach_the_fp32_masters(two_ranks) -> None:
     """model.load_state_dict() of a bf16 model: the masters follow the loaded weights (before, the next step
     wrote the old masters back over them, silently), and keep their fp32 digits where the optimizer's state,
-    which holds them, was loaded too."""
+    which holds them, was loaded too. A submodule's own load_state_dict() moves its masters only (it was
+    refused at the owed all-gather)."""
     for rank, out in enumerate(result["bf16_loaded"] for result in two_ranks):
         assert_identical(out["weights_alone"], out["saved_weights"], f"masters after loading weights, rank {rank}")
         assert_identical(out["optimizer_first"], out["saved_masters"], f"masters after loading both, rank {rank}")
         assert any((out["saved_masters"][n] != out["saved_weights"][n]).any() for n in out["saved_weights"])
+        # a submodule loaded alone: its masters follow it, the others keep their fp32 digits
+        middle = {n: out["saved_weights"][n] if n.startswith("net.2.") else out["no_load"][n] for n in out["no_load"]}
+        assert_identical(out["middle_layer"], middle, f"masters after loading the middle layer alone, rank {rank}")
 
 
 def test_bf16_weights_changed_in_place_reach_the_fp32_masters(two_ranks) -> None:

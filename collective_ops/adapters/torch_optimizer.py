@@ -175,11 +175,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         # on the wrapper: runs before its buffer broadcast
         self._hooks.append(model.register_forward_pre_hook(_HookOf(self._forward_starts)))
         self._timeline = ForwardTimeline()  # the forward's use of buckets over time (schedule="auto" plans from it)
-        # The inner module's own state_dict() (a checkpoint of model.module) sees every update too.
-        self._hooks.append(model.module.register_state_dict_pre_hook(_HookOf(self._before_state_dict)))
-        # Loading weights into it (the wrapper's load_state_dict too) lands after every owed write, not under one.
-        self._hooks.append(model.module.register_load_state_dict_pre_hook(_HookOf(self._before_load)))
-        self._hooks.append(model.module.register_load_state_dict_post_hook(_HookOf(self._after_load)))
+        # The inner module's own state_dict() (a checkpoint of model.module), and any submodule's (a backbone
+        # saved alone: model.module.encoder.state_dict()), sees every update too; loading weights into any of them
+        # (the wrapper's load_state_dict too) lands after every owed write, not under one. On every module: a
+        # submodule's state_dict()/load_state_dict() runs its own hooks only, not its parents'.
+        for module in model.module.modules():
+            self._hooks.append(module.register_state_dict_pre_hook(_HookOf(self._before_state_dict)))
+            self._hooks.append(module.register_load_state_dict_pre_hook(_HookOf(self._before_load)))
+            self._hooks.append(module.register_load_state_dict_post_hook(_HookOf(self._after_load)))
         for optimizer in self._given or ():  # the user's own optimizers, read or loaded directly
             self._watch_given(optimizer)
 
@@ -608,7 +611,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self.synchronize()
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        """After weights were loaded into the model (sharded: its fp32 masters follow them)."""
+        """After weights were loaded into ``module`` (torch calls it for each module of the loaded tree, once its
+        own parameters and its children's are loaded; sharded: the fp32 masters of its own parameters follow)."""
 
     def _owed_buckets(self) -> list[int]:
         """The buckets whose parameters this step still writes (at the next forward that reads them)."""

@@ -802,26 +802,34 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         return sorted(owed)
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        """The model's weights were loaded: the fp32 masters follow them. Where the optimizer's state (which holds
-        the masters) was loaded since the last step, only the elements the loaded weights disagree with are
-        taken: the same checkpoint's masters keep their fp32 digits, whichever of the two was loaded first."""
-        self._refresh_masters(only_changed=self._masters_loaded)
+        """Weights were loaded into ``module``: the fp32 masters of its own parameters follow them (its
+        children's follow in their own calls; a submodule loaded alone leaves the others' fp32 digits). Where the
+        optimizer's state (which holds the masters) was loaded since the last step, only the elements the loaded
+        weights disagree with are taken: the same checkpoint's masters keep their fp32 digits, whichever of the
+        two was loaded first."""
+        own = {self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index}
+        if own:
+            self.synchronize()
+            self._take_params_into_masters(only_changed=self._masters_loaded, params=own)
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 master pieces from the (low-precision) parameters (the model's ``load_state_dict``
         does it itself)."""
-        self._refresh_masters(only_changed=False)
-
-    def _refresh_masters(self, only_changed: bool) -> None:
         self.synchronize()
-        self._take_params_into_masters(only_changed)
+        self._take_params_into_masters(only_changed=False)
 
-    def _take_params_into_masters(self, only_changed: bool, buckets: list[int] | None = None) -> None:
-        """Each fp32 master piece (of ``buckets``: all) from its low-precision parameter elements; ``only_changed``:
-        only the elements the parameters no longer round the master to."""
+    def _take_params_into_masters(
+        self, only_changed: bool, buckets: list[int] | None = None, params: set[int] | None = None
+    ) -> None:
+        """Each fp32 master piece (of ``buckets``, of the model's parameters ``params``: all) from its
+        low-precision parameter elements; ``only_changed``: only the elements the parameters no longer round the
+        master to."""
         with torch.no_grad():
             for piece, tensor in self._pieces:
-                if _is_master(piece, tensor, self._param_buffers) and (buckets is None or piece.bucket in buckets):
+                chosen = (buckets is None or piece.bucket in buckets) and (
+                    params is None or piece.param_index in params
+                )
+                if chosen and _is_master(piece, tensor, self._param_buffers):
                     param = self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel)
                     values = param.to(tensor.dtype)
                     if only_changed:
