@@ -130,14 +130,37 @@ def optimizer_checks(rank: int, device: str) -> dict:
         if "chunked" in label:
             _hold_in_chunks(wrapped.manager)
         ours = train(wrapped, optimizer)
+        differ = [k for k in reference if not np.array_equal(reference[k], ours[k])]
+        if options.get("shard"):
+            differ += _consolidation_faults(optimizer, rank)
         out[label] = {
             "reference": "Muon + AdamW" if muon else "SGD",
-            "differ": [k for k in reference if not np.array_equal(reference[k], ours[k])],
+            "differ": differ,
             "order": "planned"
             if getattr(optimizer, "schedule_report", None)
             else ("chunked" if len(wrapped.manager.launch_order) > len(wrapped.manager.plan.buckets) else "plan order"),
         }
     return out
+
+
+def _consolidation_faults(optimizer, rank: int) -> list[str]:
+    """consolidate_state_dict(to=0): rank 0's state is the one state_dict() gives every rank, in host memory."""
+    import torch
+
+    everywhere = optimizer.state_dict()
+    optimizer.consolidate_state_dict(to=0)
+    if rank != 0:
+        return []
+    consolidated = optimizer.state_dict()
+    faults = []
+    for index, entry in everywhere["state"].items():
+        for key, value in entry.items():
+            mine = consolidated["state"][index][key]
+            if isinstance(value, torch.Tensor) and mine.device.type != "cpu":
+                faults.append(f"consolidated {index}/{key} on {mine.device}")
+            elif isinstance(value, torch.Tensor) and not torch.equal(mine, value.cpu()):
+                faults.append(f"consolidated {index}/{key}")
+    return faults
 
 
 def _hold_in_chunks(manager) -> None:
@@ -271,6 +294,7 @@ def _group_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
     else:
         for name, r in optimizers.items():
             detail = "bit-identical after 6 steps" if not r["differ"] else f"differ: {r['differ'][:4]}"
+            detail += "; consolidate_state_dict(to=0): the state, on the host" if "shard" in name else ""
             row = f"{label}: {name} == DDP + {r['reference']}"
             rows.append((row, "FAIL" if r["differ"] else "ok", f"{detail} ({r['order']})"))
     if "paths" in out:

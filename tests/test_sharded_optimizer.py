@@ -285,6 +285,74 @@ def _bf16_weights_loaded(rank: int, steps: int = 5, at: int = 3) -> dict:
     return out
 
 
+def _consolidated(rank: int) -> dict:
+    """torch's ZeroRedundancyOptimizer checkpoint idiom on ours: ``consolidate_state_dict(to=1)``, then
+    ``state_dict()`` on rank 1 alone (and on rank 0: its error); after one more step ``state_dict()`` on every
+    rank again. Beside it, the full state read on every rank before consolidating (numpy arrays by entry)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build
+
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, shard=True)
+    _train(rank, model, optimizer, MLP, steps=3)
+    out = {"everywhere": _state_arrays(optimizer.state_dict())}
+    optimizer.consolidate_state_dict(to=1)
+    try:
+        consolidated = optimizer.state_dict()  # no collective: rank 0 does not take part
+        out["consolidated"] = _state_arrays(consolidated)
+        out["devices"] = {v.device.type for entry in consolidated["state"].values() for v in entry.values()}
+    except RuntimeError as exc:
+        out["consolidated"] = str(exc)
+    _train(rank, model, optimizer, MLP, steps=1)
+    out["after_a_step"] = _state_arrays(optimizer.state_dict())
+    return out
+
+
+def _zero_checkpoints(rank: int, steps: int = 2) -> dict:
+    """Checkpoints moved between torch's DDP + ZeroRedundancyOptimizer(AdamW) and ours (sharded), each written
+    as torch's ZeRO docs write them (consolidate_state_dict(to=0), state_dict() on rank 0; here sent to rank 1
+    as a file would be read there). (continued, resumed by the other) weights after ``steps`` more steps,
+    each way."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    def train(model, optimizer, start: int) -> dict:
+        for step in range(start, start + steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return snapshot(model.module)
+
+    def zero(net):
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        return model, ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+    def ours(net):
+        model = co.wrap(net, **BUCKET)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, shard=True)
+
+    out = {}
+    for name, (writer, reader) in {"zero_to_ours": (zero, ours), "ours_to_zero": (ours, zero)}.items():
+        model, optimizer = writer(build("mlp"))
+        train(model, optimizer, 0)
+        optimizer.consolidate_state_dict(to=0)
+        saved = [copy.deepcopy((model.module.state_dict(), optimizer.state_dict())) if rank == 0 else None]
+        dist.broadcast_object_list(saved, src=0)
+        continued = train(model, optimizer, steps)
+        model, optimizer = reader(build("mlp", seed=5))
+        model.module.load_state_dict(saved[0][0])
+        optimizer.load_state_dict(saved[0][1])
+        out[name] = (continued, train(model, optimizer, steps))
+    return out
+
+
 def _bf16_edited_in_place(rank: int, steps: int = 5, at: int = 2) -> dict:
     """A bf16 model whose weights are halved in place right after step ``at`` (through the wrapped model's
     parameters, which finish the step first), as weight clipping changes them; the same halving loaded with
@@ -656,6 +724,8 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     # torch.distributed.checkpoint maps optimizer state through param_groups (here: pieces; for it, the model's
     # parameters): resumed into a fresh model and optimizer as the run continued (it was a KeyError: 0 in torch)
     out["dcp_resumed"] = resumed_through_torch_dcp(rank, shard=True)
+    out["consolidated"] = _consolidated(rank)
+    out["zero_checkpoints"] = _zero_checkpoints(rank)
     out["errors"] = collect_errors(
         {
             "custom_hook": lambda: co.DistributedOptimizer(
@@ -687,6 +757,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
             "assumed_unsharded": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, assume_elementwise=True
             ),
+            "consolidate_to_no_rank": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True
+            ).consolidate_state_dict(to=2),
         }
     )
 
@@ -995,6 +1068,26 @@ def test_resumed_through_torch_distributed_checkpoint_as_if_never_stopped(two_ra
         assert_identical(into_ddp, continued, f"sharded, resumed into DDP + AdamW from DCP's state dicts, rank {rank}")
 
 
+def test_consolidate_state_dict_gathers_the_state_onto_one_rank_in_host_memory(two_ranks) -> None:
+    """torch's ZeroRedundancyOptimizer idiom: consolidate_state_dict(to=1) on every rank, then state_dict() on
+    rank 1 alone, with no collective, gives the full state (host memory); rank 0 gets an error that says where it
+    is. After the next step state_dict() is the collective again, on every rank (not the stale copy)."""
+    rank0, rank1 = (out["consolidated"] for out in two_ranks)
+    assert_identical(rank1["consolidated"], rank1["everywhere"], "consolidated on rank 1 vs read on every rank")
+    assert rank1["devices"] == {"cpu"}
+    assert "consolidated on rank 1" in rank0["consolidated"] and "state_dict() on rank 1" in rank0["consolidated"]
+    assert_identical(rank0["after_a_step"], rank1["after_a_step"], "state read on every rank after a step")
+    assert any((rank1["after_a_step"][k] != rank1["everywhere"][k]).any() for k in rank1["everywhere"])
+
+
+def test_checkpoints_move_between_torch_zero_and_ours_as_if_never_stopped(two_ranks) -> None:
+    """A checkpoint of DDP + ZeroRedundancyOptimizer(AdamW), written as torch's docs write it, resumes into ours
+    (sharded), and ours into ZeRO: bit-identical to the run that went on."""
+    for rank, out in enumerate(result["zero_checkpoints"] for result in two_ranks):
+        for name, (continued, resumed) in out.items():
+            assert_identical(resumed, continued, f"{name}, rank {rank}")
+
+
 def test_continued_from_checkpoint_as_unsharded_at_two_ranks(two_ranks) -> None:
     for out in two_ranks:
         unsharded, sharded = out["continued"]
@@ -1019,6 +1112,7 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "shard=False" in errors["not_elementwise"] and "assume_elementwise=True" in errors["not_elementwise"]
     assert "LoggingAdamW is not known" in errors["subclass"]
     assert "option of the sharded optimizer" in errors["assumed_unsharded"]
+    assert "to must be a rank, 0 to 1" in errors["consolidate_to_no_rank"], errors["consolidate_to_no_rank"]
     assert two_ranks[0]["assumed"] == "ShardedDistributedOptimizer"
 
 

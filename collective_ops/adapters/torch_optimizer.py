@@ -422,6 +422,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.synchronize()
         return self._optimizer.state_dict()
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """torch's ``ZeroRedundancyOptimizer`` checkpoint idiom (``opt.consolidate_state_dict(to=0)``, then
+        ``opt.state_dict()`` on rank 0): unsharded, every rank already holds the whole state, so nothing moves."""
+        world = self.model.engine.world_size
+        if not 0 <= to < world:
+            raise ValueError(f"consolidate_state_dict(to={to}): to must be a rank, 0 to {world - 1}")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.synchronize()
         self._optimizer.load_state_dict(state_dict)

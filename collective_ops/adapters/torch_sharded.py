@@ -142,6 +142,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         # finish_reductions()): changed in place by other code from then on, they are refused at step()
         self._bound_guard = InPlaceGuard()
         self._masters_loaded = False  # load_state_dict() brought fp32 masters since the last step
+        # (rank the state was consolidated on, the state there: None elsewhere), until the next step or load
+        self._consolidated: tuple[int, dict[int, dict[str, Any]] | None] | None = None
         # bucket -> its parameters' version counters when the optimizer last wrote them (low precision only):
         # a change in place since (weight clipping, a re-initialised layer) is taken into the fp32 masters
         self._written_versions: dict[int, list[int]] = {}
@@ -314,6 +316,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._masters_follow_edits()
         self.update_seconds = 0.0
         self._masters_loaded = False
+        self._consolidated = None  # the state moves on
         reduction = self._reduction()
         if reduction == self._steps_applied:
             self._refuse_gradients_kept("step() again after step() with no backward in between, while")
@@ -759,10 +762,36 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     # -- checkpoints: the full state, resharded ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The full, unsharded state in the plain optimizer's format, on every rank (a collective)."""
+        """The full, unsharded state in the plain optimizer's format, on every rank (a collective). After
+        :meth:`consolidate_state_dict` (and until the next step or load): on the rank it gathered to, that
+        state, with no collective; on the others a ``RuntimeError``."""
+        if self._consolidated is not None:
+            to, full = self._consolidated
+            if full is None:
+                raise RuntimeError(
+                    f"the optimizer state was consolidated on rank {to} (consolidate_state_dict(to={to})), not on "
+                    f"rank {self.model.engine.rank}: call state_dict() on rank {to}, or call it on every rank "
+                    "without consolidating first (each then gets the full state)"
+                )
+            return self._in_plain_format(full)
         self._wait_for_every_rank("state_dict()")
         self.synchronize()
-        full = self._full_state()
+        return self._in_plain_format(self._full_state())
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full state onto rank ``to`` only, in host memory, as torch's ``ZeroRedundancyOptimizer``:
+        every rank calls it, the others keep nothing (``state_dict()`` on every rank gives each the whole state,
+        on the device). Then ``state_dict()`` on rank ``to`` alone returns it, with no collective, until the next
+        step or load: ``opt.consolidate_state_dict(to=0)``, then ``if rank == 0: torch.save(opt.state_dict(), path)``."""
+        super().consolidate_state_dict(to)  # checks ``to``
+        self._wait_for_every_rank(f"consolidate_state_dict(to={to})")
+        self.synchronize()
+        mine = self.model.engine.rank == to
+        full = self._full_state(keep=mine, device=torch.device("cpu"))
+        self._consolidated = (to, full if mine else None)
+
+    def _in_plain_format(self, full: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """Every parameter's state (model index -> {key: value}) as the plain optimizer's state_dict."""
         state, groups, number = {}, [], 0
         for inner_group, params in zip(self._optimizer.param_groups, self._model_groups):
             ids = []
@@ -859,6 +888,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _install(self, full: dict[int, dict[str, Any]], settings: list[dict[str, Any]]) -> None:
         """A fresh inner optimizer over the current pieces, holding their slices of ``full``."""
+        self._consolidated = None
         self.reload_model_params()
         optimizer = self._inner_optimizer(settings)
         inner_state, number, groups = {}, 0, []
@@ -904,11 +934,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 f"rank {self.model.engine.rank} waited {timeout:g} s in opt.{call} for the other ranks: with "
                 "shard=True it gathers the optimizer state from every rank, so every rank calls it at the same "
                 "point (then save the result on one: state = opt.state_dict(); if rank == 0: torch.save(state, "
-                "path)), as FSDP's and DeepSpeed's checkpoints. Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
+                "path)), as FSDP's and DeepSpeed's checkpoints; or, as torch's ZeroRedundancyOptimizer, "
+                "opt.consolidate_state_dict(to=0) on every rank, then opt.state_dict() on rank 0 alone (only rank 0 "
+                "then holds the state, in host memory). Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
             ) from exc
 
-    def _full_state(self) -> dict[int, dict[str, Any]]:
-        """Every parameter's state (model index -> {key: value}), gathered per bucket (collectives)."""
+    def _full_state(self, keep: bool = True, device: torch.device | None = None) -> dict[int, dict[str, Any]]:
+        """Every parameter's state (model index -> {key: value}), gathered per bucket (collectives). ``keep``
+        False: this rank takes part only (an empty result); ``device``: where the values go, bucket by bucket
+        (default: where the state is)."""
         plan = self._layout.plan
         inner_state = self._optimizer.state
         scalars, keys = {}, set()
@@ -923,7 +957,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         dist.all_gather_object(gathered, (scalars, sorted(keys)))
         full: dict[int, dict[str, Any]] = {}
         for rank_scalars, _ in gathered:
-            full.update({index: dict(values) for index, values in rank_scalars.items()})
+            full.update({index: _moved(dict(values), device) for index, values in rank_scalars.items()})
         keys = sorted({k for _, rank_keys in gathered for k in rank_keys})
         for bucket, shards in enumerate(self._layout.buckets):
             spec = plan.buckets[bucket]
@@ -931,11 +965,14 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 if key == MASTER_KEY and getattr(torch, spec.dtype) not in LOW_PRECISION:
                     continue  # fp32 parameters are their own masters
                 flat = self._gather_bucket_state(bucket, key, shards.shard_numel)
+                if not keep:
+                    continue
+                flat = flat if device is None else flat.to(device)
                 for index, offset in zip(spec.param_indices, spec.offsets):
                     if index in full:
                         p = self.model._params[index]
                         full[index][key] = _unflat_like(flat.narrow(0, offset, p.numel()), p)
-        return full
+        return full if keep else {}
 
     def _gather_bucket_state(self, bucket: int, key: str, shard_numel: int) -> torch.Tensor:
         dtype = _master_dtype(self._layout.plan.buckets[bucket].dtype)  # the layout being read (a replan: the old)
@@ -974,6 +1011,13 @@ def _refuse_unsupported(model: DistributedDataParallel, grad_reduce_dtype: str |
         raise ValueError("pass either compression (on wrap) or grad_reduce_dtype, not both")
 
 
+def _moved(state: dict[str, Any], device: torch.device | None) -> dict[str, Any]:
+    """A state's tensor values on ``device`` (None: where they are)."""
+    if device is None:
+        return state
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
 def _itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
@@ -1010,8 +1054,8 @@ def _flat_like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def _unflat_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_flat_like`: a tensor shaped (and strided) as ``p``."""
-    out = torch.empty_like(p, dtype=flat.dtype)
+    """The inverse of :func:`_flat_like`: a tensor shaped (and strided) as ``p``, where ``flat`` is."""
+    out = torch.empty_like(p, dtype=flat.dtype, device=flat.device)
     out.as_strided((p.numel(),), (1,), 0).copy_(flat)
     return out
 
