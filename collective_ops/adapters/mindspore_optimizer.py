@@ -6,12 +6,13 @@ the ``r``-th equal slice). Each rank keeps a float32 ``Parameter`` for every pie
 parameter inside its shards and gives only those to the wrapped MindSpore optimizer, so its
 state (Adam's two moments, Momentum's accumulator) is about 1/N of the plain optimizer's.
 
-A step (``opt(grads)``, where a MindSpore optimizer is called): per bucket, the gradients are
+A step (``opt(grads)``, where a MindSpore optimizer is called): every bucket's gradients are
 packed and reduce-scattered (summed, then times ``1/world`` as ``DistributedGradReducer``
-averages), the wrapped optimizer updates this rank's pieces, and the updated shards are
-all-gathered into every rank's network parameters. MindSpore's CPU backend (MCCL) has no
-ReduceScatter kernel: the engine there reduces the whole bucket and keeps this rank's slice,
-which moves twice a reduce-scatter's bytes (a warning says so once); the state saving holds.
+averages) in one compiled graph, the wrapped optimizer updates this rank's pieces, and the
+updated shards are all-gathered and assigned into every rank's network parameters, in place, in
+a second compiled graph (the engine's ``compiled_shard_step``). The reduce-scatter is an
+all-reduce and a slice (MCCL, MindSpore's CPU backend, has no ReduceScatter kernel), which moves
+twice a reduce-scatter's bytes (a warning says so once on MCCL); the state saving holds.
 
 Element-wise optimizers only (Momentum, SGD, Adam, AdamWeightDecay, ...): ``Lamb`` and
 ``LARS`` read whole-parameter norms that a piece does not have, and are refused, as is
@@ -135,6 +136,18 @@ class DistributedOptimizer:
         piece_of = {id(param): piece for piece, param in self._pieces.items()}
         self._inner_order = [piece_of[id(p)] for p in self.optimizer.parameters]  # the pieces as it lists them
         network._sharded_optimizer = True  # join() refuses: a joined rank cannot shadow this optimizer's steps
+        layout = self._layout
+        self._reduce_scatter, self._all_gather = engine.compiled_shard_step(
+            network._params,
+            [bucket.param_indices for bucket in layout.plan.buckets],
+            [shards.padded_numel - shards.numel for shards in layout.buckets],
+            [shards.shard_numel for shards in layout.buckets],
+            [
+                [self._pieces[piece] for piece in layout.bucket_pieces(b, engine.rank)]
+                for b in range(len(layout.buckets))
+            ],
+            network.manager.reduce_op,
+        )
         self._note_written()
         self._warn_mccl()
 
@@ -196,14 +209,12 @@ class DistributedOptimizer:
         _refuse_misordered(grads, self.parameters)  # packed by size alone, misordered ones would be used silently
         self._take_network_values()
         by_index = dict(zip(self._indices, grads))
-        piece_grads = {}
-        for bucket, shards in enumerate(self._layout.buckets):
-            pieces = self._layout.bucket_pieces(bucket, self.network.engine.rank)
-            sizes = [piece.numel for piece in pieces]  # the pieces fill the shard from its start; padding after
-            parts = _split(self._reduce_scatter(bucket, by_index), [*sizes, shards.shard_numel - sum(sizes)])
-            piece_grads.update((piece, fresh_copy(part)) for piece, part in zip(pieces, parts))
+        # one compiled graph each: op by op in PyNative they cost 5-10x the step's update (docs/sharding.md)
+        reduced = self._reduce_scatter(tuple(by_index[i] for i in range(len(self.network._params))))
+        piece_grads = dict(zip(self._rank_pieces, reduced))  # both bucket by bucket, in buffer order
         result = self.optimizer(tuple(piece_grads[piece] for piece in self._inner_order))
-        self._all_gather_parameters()
+        self._all_gather()  # every rank's updated shards, into every rank's network parameters, in place
+        self._note_written()
         return result
 
     def _note_written(self) -> None:
@@ -230,26 +241,6 @@ class DistributedOptimizer:
         for piece, holder in self._pieces.items():
             if which(piece):
                 holder.copy_(self._network_values(piece))
-
-    def _reduce_scatter(self, bucket: int, by_index: dict[int, ms.Tensor]) -> ms.Tensor:
-        """This rank's shard of bucket ``bucket``'s averaged gradients."""
-        engine, manager = self.network.engine, self.network.manager
-        spec, shards = self._layout.plan.buckets[bucket], self._layout.buckets[bucket]
-        parts = [by_index[i].reshape(-1) for i in spec.param_indices]
-        padding = shards.padded_numel - shards.numel
-        if padding:
-            parts.append(ms.ops.zeros(padding, parts[0].dtype))
-        shard = engine.reduce_scatter(ms.ops.cat(parts), "sum")
-        if manager.reduce_op == "avg":
-            engine.scale_(shard, 1.0 / engine.world_size)  # DistributedGradReducer's average: sum, then * 1/world
-        return shard
-
-    def _all_gather_parameters(self) -> None:
-        """Every rank's updated shards into every rank's network parameters."""
-        for index, values in self._gather(lambda piece: self._pieces[piece].value()):
-            param = self.network._params[index]
-            param.set_data(values.reshape(param.shape))
-        self._note_written()
 
     def _gather(self, value_of: Any) -> Iterator[tuple[int, ms.Tensor]]:
         """(parameter index, a copy of its flat values) for every parameter, all-gathered bucket by bucket from

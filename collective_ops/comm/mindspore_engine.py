@@ -205,6 +205,33 @@ class MindSporeEngine(Engine):
         scale = 1.0 / self._world if reduce_op == "avg" and self._world > 1 else None
         return CompiledReduction(buckets, numels, shapes, scale, getattr(ms, wire_dtype) if wire_dtype else None)
 
+    def compiled_shard_step(
+        self,
+        params: Sequence[Any],
+        buckets: Sequence[Sequence[int]],
+        padding: Sequence[int],
+        shard_numel: Sequence[int],
+        pieces: Sequence[Sequence[Any]],
+        reduce_op: str,
+    ) -> tuple[CompiledShardReduction, CompiledShardGather]:
+        """A sharded step's reduction and all-gather, each one compiled graph (:class:`CompiledShardReduction`,
+        :class:`CompiledShardGather`). ``pieces``: this rank's piece Parameters of each bucket, in buffer order;
+        ``reduce_op``: "avg" (times ``1/world``, as ``DistributedGradReducer(mean=True)``) or "sum"."""
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(f"a sharded step reduces by 'sum' or 'avg', got {reduce_op!r}")
+        scale = 1.0 / self._world if reduce_op == "avg" and self._world > 1 else None
+        sizes = [[int(p.size) for p in of_bucket] for of_bucket in pieces]
+        reduction = CompiledShardReduction(buckets, padding, shard_numel, sizes, self._rank, scale)
+        gather = CompiledShardGather(
+            params,
+            buckets,
+            [p for of_bucket in pieces for p in of_bucket],
+            [len(of_bucket) for of_bucket in pieces],
+            [int(n) - sum(of_bucket) for n, of_bucket in zip(shard_numel, sizes)],
+            padding,
+        )
+        return reduction, gather
+
     def shutdown(self, timeout: float | None = None) -> None:
         # Peers that exit while others still send fail after ~30 s: meet at a barrier first. The barrier
         # takes no timeout, and a dead peer would hold it forever: bounded here.
@@ -340,6 +367,116 @@ class CompiledReduction(nn.Cell):
             for k in range(len(bucket)):
                 out[bucket[k]] = ops.reshape(parts[k], self.shapes[bucket[k]])
         return tuple(out)
+
+
+class CompiledShardReduction(nn.Cell):
+    """A sharded step's reduction in one compiled graph: per bucket, the gradients concatenated (zeros to the
+    padded size), summed over the ranks, this rank's shard kept, scaled by ``1/world`` as
+    ``DistributedGradReducer(mean=True)`` averages, and cut into this rank's pieces (returned bucket by bucket,
+    in buffer order). The sum is an all-reduce and a slice, as the eager ``reduce_scatter`` composes it (MCCL
+    has no ReduceScatter kernel). In eager PyNative the same ops cost ~250 ms a step for a 1.6M-parameter MLP on
+    CPU, op by op (mindspore 2.10).
+
+    ``buckets``: each bucket's parameter indices; ``padding``: zeros after them; ``shard_numel``: each shard's
+    length; ``pieces``: the lengths of this rank's pieces of each bucket (they fill its shard from the start)."""
+
+    def __init__(
+        self,
+        buckets: Sequence[Sequence[int]],
+        padding: Sequence[int],
+        shard_numel: Sequence[int],
+        pieces: Sequence[Sequence[int]],
+        rank: int,
+        scale: float | None,
+    ) -> None:
+        super().__init__(auto_prefix=False)
+        self.buckets = tuple(tuple(b) for b in buckets)
+        self.padding = tuple(int(n) for n in padding)
+        self.bounds = tuple((rank * int(n), (rank + 1) * int(n)) for n in shard_numel)
+        # each bucket's pieces, and the shard's padding after them where there is any
+        self.sections = tuple(
+            tuple(int(n) for n in sizes) + ((int(shard) - sum(sizes),) if int(shard) > sum(sizes) else ())
+            for sizes, shard in zip(pieces, shard_numel)
+        )
+        self.counts = tuple(len(sizes) for sizes in pieces)
+        self.allreduce = ops.AllReduce()  # sum
+        self.scale = ms.Tensor(scale, ms.float32) if scale is not None else None
+        self.enable_tuple_broaden = True  # gradients are inputs, not constants: one compilation
+
+    @ms.jit(backend="ms_backend")
+    def construct(self, grads):
+        out = ()
+        previous = None
+        for b in range(len(self.buckets)):
+            parts = [ops.reshape(grads[i], (-1,)) for i in self.buckets[b]]
+            if self.padding[b]:
+                parts.append(ops.zeros(self.padding[b], parts[0].dtype))
+            flat = ops.concat(parts) if len(parts) > 1 else parts[0]
+            if previous is not None:  # in plan order on every rank: the graphs differ by rank (their slices)
+                flat = ops.depend(flat, previous)
+            flat = self.allreduce(flat)
+            previous = flat
+            shard = flat[self.bounds[b][0] : self.bounds[b][1]]
+            if self.scale is not None:
+                shard = shard * ops.cast(self.scale, shard.dtype)
+            if self.counts[b]:
+                cut = ops.split(shard, self.sections[b]) if len(self.sections[b]) > 1 else (shard,)
+                out = out + tuple(cut[: self.counts[b]])
+        return out
+
+
+class CompiledShardGather(nn.Cell):
+    """A sharded step's all-gather in one compiled graph: per bucket, this rank's updated pieces concatenated
+    (zeros for its shard's padding), all-gathered, cut into the bucket's parameters and assigned to them in
+    place. In eager PyNative (concatenate, all-gather, split, copy, ``set_data`` per parameter) it cost ~350 ms
+    a step for a 1.6M-parameter MLP on CPU (mindspore 2.10).
+
+    ``params``: the network's parameters (plan indices); ``pieces``: this rank's piece Parameters, bucket by
+    bucket in buffer order; ``counts``: how many of them each bucket has; ``shard_padding``: zeros after them in
+    each shard; ``padding``: zeros after each bucket's parameters."""
+
+    def __init__(
+        self,
+        params: Sequence[Any],
+        buckets: Sequence[Sequence[int]],
+        pieces: Sequence[Any],
+        counts: Sequence[int],
+        shard_padding: Sequence[int],
+        padding: Sequence[int],
+    ) -> None:
+        super().__init__(auto_prefix=False)  # the network's parameter names stay as they are
+        self.params = ms.ParameterTuple(params)
+        self.pieces = ms.ParameterTuple(pieces)
+        self.buckets = tuple(tuple(b) for b in buckets)
+        self.counts = tuple(int(n) for n in counts)
+        self.shard_padding = tuple(int(n) for n in shard_padding)
+        self.sections = tuple(
+            tuple(int(params[i].size) for i in bucket) + ((int(pad),) if pad else ())
+            for bucket, pad in zip(self.buckets, padding)
+        )
+        self.shapes = tuple(tuple(p.shape) for p in params)
+        self.allgather = ops.AllGather()
+
+    @ms.jit(backend="ms_backend")
+    def construct(self):
+        done = ()
+        first = 0
+        previous = None
+        for b in range(len(self.buckets)):
+            parts = [ops.reshape(self.pieces[k], (-1,)) for k in range(first, first + self.counts[b])]
+            first = first + self.counts[b]
+            if self.shard_padding[b]:
+                parts.append(ops.zeros(self.shard_padding[b], ms.float32))
+            shard = ops.concat(parts) if len(parts) > 1 else parts[0]
+            if previous is not None:  # in plan order on every rank: the graphs differ by rank (their pieces)
+                shard = ops.depend(shard, previous)
+            full = self.allgather(shard)
+            previous = full
+            values = ops.split(full, self.sections[b]) if len(self.sections[b]) > 1 else (full,)
+            for j in range(len(self.buckets[b])):
+                i = self.buckets[b][j]
+                done = done + (ops.assign(self.params[i], ops.reshape(values[j], self.shapes[i])),)
+        return done
 
 
 def init_mindspore(backend: str | None, *, device_id: int | None = None, algorithm: str | None = None):

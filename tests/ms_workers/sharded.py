@@ -133,7 +133,8 @@ if world == 2:  # world-independent checks: once
     # 3. checkpoint: the gathered state after 2 steps, loaded into a plain optimizer (the reference's loop) and into a
     #    new sharded one; both continue 2 steps as the sharded optimizer that saved it does
     net, opt = ours(*ADAM, steps=range(2))
-    saved_state, saved_weights = opt.gathered_state(), {p.name: p.asnumpy() for p in net.trainable_params()}
+    # copies: asnumpy() may share the parameter's memory, which the all-gather writes in place
+    saved_state, saved_weights = opt.gathered_state(), {p.name: p.asnumpy().copy() for p in net.trainable_params()}
     train(net.network, opt, lambda grads: grads, range(2, 4))
     out["resumed_ours"] = weights(net.network)
     plain_net = build(1)
