@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 from collective_ops.bucketing.schedule import (
     OrderTrial,
     StepProfile,
+    TimedStep,
     chunk_counts,
     chunked_profile,
     held_order,
     held_order_in_chunks,
+    median_step,
     plan_order,
     simulate_order,
     simulate_sharded,
@@ -197,6 +199,62 @@ def test_the_forward_timeline_pairs_a_backward_with_the_forward_around_it() -> N
     assert (
         list(profile.forward_order) == [1, 0] and 0.02 <= profile.forward_s[1] < 0.03 and profile.forward_start_s >= 0.0
     )
+
+
+def test_the_forward_timeline_profiles_the_median_of_its_recent_training_steps() -> None:
+    """One slow step (the latest, here) no longer sets the planner's profile alone: the median of the last three
+    steps timed. Before, the latest step was the profile: a slow one set a step bound the race then beat."""
+    import time
+    from types import SimpleNamespace
+
+    from collective_ops.adapters.torch_optimizer import ForwardTimeline
+
+    timeline = ForwardTimeline()
+    timeline.forward_started(follows_backward=False)
+    timeline.forward_ended()
+    timeline.settled()
+    for step, between in ((1, 0.01), (2, 0.01), (3, 0.06)):  # the forward's compute from bucket 1's need to 0's
+        now = time.perf_counter()
+        stats = SimpleNamespace(backward_start=now, finalize_start=now, ready_times={0: now, 1: now})
+        timeline.forward_started(follows_backward=True)
+        timeline.needed([1])
+        time.sleep(between)
+        timeline.needed([0])
+        timeline.forward_ended()
+        timeline.remember(stats, step)
+        timeline.settled()
+    plan = SimpleNamespace(buckets=[SimpleNamespace(param_indices=(i,), nbytes=4, numel=1) for i in (0, 1)])
+    profile = timeline.profile(stats, plan)
+    assert list(profile.forward_order) == [1, 0] and 0.01 <= profile.forward_s[1] < 0.04, profile.forward_s
+
+
+def _timed(step: int, scale: float) -> TimedStep:
+    """A step whose every time is ``scale`` times a base step's (a slower or faster run of the same step)."""
+    ready = {0: 1.0 * scale, 1: 2.0 * scale, 2: 3.0 * scale, 3: 4.0 * scale}
+    need = {3: 0.0, 2: 5.0 * scale, 1: 6.0 * scale, 0: 9.0 * scale}
+    return TimedStep(step, ready, 4.0 * scale, need, 12.0 * scale, None, 1.0 * scale)
+
+
+def test_the_median_of_timed_steps_takes_each_times_middle_value() -> None:
+    assert median_step([_timed(2, 1.0)]) == _timed(2, 1.0)
+    assert median_step([_timed(1, 1.5), _timed(2, 1.0), _timed(3, 0.9)]) == _timed(3, 1.0)  # the slow one left out
+    partly = TimedStep(4, {0: 2.0}, 4.0, {}, 12.0, 0.5, 1.0)  # parameter 0's gradient alone timed; a start measured
+    median = median_step([_timed(1, 1.0), _timed(2, 1.0), partly])
+    assert median.ready_s == _timed(1, 1.0).ready_s and median.forward_start_s == 0.5
+    with pytest.raises(ValueError, match="at least one"):
+        median_step([])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.floats(0.001, 1.0), min_size=5, max_size=5), min_size=1, max_size=5))
+def test_times_ordered_alike_in_every_step_keep_that_order_in_the_median(gaps: list[list[float]]) -> None:
+    steps = []
+    for step, row in enumerate(gaps):
+        times = [sum(row[: k + 1]) for k in range(5)]  # increasing within each step
+        steps.append(TimedStep(step, dict(enumerate(times[:4])), times[4], {}, 1.0, None, 0.0))
+    median = median_step(steps)
+    ready = [median.ready_s[i] for i in range(4)]
+    assert ready == sorted(ready) and median.backward_end_s >= ready[-1]
 
 
 def test_a_step_profile_for_any_bucketing_from_per_parameter_times() -> None:

@@ -43,11 +43,12 @@ from ..bucketing.schedule import (
     OrderTrial,
     Price,
     StepProfile,
+    TimedStep,
     best_first,
     chunk_counts,
+    median_step,
     plan_order,
     step_bound,
-    step_profile,
 )
 from ..bucketing.updates import PendingUpdates
 from . import _framework_of
@@ -780,6 +781,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._advance_trial(stats)
             return
         if self._times_forward():
+            if self.model.module.training and torch.is_grad_enabled():  # a training step's forward, not an evaluation
+                self._timeline.remember(stats, manager.steps_synced)
             self._timeline.settled()
         planning = self._plans_schedule()
         if (
@@ -925,8 +928,13 @@ class ForwardTimeline:
 
     With the end of the forward before the last backward and that backward's timings, that is
     the planner's :class:`StepProfile`: the simulated step then charges the forward what it
-    really costs.
+    really costs. The planner takes the median of the last few such steps (:func:`median_step`):
+    one step's times swing by ±10-15% on a busy host (a scratch run, loopback, 2 ranks: backward 163-218 ms
+    in 16 consecutive steps), and a profile from a slow one set a step bound that the race then beat.
     """
+
+    REMEMBERED = 3  # timed steps the profile is the median of
+    RECENT = 4  # ... taken within this many synchronised steps of the latest
 
     def __init__(self) -> None:
         self._start: float | None = None
@@ -936,6 +944,7 @@ class ForwardTimeline:
         # when the latest forwards returned, with what their end settled (a rebuild, an auto-tune): wall clock
         self._ends: deque[float] = deque(maxlen=4)
         self._follows_backward = False
+        self._timed: deque[TimedStep] = deque(maxlen=self.REMEMBERED)
 
     def forward_started(self, follows_backward: bool) -> None:
         """``follows_backward``: the last backward's reductions are still in flight, so nothing else (another
@@ -980,14 +989,32 @@ class ForwardTimeline:
         (which ran before this forward) and this forward; ``shares``: the row-sparse tables' sent share;
         ``itemsize``: a compressing hook's element size on the wire."""
         shares = shares or {}
-        origin = stats.backward_start
-        end = stats.finalize_start or origin
-        return step_profile(
+        newest = max((t.step for t in self._timed), default=0)
+        recent = [t for t in self._timed if t.step >= newest - self.RECENT]
+        timed = median_step(recent) if recent else self._timed_step(stats, step=-1)
+        return timed.profile(
             [bucket.param_indices for bucket in plan.buckets],
             [wire_nbytes(bucket, shares, itemsize) for bucket in plan.buckets],
+        )
+
+    def remember(self, stats: Any, step: int) -> None:
+        """Keep the step just timed (the backward of ``stats``, synchronised step ``step``, and this forward)
+        among the last :attr:`REMEMBERED`, where it is complete; a later forward after the same backward
+        replaces it."""
+        if stats.backward_start is None or not self.complete(stats.backward_start):
+            return
+        if self._timed and self._timed[-1].step == step:
+            self._timed.pop()
+        self._timed.append(self._timed_step(stats, step))
+
+    def _timed_step(self, stats: Any, step: int) -> TimedStep:
+        origin = stats.backward_start
+        end = stats.finalize_start or origin
+        return TimedStep(
+            step,
             {i: t - origin for i, t in stats.ready_times.items()},
             end - origin,
-            self._need_s,
+            dict(self._need_s),
             self._end_s,
             # measured where nothing else ran since backward; else (a synchronize(), another model's steps) at its end
             self._start - origin if self._follows_backward else None,

@@ -73,6 +73,60 @@ class OrderPrediction:
         return self.order == tuple(range(len(self.order)))
 
 
+@dataclass(frozen=True)
+class TimedStep:
+    """One timed step, per parameter (any bucketing of it), in seconds from its backward's first gradient:
+    when each gradient was ready, when backward ended, when the next forward first needed each parameter (on a
+    clock of its compute that ends at ``forward_end_s``), when that forward started (None: not measured) and
+    the lead before the backward (from a forward's end to its first gradient). ``step``: which synchronised
+    step's backward it timed."""
+
+    step: int
+    ready_s: Mapping[int, float]
+    backward_end_s: float
+    need_s: Mapping[int, float]
+    forward_end_s: float
+    forward_start_s: float | None
+    lead_s: float
+
+    def profile(self, buckets: Sequence[Sequence[int]], nbytes: Sequence[int]) -> StepProfile:
+        """This step as the planner sees it bucketed as ``buckets`` (:func:`step_profile`)."""
+        return step_profile(
+            buckets,
+            nbytes,
+            self.ready_s,
+            self.backward_end_s,
+            self.need_s,
+            self.forward_end_s,
+            self.forward_start_s,
+            self.lead_s,
+        )
+
+
+def median_step(steps: Sequence[TimedStep]) -> TimedStep:
+    """Each time the median over ``steps`` (a parameter's over the steps that timed it), so one slow step (a
+    late thread, a noisy neighbour) does not decide the plan alone; with two steps, their mean. Order-preserving:
+    times ordered alike in every step keep that order."""
+    if not steps:
+        raise ValueError("median_step needs at least one timed step")
+    median = statistics.median
+
+    def per_key(maps: Sequence[Mapping[int, float]]) -> dict[int, float]:
+        keys = {k for m in maps for k in m}
+        return {k: median([m[k] for m in maps if k in m]) for k in keys}
+
+    starts = [s.forward_start_s for s in steps if s.forward_start_s is not None]
+    return TimedStep(
+        step=max(s.step for s in steps),
+        ready_s=per_key([s.ready_s for s in steps]),
+        backward_end_s=median([s.backward_end_s for s in steps]),
+        need_s=per_key([s.need_s for s in steps]),
+        forward_end_s=median([s.forward_end_s for s in steps]),
+        forward_start_s=median(starts) if starts else None,
+        lead_s=median([s.lead_s for s in steps]),
+    )
+
+
 def step_profile(
     buckets: Sequence[Sequence[int]],
     nbytes: Sequence[int],
