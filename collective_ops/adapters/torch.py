@@ -64,6 +64,12 @@ def _storage_layout(p: torch.Tensor) -> tuple:
     return p.dtype, p.device, p.stride(), p.data_ptr()
 
 
+def called_by_torch_dcp() -> bool:
+    """Whether the function that calls this was called from torch.distributed.checkpoint's state-dict module
+    (:data:`TORCH_DCP_MODULE`): what it reads (parameter names, optimizer groups) it reads for checkpoints."""
+    return sys._getframe(2).f_globals.get("__name__") == TORCH_DCP_MODULE
+
+
 def _same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one shape lay out their elements alike (strides of size-1 dims say nothing)."""
     return all(size == 1 or x == y for size, x, y in zip(a.shape, a.stride(), b.stride()))
@@ -702,7 +708,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         optimizer = self.optimizer
         if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
             optimizer.synchronize()
-        if sys._getframe(1).f_globals.get("__name__") == TORCH_DCP_MODULE:
+        if called_by_torch_dcp():
             # torch.distributed.checkpoint names optimizer state by these; it drops torch DDP's "module." prefix
             # only: without ours too, the checkpoints' optimizer entries would not match the model's keys
             return self.module.named_parameters(*args, **kwargs)

@@ -23,7 +23,6 @@ would interleave differently on each rank with the forward's buffer broadcast or
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
 
@@ -39,7 +38,7 @@ from ..bucketing.schedule import OrderPrediction, simulate_sharded
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
 from ._options import names_text
-from .torch import TORCH_DCP_MODULE, DistributedDataParallel, view_like
+from .torch import DistributedDataParallel, called_by_torch_dcp, view_like
 from .torch_inplace import InPlaceGuard
 from .torch_optimizer import DistributedOptimizer, frozen_setting
 from .torch_optimizer_set import given_optimizers
@@ -91,7 +90,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         optimizer numbers the model's parameters) through them, the model's parameters instead (settings written
         there, as its zero-lr initial step does, reach the groups)."""
         groups = DistributedOptimizer.param_groups.fget(self)
-        if sys._getframe(1).f_globals.get("__name__") != TORCH_DCP_MODULE:
+        if not called_by_torch_dcp():
             return groups
         return [_ModelParamsGroup(group, params) for group, params in zip(groups, self._model_groups)]
 
@@ -837,8 +836,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         weights disagree with are taken: the same checkpoint's masters keep their fp32 digits, whichever of the
         two was loaded first."""
         own = {self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index}
-        if own:
-            self.synchronize()
+        if own:  # (nothing is in flight: the module's load pre-hook, _before_load, finished it)
             self._take_params_into_masters(only_changed=self._masters_loaded, params=own)
 
     def reload_model_params(self) -> None:

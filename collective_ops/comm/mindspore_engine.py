@@ -202,7 +202,7 @@ class MindSporeEngine(Engine):
             wire_dtype = None
         if reduce_op not in ("sum", "avg") or (wire_dtype or dtype) not in supported:
             return None
-        scale = 1.0 / self._world if reduce_op == "avg" and self._world > 1 else None
+        scale = self._average_scale(reduce_op)
         return CompiledReduction(buckets, numels, shapes, scale, getattr(ms, wire_dtype) if wire_dtype else None)
 
     def compiled_shard_step(
@@ -219,7 +219,7 @@ class MindSporeEngine(Engine):
         ``reduce_op``: "avg" (times ``1/world``, as ``DistributedGradReducer(mean=True)``) or "sum"."""
         if reduce_op not in ("sum", "avg"):
             raise ValueError(f"a sharded step reduces by 'sum' or 'avg', got {reduce_op!r}")
-        scale = 1.0 / self._world if reduce_op == "avg" and self._world > 1 else None
+        scale = self._average_scale(reduce_op)
         sizes = [[int(p.size) for p in of_bucket] for of_bucket in pieces]
         reduction = CompiledShardReduction(buckets, padding, shard_numel, sizes, self._rank, scale)
         gather = CompiledShardGather(
@@ -231,6 +231,10 @@ class MindSporeEngine(Engine):
             padding,
         )
         return reduction, gather
+
+    def _average_scale(self, reduce_op: str) -> float | None:
+        """What a compiled reduction multiplies the sum by: ``1/world`` to average (None: a sum, or one rank)."""
+        return 1.0 / self._world if reduce_op == "avg" and self._world > 1 else None
 
     def shutdown(self, timeout: float | None = None) -> None:
         # Peers that exit while others still send fail after ~30 s: meet at a barrier first. The barrier
