@@ -760,6 +760,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
             "consolidate_to_no_rank": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True
             ).consolidate_state_dict(to=2),
+            "consolidate_to_text": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True
+            ).consolidate_state_dict(to="0"),
         }
     )
 
@@ -1112,7 +1115,8 @@ def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     assert "shard=False" in errors["not_elementwise"] and "assume_elementwise=True" in errors["not_elementwise"]
     assert "LoggingAdamW is not known" in errors["subclass"]
     assert "option of the sharded optimizer" in errors["assumed_unsharded"]
-    assert "to must be a rank, 0 to 1" in errors["consolidate_to_no_rank"], errors["consolidate_to_no_rank"]
+    for case in ("consolidate_to_no_rank", "consolidate_to_text"):
+        assert "to must be a rank, an int from 0 to 1" in errors[case], errors[case]
     assert two_ranks[0]["assumed"] == "ShardedDistributedOptimizer"
 
 

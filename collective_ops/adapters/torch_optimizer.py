@@ -427,8 +427,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """torch's ``ZeroRedundancyOptimizer`` checkpoint idiom (``opt.consolidate_state_dict(to=0)``, then
         ``opt.state_dict()`` on rank 0): unsharded, every rank already holds the whole state, so nothing moves."""
         world = self.model.engine.world_size
-        if not 0 <= to < world:
-            raise ValueError(f"consolidate_state_dict(to={to}): to must be a rank, 0 to {world - 1}")
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
+            raise ValueError(f"consolidate_state_dict(to={to!r}): to must be a rank, an int from 0 to {world - 1}")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.synchronize()
