@@ -1,10 +1,12 @@
 """Where a step's time goes: forward, backward and optimizer step, DDP against wrap with and without DistributedOptimizer.
 
     python benchmarks/optimizer_phases.py --link 1gbit --model transformer-5m
+    python benchmarks/optimizer_phases.py --link 1gbit --optimizer adamw --bucket-size-mb auto --shard
 
 Each setup trains ``--steps`` steps in turn (the loop: forward, zero_grad, backward, step) and
 reports the median of each phase on rank 0, plus, for the DistributedOptimizer, the time its
-forward pre-hooks spent finishing buckets (waiting for reductions, then updating).
+forward pre-hooks spent finishing buckets (waiting for reductions, then updating; sharded also
+waiting for all-gathers). ``--shard`` adds ``DistributedOptimizer(shard=True)``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,28 @@ def _phases(model, optimizer, batches: list, steps: int) -> dict:
     return {phase: statistics.median(values) * 1e3 for phase, values in record.items()}
 
 
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}), "adamw": (torch.optim.AdamW, {"lr": 1e-4})}
+
+
+def _time_forward_waits() -> list[float]:
+    """Seconds each DistributedOptimizer forward pre-hook spends finishing buckets (and, sharded, waiting for
+    all-gathers), appended to the list returned; patched on the classes, as the hooks hold bound methods."""
+    from collective_ops.adapters.torch_optimizer import DistributedOptimizer
+    from collective_ops.adapters.torch_sharded import ShardedDistributedOptimizer
+
+    waits: list[float] = []
+    for cls in (DistributedOptimizer, ShardedDistributedOptimizer):
+        hook = cls.__dict__["_before_forward_of"]
+
+        def timed(self, module: nn.Module, args, hook=hook) -> None:
+            start = time.perf_counter()
+            hook(self, module, args)
+            waits.append(time.perf_counter() - start)
+
+        cls._before_forward_of = timed
+    return waits
+
+
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     import collective_ops as co
 
@@ -51,28 +75,25 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     _, batch = build_model(args.model)
     gen = torch.Generator().manual_seed(rank)
     batches = [batch(gen) for _ in range(4)]
+    optimizer_class, settings = OPTIMIZERS[args.optimizer]
+    ddp_bucket = 25.0 if args.bucket_size_mb == "auto" else args.bucket_size_mb
     out = {}
+    waits = _time_forward_waits()
     model, _ = build_model(args.model)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_size_mb)
-    out["DDP"] = _phases(ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9), batches, args.steps)
-    model, _ = build_model(args.model)
-    wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
-    out["wrap"] = _phases(wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3, momentum=0.9), batches, args.steps)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket)
+    out["DDP"] = _phases(ddp, optimizer_class(ddp.parameters(), **settings), batches, args.steps)
     model, _ = build_model(args.model)
     wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
-    optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=1e-3, momentum=0.9)
-    finishing = []
-    finish = optimizer._finish
-
-    def timed_finish(buckets: list[int], module: str = "") -> None:
-        start = time.perf_counter()
-        finish(buckets, module)
-        finishing.append(time.perf_counter() - start)
-
-    optimizer._finish = timed_finish
-    out["wrap + DistributedOptimizer"] = _phases(wrapped, optimizer, batches, args.steps)
-    out["wrap + DistributedOptimizer"]["finishing buckets"] = sum(finishing) / args.steps * 1e3
-    optimizer.synchronize()
+    out["wrap"] = _phases(wrapped, optimizer_class(wrapped.parameters(), **settings), batches, args.steps)
+    for shard in (False, True) if args.shard else (False,):
+        model, _ = build_model(args.model)
+        wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
+        optimizer = co.DistributedOptimizer(wrapped, optimizer_class, shard=shard, **settings)
+        waits.clear()
+        label = f"DistributedOptimizer{'(shard=True)' if shard else ''}"
+        out[label] = _phases(wrapped, optimizer, batches, args.steps)
+        out[label]["finishing buckets"] = sum(waits) / args.steps * 1e3
+        optimizer.synchronize()
     co.barrier()
     co.shutdown()
     if rank == 0:
@@ -83,23 +104,30 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--model", choices=MODELS, default="transformer-5m")
-    parser.add_argument("--bucket-size-mb", type=float, default=1.0)
+    parser.add_argument("--bucket-size-mb", type=_size, default=1.0, help="MiB, or auto (DDP then 25)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    parser.add_argument("--shard", action="store_true", help="also DistributedOptimizer(shard=True)")
     parser.add_argument("--steps", type=int, default=8)
     outcome = run_benchmark(parser, argv, rank_main)
     if isinstance(outcome, int):
         return outcome
     args, out = outcome
     print(
-        f"# optimizer_phases: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb:g} MiB, SGD"
+        f"# optimizer_phases: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb} MiB, "
+        f"{args.optimizer}"
     )
-    print(f"  {'setup':<28} {'forward':>8} {'backward':>9} {'step':>6} {'finishing buckets':>18}  (median ms, rank 0)")
+    print(f"  {'setup':<34} {'forward':>8} {'backward':>9} {'step':>6} {'finishing buckets':>18}  (median ms, rank 0)")
     for setup, phases in out.items():
         extra = phases.get("finishing buckets")
         print(
-            f"  {setup:<28} {phases['forward']:>8.1f} {phases['backward']:>9.1f} {phases['step']:>6.1f} "
+            f"  {setup:<34} {phases['forward']:>8.1f} {phases['backward']:>9.1f} {phases['step']:>6.1f} "
             + (f"{extra:>18.1f}" if extra is not None else "")
         )
     return 0
+
+
+def _size(value: str) -> float | str:
+    return value if value == "auto" else float(value)
 
 
 if __name__ == "__main__":
