@@ -6,7 +6,8 @@ is set. ``--device cpu`` runs the same checks on Gloo/CPU, to try the script whe
 is no GPU. Never part of CI.
 
 Checks:
-- ``gloo2``: 2 ranks, Gloo with CUDA tensors: wrap == DDP after 3 steps (MLP, channels_last
+- ``gloo2``: 2 ranks, Gloo with CUDA tensors: wrap == DDP after 3 steps (MLP; MLP given
+  ``device_ids`` and host inputs, which both move onto the GPU; channels_last
   CNN, transformer; gradient views keep channels_last), primitives on CUDA tensors vs numpy;
 - ``nccl1``: world size 1 on NCCL: the same equality, primitives, ``bench.run_sweep``,
   ``co.tune`` and ``wrap(bucket_size_mb="auto")`` (every bookkeeping collective on the GPU);
@@ -80,6 +81,15 @@ def equality_checks(rank: int, device: str) -> dict:
             p.grad.stride() == p.stride() for p in wrapped.module.parameters() if p.grad is not None and p.dim() == 4
         )
         results[name] = {"differ": differ, "layouts_kept": layouts_kept}
+    if device != "cpu":  # DDP's device_ids: inputs given on the host are moved onto the model's device, as by DDP
+        ids = [torch.device(device).index or 0]
+        host_inputs = [(x, y.to(device)) for x, y in (rank_batch(MODELS["mlp"], step, rank) for step in range(3))]
+        ddp = _steps(torch.nn.parallel.DistributedDataParallel(build("mlp").to(device), device_ids=ids), host_inputs)
+        ours = _steps(co.wrap(build("mlp").to(device), device_ids=ids), host_inputs)
+        results["mlp, device_ids, host inputs"] = {
+            "differ": [k for k in ddp if not np.array_equal(ddp[k], ours[k])],
+            "layouts_kept": True,
+        }
     return results
 
 

@@ -334,6 +334,44 @@ def feature_checks(rank: int, world: int) -> dict:
     }
     out["errors"] = collect_errors(cases, (ValueError, TypeError, ModelMismatchError))
 
+    # DDP's constructor keywords, for code ported from DDP: what DDP takes trains as DDP does with them (a CNN
+    # with BatchNorm buffers), init_sync=False leaves each rank its own weights as DDP does, the rest refused
+    ported = {
+        "bucket_cap_mb": 1,
+        "static_graph": True,
+        "check_reduction": False,
+        "dim": 0,
+        "process_group": dist.group.WORLD,
+        "device_ids": None,
+        "output_device": None,
+        "forward_sync_buffers": False,  # (BatchNorm running statistics then stay each rank's own)
+    }
+    out["ported_ours"] = snapshot(_train(co.wrap(build("cnn"), **ported), SmallCNN, rank, world, "adam").module)
+    ddp = nn.parallel.DistributedDataParallel(build("cnn"), **ported)
+    out["ported_ddp"] = snapshot(_train(ddp, SmallCNN, rank, world, "adam").module)
+    unsynced = co.wrap(build("mlp", seed=rank), init_sync=False)
+    out["unsynced_ours"] = snapshot(_train(unsynced, MLP, rank, world, "sgd", steps=2).module)
+    ddp = nn.parallel.DistributedDataParallel(build("mlp", seed=rank), init_sync=False)
+    out["unsynced_ddp"] = snapshot(_train(ddp, MLP, rank, world, "sgd", steps=2).module)
+    first_rank_only = dist.new_group([0])  # (every rank makes it; rank 1 is not in it)
+    ddp_refusals = {
+        "device_ids_cpu": lambda: nn.parallel.DistributedDataParallel(build("mlp"), device_ids=[0]),
+        "output_device_cpu": lambda: nn.parallel.DistributedDataParallel(build("mlp"), output_device=1),
+    }
+    out["ddp_keyword_errors_ddp"] = collect_errors(ddp_refusals, (ValueError,))
+    out["ddp_keyword_errors"] = collect_errors(
+        {
+            "device_ids_cpu": lambda: co.wrap(build("mlp"), device_ids=[0]),
+            "output_device_cpu": lambda: co.wrap(build("mlp"), output_device=1),
+            "subgroup": lambda: co.wrap(build("mlp"), process_group=first_rank_only),
+            "mixed_precision": lambda: co.wrap(build("mlp"), mixed_precision=object()),
+            "static_graph_text": lambda: co.wrap(build("mlp"), static_graph="yes"),
+            "sync_names_disagree": lambda: co.wrap(build("mlp"), forward_sync_buffers=False, broadcast_buffers=True),
+            "init_sync_differs": lambda: co.wrap(build("mlp"), init_sync=rank == 0),
+        },
+        (ValueError, TypeError, ModelMismatchError),
+    )
+
     # conversions after wrap(): refused where they change what the buckets were laid out for (they trained on,
     # averaging stale or reordered elements, the ranks parting silently); conversions that change nothing pass
     def converted(convert, train_mode: bool = True) -> None:
@@ -508,6 +546,18 @@ def test_adapter_features(world: int) -> None:
         assert "'avg' or 'sum'" in errors["bad_reduce_op"]
         assert "unknown compression 'int8'" in errors["bad_compression"]
         assert "torch.nn.Module or a mindspore.nn.Cell" in errors["not_a_model"]
+        assert_identical(out["ported_ours"], out["ported_ddp"], "DDP's keywords vs DDP with them")
+        assert_identical(out["unsynced_ours"], out["unsynced_ddp"], "init_sync=False vs DDP's")
+        assert all(out["ddp_keyword_errors_ddp"].values()), out["ddp_keyword_errors_ddp"]  # refused by DDP too
+        keyword_errors = out["ddp_keyword_errors"]
+        for name in ("device_ids_cpu", "output_device_cpu"):
+            assert "Leave them out for a CPU model" in (keyword_errors[name] or ""), keyword_errors
+        assert "data parallel over a subset of them" in (keyword_errors["subgroup"] or ""), keyword_errors
+        assert "DDP's mixed_precision is not supported" in (keyword_errors["mixed_precision"] or ""), keyword_errors
+        assert "static_graph must be True or False" in (keyword_errors["static_graph_text"] or ""), keyword_errors
+        assert "disagree" in (keyword_errors["sync_names_disagree"] or ""), keyword_errors
+        message = keyword_errors["init_sync_differs"] or ""
+        assert "ModelMismatchError" in message and "init_sync" in message, keyword_errors
         conversions = out["conversion_errors"]
         for name in ("channels_last", "double", "channels_last_eval_backward"):
             message = conversions[name] or ""
@@ -529,3 +579,6 @@ def test_adapter_features(world: int) -> None:
         for name in ("frozen_extra", "reassigned", "parametrized", "new_head_unwrapped"):
             assert conversions[name] is None, conversions
     assert len({out["rebuild"][2] for out in results}) == 1, "rebuilt plans differ across ranks"
+    # init_sync=False: each rank kept its own initial weights (as DDP), so the ranks still differ
+    first, second = results[0]["unsynced_ours"], results[1]["unsynced_ours"]
+    assert not all(np.array_equal(first[name], second[name]) for name in first), "init_sync=False synced the ranks"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .ddp_keywords import translate_ddp_keywords
+
 
 def _framework_of(model: Any) -> str | None:
     for cls in type(model).__mro__:
@@ -17,13 +19,7 @@ def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
     """Wrap a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` for data-parallel training."""
     if type(model).__module__.startswith(__name__ + "."):
         raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
-    if "bucket_cap_mb" in options:  # DDP's name for the same setting (MiB in both)
-        cap = options.pop("bucket_cap_mb")
-        if bucket_size_mb != 25.0 and bucket_size_mb != cap:
-            raise ValueError(
-                f"bucket_cap_mb={cap!r} (DDP's name) and bucket_size_mb={bucket_size_mb!r} disagree: give one, in MiB"
-            )
-        bucket_size_mb = cap
+    bucket_size_mb = translate_ddp_keywords(bucket_size_mb, 25.0, options)  # (DDP's names, ported code)
     framework = _framework_of(model)
     if framework == "torch":
         from .torch import wrap as wrap_torch

@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ._options import names_text, resolve_options
 from .torch_ddp_hooks import DDPCommHook, ddp_comm_hook
+from .torch_ddp_keywords import check_flags, check_process_group, input_device, inputs_to
 from .torch_inplace import InPlaceGuard
 from .torch_model_watch import PlannedParameters, watch
 
@@ -88,6 +89,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     # The attached DistributedOptimizer, weakly (attach_optimizer); a class default, so that the optimizer
     # property (which named_parameters asks) answers None on an instance whose __init__ has not set it yet.
     _optimizer_ref: weakref.ref | None = None
+    # Where each forward moves its inputs (DDP's device_ids[0]); None: left as given.
+    _input_device: torch.device | None = None
 
     def __init__(
         self,
@@ -107,6 +110,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         auto_tune_step: int = 2,
         row_sparse_embeddings: bool | str = "auto",
         check_step_alignment: bool = True,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        init_sync: bool = True,
+        process_group: Any = None,
+        static_graph: bool = False,
+        check_reduction: bool = False,
     ) -> None:
         super().__init__()
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
@@ -154,6 +164,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to synchronize")
         _refuse_unsupported(module, named)
         self._params = [p for _, p in named]
+        # DDP's keywords, for code ported from it: static_graph and check_reduction ask nothing of the buckets (a
+        # model whose graph changes trains either way), dim matters only to the multi-device DDP of old
+        check_flags(dim=dim, init_sync=init_sync, static_graph=static_graph, check_reduction=check_reduction)
+        check_process_group(process_group, self.engine.world_size)
+        self._input_device = input_device(self._params, device_ids, output_device)
         self._param_names = [n for n, _ in named]
 
         # the built-in reductions send rows (a custom comm_hook reduces the whole bucket)
@@ -174,8 +189,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             "reduce_op": reduce_op,
             "compression": compression,
             "comm_hook": comm_hook,
+            "init_sync": init_sync,
         }
-        self._verify_and_broadcast(plan, options_entry(options))
+        self._verify_and_broadcast(plan, options_entry(options), init_sync)
         self.manager = BucketManager(
             plan,
             self.engine,
@@ -225,9 +241,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             logger.info("%s", plan.describe())
 
     # -- wrap time -----------------------------------------------------------------
-    def _verify_and_broadcast(self, plan: BucketPlan, options: tuple) -> None:
+    def _verify_and_broadcast(self, plan: BucketPlan, options: tuple, broadcast: bool = True) -> None:
         """Every rank must hold the same model, plan the same buckets and pass the same collective-deciding
-        options (an entry), or none starts training."""
+        options (an entry), or none starts training; then rank 0's weights are every rank's (``broadcast``; DDP's
+        ``init_sync=False`` leaves each rank its own, where the caller made them equal)."""
         signature = [
             ("parameter", n, {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "requires_grad": p.requires_grad})
             for n, p in self.module.named_parameters()
@@ -238,7 +255,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         ]
         signature += [plan_entry(plan), options]
         check_same_on_all_ranks(signature, self.engine.allgather_bytes)
-        if self.engine.world_size > 1:
+        if broadcast and self.engine.world_size > 1:
             self._broadcast_model(src=0)
 
     def _broadcast_model(self, src: int) -> None:
@@ -754,6 +771,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._input_device is not None:  # device_ids given: inputs moved onto the model's device, as by DDP
+            args, kwargs = inputs_to(self._input_device, args, kwargs)
         if torch.compiler.is_compiling():  # (eager calls never touch dynamo: importing it made exits abort)
             # Under torch.compile the module's forward is the graph; what comes before and after it runs as
             # Python, not traced (dynamo inlined the optimizer's per-module hooks: 34 graphs for a 3-layer MLP).

@@ -1,0 +1,79 @@
+"""DDP's constructor keywords that concern torch only: ``device_ids``/``output_device`` (inputs moved onto the
+model's device, as DDP moves them), ``process_group`` (the whole world only) and the flags that ask nothing of
+us (``static_graph``, ``check_reduction``, ``dim``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.utils import _to_kwargs  # DDP's own mover of a forward's inputs
+
+
+def input_device(
+    params: Sequence[torch.Tensor], device_ids: Sequence[Any] | None, output_device: Any
+) -> torch.device | None:
+    """Where each forward moves its inputs: DDP's ``device_ids[0]``, for a model on one accelerator; None for a CPU
+    model or no ``device_ids`` (inputs left as given). Raises ValueError where DDP would, and where the ids name
+    another device than the model's (DDP would move the inputs there and the forward fail on mixed devices)."""
+    device = params[0].device
+    if not device_ids or device.type == "cpu":
+        if device_ids or output_device:  # (DDP's own test: output_device=0 passes it)
+            raise ValueError(
+                f"device_ids={device_ids!r} / output_device={output_device!r} given for a model on {device}: as for "
+                "DDP, they only name the one accelerator a model is on. Leave them out for a CPU model"
+            )
+        return None
+    if len(device_ids) != 1:
+        raise ValueError(
+            f"device_ids={list(device_ids)!r}: one device per process, as DDP takes it (device_ids=[local_rank]); "
+            "start one process per device"
+        )
+    target = torch.device(device.type, _index(device_ids[0], device))
+    if target != device:
+        raise ValueError(
+            f"device_ids={list(device_ids)!r}, but the model's parameters are on {device}: move the model to "
+            f"{target} before wrap(), or pass device_ids=[{device.index}]"
+        )
+    if output_device is not None and _index(output_device, device) != device.index:
+        raise ValueError(
+            f"output_device={output_device!r}: the outputs stay on the model's device ({device}), as DDP leaves them "
+            "for a model on one device; leave output_device out or give the same device"
+        )
+    return target
+
+
+def inputs_to(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The forward's tensors moved onto ``device`` (nested in tuples, lists, dicts, dataclasses, as DDP does)."""
+    moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, False)
+    return moved_args[0], moved_kwargs[0]
+
+
+def check_process_group(group: Any, world_size: int) -> None:
+    """``process_group`` may only be the whole world (None, ``dist.group.WORLD`` or a group of every rank)."""
+    if group is None:
+        return
+    size = dist.get_world_size(group) if group is not dist.GroupMember.NON_GROUP_MEMBER else -1
+    if size != world_size:
+        raise ValueError(
+            f"process_group of {size if size > 0 else 'not this rank:'} ranks: wrap() reduces over every rank of "
+            f"the default process group ({world_size}); data parallel over a subset of them (beside tensor or "
+            "pipeline parallel) is not supported. Leave process_group out"
+        )
+
+
+def check_flags(**flags: Any) -> None:
+    """DDP's flags that change nothing here must still be what DDP takes (a typo'd value is not ignored)."""
+    for name, value in flags.items():
+        expected = int if name == "dim" else bool
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise TypeError(f"{name} must be {'an int' if expected is int else 'True or False'}, got {value!r}")
+
+
+def _index(device: Any, model_device: torch.device) -> int | None:
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return model_device.index if index is None else index
