@@ -353,6 +353,30 @@ def feature_checks(rank: int, world: int) -> dict:
     out["unsynced_ours"] = snapshot(_train(unsynced, MLP, rank, world, "sgd", steps=2).module)
     ddp = nn.parallel.DistributedDataParallel(build("mlp", seed=rank), init_sync=False)
     out["unsynced_ddp"] = snapshot(_train(ddp, MLP, rank, world, "sgd", steps=2).module)
+
+    # a p.grad kept across zero_grad(set_to_none=True) (no clone): view mode's next backward overwrites it, where
+    # DDP's default keeps it; said once. Not said where nothing is kept, nor in copy mode (kept there, as DDP)
+    def kept_gradient(keep: bool, as_view: bool = True) -> tuple[list[str], float]:
+        model = co.wrap(build("mlp"), gradient_as_bucket_view=as_view)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        kept: list = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                x, y = rank_batch(MLP, step, rank)
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(x), y).backward()
+                if keep and step == 1:
+                    kept, values = [p.grad for p in model.parameters()], [p.grad.clone() for p in model.parameters()]
+                optimizer.step()
+        changed = max(((a - b).abs().max().item() for a, b in zip(kept, values)), default=0.0) if keep else 0.0
+        return [str(w.message) for w in caught if "still referenced" in str(w.message)], changed
+
+    out["kept_gradient"] = {
+        "view": kept_gradient(True),
+        "view_nothing_kept": kept_gradient(False),
+        "copy": kept_gradient(True, as_view=False),
+    }
     first_rank_only = dist.new_group([0])  # (every rank makes it; rank 1 is not in it)
     ddp_refusals = {
         "device_ids_cpu": lambda: nn.parallel.DistributedDataParallel(build("mlp"), device_ids=[0]),
@@ -546,6 +570,10 @@ def test_adapter_features(world: int) -> None:
         assert "'avg' or 'sum'" in errors["bad_reduce_op"]
         assert "unknown compression 'int8'" in errors["bad_compression"]
         assert "torch.nn.Module or a mindspore.nn.Cell" in errors["not_a_model"]
+        said, changed = out["kept_gradient"]["view"]
+        assert len(said) == 1 and "p.grad.clone()" in said[0] and changed > 0, out["kept_gradient"]
+        assert out["kept_gradient"]["view_nothing_kept"] == ([], 0.0), out["kept_gradient"]
+        assert out["kept_gradient"]["copy"] == ([], 0.0), out["kept_gradient"]
         assert_identical(out["ported_ours"], out["ported_ddp"], "DDP's keywords vs DDP with them")
         assert_identical(out["unsynced_ours"], out["unsynced_ddp"], "init_sync=False vs DDP's")
         assert all(out["ddp_keyword_errors_ddp"].values()), out["ddp_keyword_errors_ddp"]  # refused by DDP too

@@ -223,6 +223,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # it has consumed them, against in-place changes by other code (check_gradients_untouched).
         self._gradients_guard = InPlaceGuard()
         self._warned_local_step = False  # a plain optimizer stepped on gradients never averaged: warned once
+        self._warned_gradient_kept = False  # a kept p.grad about to be overwritten by its bucket: warned once
         _watch_optimizer_steps()
         # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
         self._nonfinite_pending: tuple[list[str], str] | None = None
@@ -288,6 +289,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._views.append(view_like(p, buffer, offset))
         # where each view lies: a conversion of the inner module (net.to(...)) re-points p.grad, our view
         self._view_addresses = [view.data_ptr() for view in self._views]
+        # References to a view held by this list and one local name alone (as _contribute counts): more, and a
+        # p.grad from before zero_grad(set_to_none=True) is kept somewhere, which the next backward overwrites.
+        probe = self._views[0]
+        self._view_references_alone = sys.getrefcount(probe)
 
     def _on_rebuild(self, plan: BucketPlan) -> None:
         old = self._views
@@ -380,6 +385,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 )
             # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
             # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
+            if sys.getrefcount(view) > self._view_references_alone and not self._warned_gradient_kept:
+                self._warn_gradient_kept(index)
             scale = manager.copy_in_scale
             if scale is None:
                 view.copy_(grad)
@@ -388,6 +395,17 @@ class DistributedDataParallel(nn.Module, Joinable):
                 prescaled = True
             param.grad = view  # from now on autograd accumulates straight into the bucket
         manager.mark_ready(index, prescaled=prescaled, used=used)
+
+    def _warn_gradient_kept(self, index: int) -> None:
+        """Once: a gradient the loop kept across zero_grad(set_to_none=True) is about to be overwritten."""
+        self._warned_gradient_kept = True
+        warnings.warn(
+            f"the gradient of {self._param_names[index]!r} from before the last zero_grad(set_to_none=True) is still "
+            "referenced (p.grad kept across steps?). With gradient_as_bucket_view=True (the default) it is a view "
+            "of its bucket, so this backward overwrites it, where DDP's default (False) would have kept it. Keep "
+            "p.grad.clone() instead, or wrap(..., gradient_as_bucket_view=False). (Warned once.)",
+            stacklevel=2,
+        )
 
     def _finalize(self) -> None:
         self._step_end_owed = False
