@@ -121,26 +121,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__init__()
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
         self._divide_by_initial_world_size = True
-        # "auto": start at 25 MiB, profile step `auto_tune_step`, then settle on the simulator's choice.
-        self._auto_tune_at = None
-        if isinstance(bucket_size_mb, str):
-            if bucket_size_mb != "auto":
-                raise ValueError(f"bucket_size_mb must be a number of MiB or 'auto', got {bucket_size_mb!r}")
-            if auto_tune_step < 1:
-                raise ValueError(f"auto_tune_step must be >= 1, got {auto_tune_step}")
-            self._auto_tune_at, bucket_size_mb = auto_tune_step, 25.0
-        if isinstance(module, DistributedDataParallel):
-            raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            raise ValueError("this model is wrapped by torch DistributedDataParallel; pass its .module instead")
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"wrap() takes a torch.nn.Module, got {type(module).__name__}")
-        previous = _LIVE_WRAPPERS.get(module)
-        if previous is not None and previous() is not None and previous()._hook_handles:
-            raise ValueError(
-                "this model already has a live collective_ops wrapper (its gradients would be reduced twice); "
-                "use that wrapper, or call its remove_hooks() (or delete it) before wrapping again"
-            )
+        self._auto_tune_at, bucket_size_mb = _auto_tune_start(bucket_size_mb, auto_tune_step)
+        _refuse_unwrappable(module)
         bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
             bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
         )
@@ -164,20 +146,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to synchronize")
         _refuse_unsupported(module, named)
         self._params = [p for _, p in named]
+        self._param_names = [n for n, _ in named]
         # DDP's keywords, for code ported from it: static_graph and check_reduction ask nothing of the buckets (a
         # model whose graph changes trains either way), dim matters only to the multi-device DDP of old
         check_flags(dim=dim, init_sync=init_sync, static_graph=static_graph, check_reduction=check_reduction)
         check_process_group(process_group, self.engine.world_size)
         self._input_device = input_device(self._params, device_ids, output_device)
-        self._param_names = [n for n, _ in named]
 
         # the built-in reductions send rows (a custom comm_hook reduces the whole bucket)
         tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine) if reduces_rows(hook) else {}
-        specs = [
-            ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=_rows(tables.get(n)))
-            for n, p in named
-        ]
-        plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
+        plan = _plan(named, tables, bucket_size_mb, first_bucket_mb)
         # the options that decide which collectives a step issues: a rank that differs would pair them wrongly
         options = {
             "find_unused_parameters": find_unused_parameters,
@@ -203,13 +181,25 @@ class DistributedDataParallel(nn.Module, Joinable):
             observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
             check_step_alignment=check_step_alignment,
         )
+        self._start_side_groups(tables)
+        self._views: list[torch.Tensor] = []
+        self._make_views()
+        self._start_step_state()
+        self._install_hooks(tables)
+        if os.environ.get("COLLECTIVE_OPS_LOG_PLAN") or logger.isEnabledFor(logging.DEBUG):
+            logger.info("%s", plan.describe())
+
+    # -- wrap time -----------------------------------------------------------------
+    def _start_side_groups(self, tables: dict[str, nn.Module]) -> None:
+        """The groups beside the buckets' (row-sparse masks, step alignment), let go of at shutdown."""
         if tables:  # the masks' own group: made on every rank alike (the tables are in the checked plan)
             self.manager.row_sparse = RowSparseReduction(self.engine.new_group())
         alignment = self.manager.alignment
         if tables or (alignment is not None and alignment.group is not None):
             runtime.finish_in_flight_before_leaving(self._let_go_of_groups)
-        self._views: list[torch.Tensor] = []
-        self._make_views()
+
+    def _start_step_state(self) -> None:
+        """What a step tracks from backward to backward, before the first one."""
         self._step_end_owed = False  # this backward delivered gradients: _end_of_backward finalizes the step
         self._end_of_backward_queued = False  # by a hook on this forward's outputs, on the outermost backward
         # when a backward last reached this forward's outputs, and when the last reducing backward began: there,
@@ -224,10 +214,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._gradients_guard = InPlaceGuard()
         self._warned_local_step = False  # a plain optimizer stepped on gradients never averaged: warned once
         self._warned_gradient_kept = False  # a kept p.grad about to be overwritten by its bucket: warned once
-        _watch_optimizer_steps()
         # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
         self._nonfinite_pending: tuple[list[str], str] | None = None
-        # Hooks hold the wrapper weakly: deleting it detaches them and frees its buffers.
+
+    def _install_hooks(self, tables: dict[str, nn.Module]) -> None:
+        """Each parameter's gradient hook (holding the wrapper weakly: deleting it detaches them and frees its
+        buffers), the row-sparse tables' lookup hooks, and the watch on the model's later changes."""
+        _watch_optimizer_steps()
         this = weakref.ref(self)
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(_weak_hook(this, i)) for i, p in enumerate(self._params)
@@ -235,13 +228,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if tables:  # each forward's looked-up rows recorded, so the masks need not wait for the gradient
             self._hook_handles += _record_lookups(tables, self.manager.row_sparse)
         weakref.finalize(self, _remove_all, self._hook_handles)
-        _LIVE_WRAPPERS[module] = this
+        _LIVE_WRAPPERS[self.module] = this
         self._planned = PlannedParameters(self._params)  # (watched while this wrapper lives)
-        watch(module, self._planned)
-        if os.environ.get("COLLECTIVE_OPS_LOG_PLAN") or logger.isEnabledFor(logging.DEBUG):
-            logger.info("%s", plan.describe())
+        watch(self.module, self._planned)
 
-    # -- wrap time -----------------------------------------------------------------
     def _verify_and_broadcast(self, plan: BucketPlan, options: tuple, broadcast: bool = True) -> None:
         """Every rank must hold the same model, plan the same buckets and pass the same collective-deciding
         options (an entry), or none starts training; then rank 0's weights are every rank's (``broadcast``; DDP's
@@ -1000,6 +990,45 @@ def view_like(p: torch.Tensor, buffer: torch.Tensor, offset: int) -> torch.Tenso
     """A view of ``buffer`` from ``offset`` shaped as ``p``, with ``p``'s strides where ``p`` is dense."""
     strides = torch.empty_like(p, device="meta").stride()
     return buffer.as_strided(p.shape, strides, buffer.storage_offset() + offset)
+
+
+def _auto_tune_start(bucket_size_mb: float | str, auto_tune_step: int) -> tuple[int | None, float | str]:
+    """(the step the online tune profiles, the size to start at): ``"auto"`` starts at 25 MiB, profiles step
+    ``auto_tune_step``, then settles on the simulator's choice; a number is kept (no tune)."""
+    if not isinstance(bucket_size_mb, str):
+        return None, bucket_size_mb
+    if bucket_size_mb != "auto":
+        raise ValueError(f"bucket_size_mb must be a number of MiB or 'auto', got {bucket_size_mb!r}")
+    if auto_tune_step < 1:
+        raise ValueError(f"auto_tune_step must be >= 1, got {auto_tune_step}")
+    return auto_tune_step, 25.0
+
+
+def _refuse_unwrappable(module: Any) -> None:
+    """A model wrapped already (by us or by torch's DDP), with a live wrapper of ours, or not a Module."""
+    if isinstance(module, DistributedDataParallel):
+        raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        raise ValueError("this model is wrapped by torch DistributedDataParallel; pass its .module instead")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"wrap() takes a torch.nn.Module, got {type(module).__name__}")
+    previous = _LIVE_WRAPPERS.get(module)
+    if previous is not None and previous() is not None and previous()._hook_handles:
+        raise ValueError(
+            "this model already has a live collective_ops wrapper (its gradients would be reduced twice); "
+            "use that wrapper, or call its remove_hooks() (or delete it) before wrapping again"
+        )
+
+
+def _plan(
+    named: list[tuple[str, torch.Tensor]], tables: dict[str, nn.Module], bucket_size_mb: float, first_bucket_mb: float
+) -> BucketPlan:
+    """The trainable parameters planned into buckets (a row-sparse table's rows counted, for its cost)."""
+    specs = [
+        ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=_rows(tables.get(n)))
+        for n, p in named
+    ]
+    return plan_buckets(specs, bucket_size_mb, first_bucket_mb)
 
 
 def _row_sparse_tables(
