@@ -939,6 +939,17 @@ def optimizer_checks(rank: int, world: int) -> dict:
         wrap_kwargs={"comm_hook": late_allreduce},
         scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
     )
+    # OneCycleLR also cycles AdamW's betas (SGD's momentum) each step: the owed updates, landing late, take the
+    # betas of their step(), not the next one's
+    for kind in ("adamw", "sgd"):
+        out[f"scheduler_momentum_{kind}"] = _pair(
+            rank,
+            lambda: build("mlp"),
+            kind,
+            model_cls=MLP,
+            wrap_kwargs={"comm_hook": late_allreduce},
+            scheduler_of=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS + 1),
+        )
     out["accumulation"] = _pair(rank, lambda: build("mlp"), "sgd", model_cls=MLP, accumulate=3, steps=6)
     # classic weight_norm / spectral_norm derive weights in pre-hooks of their own: ours must run first (the owed
     # updates land 0.2 s late, so they are owed at every forward, whatever the machine's speed)
@@ -1208,6 +1219,8 @@ CASES = [
     "cnn_adamw",
     "scheduler",
     "scheduler_tensor_lr",
+    "scheduler_momentum_adamw",
+    "scheduler_momentum_sgd",
     "accumulation",
     "unused",
     "held",
