@@ -257,6 +257,14 @@ MODELS = {
 OTHER_OUTPUTS = {"checkpointed-head-dict": CheckpointedHeadDictMLP}
 
 
+def gan(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """(generator, discriminator), small: the generator's loss backpropagates through the discriminator."""
+    torch.manual_seed(seed)
+    generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    discriminator = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    return generator, discriminator
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return {**MODELS, **OTHER_OUTPUTS}[name]()

@@ -589,6 +589,54 @@ def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
     return out
 
 
+def _gan_loops(rank: int, steps: int = 4) -> dict:
+    """A GAN's loop, sharded and under DDP: the discriminator's step, then the generator's, whose backward adds
+    onto the discriminator's gradients its step used; its next zero_grad() (the optimizer's or the module's)
+    drops them, or they never come (its requires_grad turned off for the generator's step, as pix2pix does).
+    The discriminator's real and fake losses in two backwards (the DCGAN tutorial) stay refused."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import gan
+
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def train(ours: bool, clear: str, two_backwards: bool = False) -> list:
+        models = [co.wrap(m, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(m) for m in gan()]
+        if ours:
+            optimizers = [co.DistributedOptimizer(m, torch.optim.Adam, lr=1e-3, shard=True) for m in models]
+        else:
+            optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
+        (g, d), (g_opt, d_opt) = models, optimizers
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            real, fake = torch.randn(8, 16, generator=gen), g(torch.randn(8, 8, generator=gen))
+            for p in d.parameters():
+                p.requires_grad_(True)
+            (d.zero_grad if clear == "module" else d_opt.zero_grad)()
+            real_loss, fake_loss = bce(d(real), torch.ones(8, 1)), bce(d(fake.detach()), torch.zeros(8, 1))
+            if two_backwards:
+                real_loss.backward()
+                fake_loss.backward()
+            else:
+                (real_loss + fake_loss).backward()
+            d_opt.step()
+            for p in d.parameters():
+                p.requires_grad_(clear != "toggled")
+            (g.zero_grad if clear == "module" else g_opt.zero_grad)()
+            bce(d(fake), torch.ones(8, 1)).backward()
+            g_opt.step()
+        return [snapshot(m.module) for m in models]
+
+    out: dict = {clear: (train(False, clear), train(True, clear)) for clear in ("optimizer", "module", "toggled")}
+    try:
+        train(True, "optimizer", two_backwards=True)
+        out["two_backwards"] = None
+    except RuntimeError as exc:
+        out["two_backwards"] = str(exc)
+    return out
+
+
 def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     import torch
 
@@ -643,6 +691,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     out["nonfinite"] = nonfinite_step_refused(rank, mlp, sharded_adamw)
     out["two_backwards"] = _two_backwards_per_step(rank)
     out["kept_after_step"] = _gradients_kept_after_step(rank)
+    out["gan"] = _gan_loops(rank)
     out["group_added"] = group_added_mid_training(rank, mlp, shard=True)
     out["frozen_layer"] = frozen_layer_in_params(rank, shard=True)
     out["no_sync_only"] = step_after_no_sync_only(rank, mlp, sharded_adamw)
@@ -904,7 +953,7 @@ def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(
 
 def test_gradients_never_cleared_after_a_step_are_refused(two_ranks) -> None:
     """Under DDP a loop without zero_grad() accumulates across steps; sharded it summed a half-averaged buffer,
-    silently off DDP's. Refused at the next backward; gradients cleared by the module train as DDP's. A step()
+    silently off DDP's. Refused at the step() that would use them; gradients cleared by the module train as DDP's. A step()
     with no backward on gradients cleared to zeros was a no-op, where DDP + AdamW decays and moves them."""
     for rank, out in enumerate(result["kept_after_step"] for result in two_ranks):
         assert out["error"] is not None and out["at"] == 1, f"rank {rank}: trained on silently"
@@ -915,6 +964,20 @@ def test_gradients_never_cleared_after_a_step_are_refused(two_ranks) -> None:
             assert_identical(ours, ddp, f"model.zero_grad(set_to_none={set_to_none}), rank {rank}")
         ours, ddp = (out[("stepped on zeros", flag)] for flag in (True, False))
         assert_identical(ours, ddp, f"step() on zeroed gradients with no backward, rank {rank}")
+
+
+def test_a_gan_loop_trains_as_under_ddp(two_ranks) -> None:
+    """The generator's backward through the discriminator added onto the gradients its step had used (refused
+    at that backward until the twenty-fourth session, where DDP trains on: the discriminator's next zero_grad()
+    drops them). Now refused only where they would be used (step(), clipping, gathering); the loops clearing
+    them train bit-identically, and the discriminator's two backwards per step stay refused with what to do."""
+    for rank, out in enumerate(result["gan"] for result in two_ranks):
+        for clear in ("optimizer", "module", "toggled"):
+            ddp, ours = out[clear]
+            for theirs, mine in zip(ddp, ours, strict=True):
+                assert_identical(mine, theirs, f"GAN, gradients cleared by the {clear}, rank {rank}")
+        message = out["two_backwards"] or ""
+        assert "backward() ran again before step()" in message and "one backward of their sum" in message, message
 
 
 def test_a_step_on_gradients_never_averaged_is_refused(two_ranks) -> None:

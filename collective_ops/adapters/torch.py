@@ -319,7 +319,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.backward_began = self._outputs_reached_at or time.perf_counter()
             self._outputs_reached_at = None
             if self.optimizer is not None:
-                self.optimizer.backward_starts()
+                self.optimizer.backward_starts(param)
             if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._step_end_owed = True

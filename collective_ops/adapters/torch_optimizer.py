@@ -583,8 +583,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def first_gradient_after_step(self, param: torch.Tensor) -> None:
         """The first gradient to arrive after a step (``awaits_first_gradient``), ``param``'s."""
 
-    def backward_starts(self) -> None:
-        """At the first gradient of a backward that reduces (every rank at the same point). Unsharded, a second
+    def backward_starts(self, param: torch.Tensor | None = None) -> None:
+        """At the first gradient of a backward that reduces (``param``'s; every rank at the same point). Unsharded, a second
         backward before step() accumulates onto averaged gradients, as under DDP: nothing to do."""
 
     def compiled_forward_starts(self) -> None:

@@ -137,6 +137,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._steps_applied = 0  # the model's synchronised step whose gradients were last applied
         self._warned_joined = False  # step_while_joined's warning: once
         self._stepped_grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, the gradient step() used)
+        # The reduction of a backward that added onto gradients a step had consumed (a GAN's generator step
+        # through this discriminator before its zero_grad()), with those gradients' names: never stepped on,
+        # dropped by a zero_grad() (the optimizer's, or the module's before the next backward).
+        self._tainted: tuple[int, list[str]] | None = None
         # bucket -> the averaged shard gradients bound to its pieces before step() (opt.param_groups read,
         # finish_reductions()): changed in place by other code from then on, they are refused at step()
         self._bound_guard = InPlaceGuard()
@@ -321,6 +325,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._refuse_gradients_kept("step() again after step() with no backward in between, while")
             self._step_on_cleared_gradients()
             return
+        self._refuse_tainted("step()")
         self._refuse_bound_gradients_changed()
         self._gradients_gathered = self._bound_after_gather = False
         if self._allreduce_first_step:
@@ -574,26 +579,35 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """As the class's zero_grad, over the model's parameters (their owed buckets cleared after the update);
         gradients reduced but never stepped on are dropped with them."""
         self._stepped_grads = []
+        self._tainted = None
         self._bound_guard.clear()
         self._gradients_gathered = self._bound_after_gather = False
         super().zero_grad(set_to_none)
         if self._steps_applied != self._reduction():
             self._skip_step()
 
-    def backward_starts(self) -> None:
+    def backward_starts(self, param: torch.Tensor | None = None) -> None:
         """A backward that reduces, while the last one's reduced gradients wait for step(): refused. Its
         gradients would add to a buffer averaged in this rank's shard only (the rest holds the last local
         gradients), and the next reduce-scatter would mix the two: DDP's accumulation would not come out.
+        Except where those gradients could never be stepped on (:attr:`_tainted`) and the module cleared
+        them since (``model.zero_grad()``): dropped, as the optimizer's zero_grad() drops them.
         (Checked first, at every backward: a parameter moved off its shard buffer, :meth:`_refuse_params_moved`.)"""
         self._refuse_params_moved()
         if self._steps_applied == self._reduction():
+            return
+        if self._tainted is not None and self._tainted[0] == self._reduction() and self._cleared_but(param):
+            self.synchronize()  # its reduce-scatters finished before this backward's gradients reach the buffers
+            self._skip_step()
+            self._tainted = None
             return
         raise RuntimeError(
             "shard=True: backward() ran again before step() used the gradients it reduced last time. Each "
             "backward reduce-scatters, so this rank holds the averaged gradient only in its own shard, and a "
             "second backward would add local gradients to it and mix the two (not DDP's accumulation). "
-            "Accumulate micro-batches under `with model.no_sync():` (every one but the last), or call "
-            "opt.step() (or opt.zero_grad() to drop them) between backward() calls"
+            "Accumulate micro-batches under `with model.no_sync():` (every one but the last; a GAN "
+            "discriminator's real and fake losses: one backward of their sum), or call opt.step() (or "
+            "opt.zero_grad() to drop them) between backward() calls"
         )
 
     @property
@@ -603,32 +617,53 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def first_gradient_after_step(self, param: torch.Tensor) -> None:
         """Under DDP a backward after step() without zero_grad() adds onto the averaged gradients the step used
         (accumulating across steps). Sharded, only this rank's shard of them was averaged (the rest holds its
-        local gradients), so the next reduce-scatter would sum something else: refused at the first gradient
-        after the step (under no_sync() too), on every rank alike. Checked once per step, and only where no
-        opt.zero_grad() came in between: model.zero_grad() or setting p.grad to None clears them too, so what
-        is refused is a gradient object kept from the step and not all zeros, other than ``param``'s, which
-        just had this backward's gradient added."""
-        self._refuse_gradients_kept("backward() after step() while", but=param)
+        local gradients), so the next reduce-scatter sums something else: that reduction is marked
+        (:attr:`_tainted`) and refused where it would be used (step(), clipping, gathering), on every rank
+        alike; a zero_grad() drops it, as a GAN's discriminator drops the gradients its generator's step left.
+        Checked once per step, and only where no opt.zero_grad() came in between: model.zero_grad() or setting
+        p.grad to None clears them too, so what counts is a gradient object kept from the step and not all
+        zeros, other than ``param``'s, which just had this backward's gradient added."""
+        kept = self._kept_gradient_names(but=param)
+        if kept:
+            self._tainted = (self._steps_applied + 1, kept)
 
-    def _refuse_gradients_kept(self, what: str, but: torch.Tensor | None = None) -> None:
-        """Raise where gradients the last step used are still there and not all zeros (``but``'s aside). Checked
-        once: where none is kept they were cleared, and those cleared in place stay all zeros until a backward."""
+    def _kept_gradient_names(self, but: torch.Tensor | None = None) -> list[str]:
+        """The parameters whose gradient the last step used is still there and not all zeros (``but``'s aside).
+        Asked once per step: where none is kept they were cleared, and those cleared in place stay all zeros
+        until a backward."""
         stepped, self._stepped_grads = self._stepped_grads, []
-        kept = [
+        return [
             self.model._param_names[self._index[id(p)]]
             for p, grad in stepped
             if p is not but and p.grad is grad and bool(grad.any())
         ]
-        if not kept:
-            return
+
+    def _cleared_but(self, param: torch.Tensor | None) -> bool:
+        """Whether every model parameter's gradient is None or all zeros, ``param``'s aside (its gradient just
+        arrived)."""
+        return all(p.grad is None or not bool(p.grad.any()) for p in self._model_params() if p is not param)
+
+    def _refuse_tainted(self, call: str) -> None:
+        """Raise where ``call`` would use the gradients of a backward that added onto a consumed step's."""
+        if self._tainted is not None and self._tainted[0] == self._reduction():
+            self._refuse_kept(f"{call} on gradients a backward added after the last step(), while", self._tainted[1])
+
+    def _refuse_gradients_kept(self, what: str, but: torch.Tensor | None = None) -> None:
+        """Raise where gradients the last step used are still there and not all zeros (``but``'s aside)."""
+        kept = self._kept_gradient_names(but)
+        if kept:
+            self._refuse_kept(what, kept)
+
+    def _refuse_kept(self, what: str, kept: list[str]) -> None:
         raise RuntimeError(
             f"shard=True: {what} the gradients that step used were never cleared "
             f"({names_text(kept, limit=3)}). Under DDP a plain optimizer "
             "would use them again (a second step() applies them twice; a backward adds onto them, accumulating "
             "across steps); sharded, the step consumed this rank's averaged shard of them and the rest holds its "
             "local gradients, so the result would differ from DDP's. Call opt.zero_grad() after step() or before "
-            "the next backward; to accumulate micro-batches, run all but the last backward of a step under "
-            "`with model.no_sync():`"
+            "the next backward (a backward whose gradients are then dropped by a zero_grad() is fine: a GAN's "
+            "generator step through this model); to accumulate micro-batches, run all but the last backward of a "
+            "step under `with model.no_sync():`"
         )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -639,6 +674,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """
         if self._pending is not None:
             raise RuntimeError("clip_grad_norm_ after step(): clip between backward() and step(), as with torch")
+        self._refuse_tainted("clip_grad_norm_()")
         self.finish_reductions()
         grads = [t.grad for _, t in self._pieces if t.grad is not None]
         norm_type = float(norm_type)
@@ -690,6 +726,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             )
         if self._reduction() == self._steps_applied or self._gradients_gathered:
             return
+        self._refuse_tainted("gather_gradients()")
         self._wait_for_every_rank("gather_gradients()")
         self.synchronize()  # this backward's reduce-scatters waited for (and anything owed before them)
         if not self._allreduce_first_step:  # (the first step is all-reduced, as by DDP: whole already)
