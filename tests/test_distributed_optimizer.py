@@ -912,6 +912,45 @@ def assert_nonfinite_step_refused(results: list[dict], label: str) -> None:
         assert_identical(out["ours"], out["ddp"], f"{label}trained on after it, as DDP without that batch, rank {rank}")
 
 
+def _two_losses_then_backwards(rank: int, steps: int = 4) -> tuple[dict, dict]:
+    """(DDP + AdamW with a forward and backward per micro-batch, ours with both forwards before either backward):
+    two backwards per step without no_sync(). The second backward's outputs are reached while the first's
+    reductions are still in flight (no forward came between to finish them): refused until the twenty-fourth
+    session ("a gradient arrived while the previous step's buckets are still being finished"). torch's DDP
+    itself comes out wrong with both forwards first (0.12 off a single-process average in a scratch run)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    def train(ours: bool) -> dict:
+        net = build("mlp")
+        model = (
+            co.wrap(net, bucket_size_mb=0.004, first_bucket_mb=0.001)
+            if ours
+            else torch.nn.parallel.DistributedDataParallel(net)
+        )
+        optimizer = (
+            co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+            if ours
+            else torch.optim.AdamW(net.parameters(), lr=1e-2)
+        )
+        for step in range(steps):
+            optimizer.zero_grad()
+            losses = []
+            for micro in range(2):
+                x, y = rank_batch(MLP, 2 * step + micro, rank)
+                losses.append(torch.nn.functional.cross_entropy(model(x), y))
+                if not ours:
+                    losses.pop().backward()
+            for loss in losses:
+                loss.backward()
+            optimizer.step()
+        return snapshot(net)
+
+    return train(False), train(True)
+
+
 def optimizer_checks(rank: int, world: int) -> dict:
     import torch
 
@@ -951,6 +990,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
             scheduler_of=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS + 1),
         )
     out["accumulation"] = _pair(rank, lambda: build("mlp"), "sgd", model_cls=MLP, accumulate=3, steps=6)
+    out["losses_first"] = _two_losses_then_backwards(rank)
     # classic weight_norm / spectral_norm derive weights in pre-hooks of their own: ours must run first (the owed
     # updates land 0.2 s late, so they are owed at every forward, whatever the machine's speed)
     out["classic_norms"] = _pair(
@@ -1222,6 +1262,7 @@ CASES = [
     "scheduler_momentum_adamw",
     "scheduler_momentum_sgd",
     "accumulation",
+    "losses_first",
     "unused",
     "held",
 ]

@@ -489,26 +489,42 @@ def _params_moved(rank: int) -> dict:
 
 
 def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
-    """Loops that run backward twice per step: without no_sync (accumulating: refused), and with zero_grad()
+    """Loops that run backward twice per step: without no_sync (accumulating onto the averaged gradients, as
+    under DDP; refused where they are reduced in another dtype than their buffers'), and with zero_grad()
     between (the first micro-batch dropped: DDP's result, from the second alone)."""
     import torch
 
     import collective_ops as co
     from tests.models import MLP, build, rank_batch
 
-    out: dict = {"error": None}
-    model = co.wrap(build("mlp"), **BUCKET)
-    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
-    try:
+    def accumulated(ours: bool, losses_first: bool = False, **wrap_options) -> dict:
+        net = build("mlp")
+        model = co.wrap(net, **BUCKET, **wrap_options) if ours else torch.nn.parallel.DistributedDataParallel(net)
+        optimizer = (
+            co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+            if ours
+            else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        )
         for step in range(steps):
             optimizer.zero_grad()
+            losses = []
             for micro in range(2):
                 x, y = rank_batch(MLP, 2 * step + micro, rank)
-                torch.nn.functional.cross_entropy(model(x), y).backward()
+                losses.append(torch.nn.functional.cross_entropy(model(x), y))
+                if not losses_first:
+                    losses.pop().backward()
+            for loss in losses:  # (both forwards before either backward: torch's DDP gets this wrong, not compared)
+                loss.backward()
             optimizer.step()
+        return snapshot(net)
+
+    ddp = accumulated(False)
+    out: dict = {"accumulated": (ddp, accumulated(True)), "losses_first": (ddp, accumulated(True, True)), "error": None}
+    try:
+        accumulated(True, compression="fp16")
     except RuntimeError as exc:
-        out["error"], out["at"] = str(exc), step
-    for ours in (False, True):
+        out["error"] = str(exc)
+    for ours, by_module in ((False, False), (True, False), (True, True)):
         net = build("mlp")
         model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
         optimizer = (
@@ -518,11 +534,11 @@ def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
         )
         for step in range(steps):
             for micro in range(2):
-                optimizer.zero_grad()
+                (model.zero_grad if by_module else optimizer.zero_grad)()  # (the module's: refused until 24th)
                 x, y = rank_batch(MLP, 2 * step + micro, rank)
                 torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
-        out["dropped_ours" if ours else "dropped_ddp"] = snapshot(net)
+        out[("dropped", ours, by_module)] = snapshot(net)
     return out
 
 
@@ -593,7 +609,7 @@ def _gan_loops(rank: int, steps: int = 4) -> dict:
     """A GAN's loop, sharded and under DDP: the discriminator's step, then the generator's, whose backward adds
     onto the discriminator's gradients its step used; its next zero_grad() (the optimizer's or the module's)
     drops them, or they never come (its requires_grad turned off for the generator's step, as pix2pix does).
-    The discriminator's real and fake losses in two backwards (the DCGAN tutorial) stay refused."""
+    The DCGAN tutorial's loop: the discriminator's real and fake losses in two backwards, the modules cleared."""
     import torch
 
     import collective_ops as co
@@ -614,12 +630,15 @@ def _gan_loops(rank: int, steps: int = 4) -> dict:
             for p in d.parameters():
                 p.requires_grad_(True)
             (d.zero_grad if clear == "module" else d_opt.zero_grad)()
-            real_loss, fake_loss = bce(d(real), torch.ones(8, 1)), bce(d(fake.detach()), torch.zeros(8, 1))
-            if two_backwards:
+            if two_backwards and not ours:  # (DDP with both losses computed first comes out wrong: not compared)
+                bce(d(real), torch.ones(8, 1)).backward()
+                bce(d(fake.detach()), torch.zeros(8, 1)).backward()
+            elif two_backwards:  # the harder order: both forwards before either backward
+                real_loss, fake_loss = bce(d(real), torch.ones(8, 1)), bce(d(fake.detach()), torch.zeros(8, 1))
                 real_loss.backward()
                 fake_loss.backward()
             else:
-                (real_loss + fake_loss).backward()
+                (bce(d(real), torch.ones(8, 1)) + bce(d(fake.detach()), torch.zeros(8, 1))).backward()
             d_opt.step()
             for p in d.parameters():
                 p.requires_grad_(clear != "toggled")
@@ -629,11 +648,7 @@ def _gan_loops(rank: int, steps: int = 4) -> dict:
         return [snapshot(m.module) for m in models]
 
     out: dict = {clear: (train(False, clear), train(True, clear)) for clear in ("optimizer", "module", "toggled")}
-    try:
-        train(True, "optimizer", two_backwards=True)
-        out["two_backwards"] = None
-    except RuntimeError as exc:
-        out["two_backwards"] = str(exc)
+    out["two_backwards"] = (train(False, "module", two_backwards=True), train(True, "module", two_backwards=True))
     return out
 
 
@@ -942,13 +957,21 @@ def test_gradients_changed_between_backward_and_step_are_refused_not_trained_on(
         assert {"clip_over_param_groups", "clip_after_finish_reductions"} <= set(out["changed_gradients"])
 
 
-def test_a_second_backward_before_step_is_refused_and_zero_grad_drops_the_first(two_ranks) -> None:
+def test_a_second_backward_before_step_accumulates_as_ddp_and_zero_grad_drops_the_first(two_ranks) -> None:
     """Accumulating without no_sync mixed this rank's averaged shard with local gradients, silently (off DDP's
-    accumulation); zero_grad() between the two backwards drops the first, as with DDP."""
+    accumulation), then was refused (nineteenth session); since the twenty-fourth the averaged gradients are
+    all-gathered when the second backward reaches the outputs, and it adds onto them as under DDP. With
+    gradients reduced in fp16 (no whole buffers to gather into) still refused; zero_grad() between the two
+    backwards drops the first, as with DDP."""
     for rank, out in enumerate(result["two_backwards"] for result in two_ranks):
-        assert out["error"] is not None and out["at"] == 0, f"rank {rank}: trained on silently"
-        assert "backward() ran again before step()" in out["error"] and "model.no_sync()" in out["error"]
-        assert_identical(out["dropped_ours"], out["dropped_ddp"], f"zero_grad() between backwards, rank {rank}")
+        for case in ("accumulated", "losses_first"):
+            ddp, ours = out[case]
+            assert_identical(ours, ddp, f"two backwards per step ({case}), rank {rank}")
+        assert "backward() ran again before step()" in (out["error"] or ""), f"rank {rank}: {out['error']}"
+        assert "model.no_sync()" in out["error"]
+        for by_module in (False, True):
+            ours, ddp = out[("dropped", True, by_module)], out[("dropped", False, False)]
+            assert_identical(ours, ddp, f"zero_grad() between backwards (the module's: {by_module}), rank {rank}")
 
 
 def test_gradients_never_cleared_after_a_step_are_refused(two_ranks) -> None:
@@ -970,14 +993,12 @@ def test_a_gan_loop_trains_as_under_ddp(two_ranks) -> None:
     """The generator's backward through the discriminator added onto the gradients its step had used (refused
     at that backward until the twenty-fourth session, where DDP trains on: the discriminator's next zero_grad()
     drops them). Now refused only where they would be used (step(), clipping, gathering); the loops clearing
-    them train bit-identically, and the discriminator's two backwards per step stay refused with what to do."""
+    them train bit-identically, and so does the DCGAN tutorial's (the discriminator's two backwards per step)."""
     for rank, out in enumerate(result["gan"] for result in two_ranks):
-        for clear in ("optimizer", "module", "toggled"):
-            ddp, ours = out[clear]
+        for case in ("optimizer", "module", "toggled", "two_backwards"):
+            ddp, ours = out[case]
             for theirs, mine in zip(ddp, ours, strict=True):
-                assert_identical(mine, theirs, f"GAN, gradients cleared by the {clear}, rank {rank}")
-        message = out["two_backwards"] or ""
-        assert "backward() ran again before step()" in message and "one backward of their sum" in message, message
+                assert_identical(mine, theirs, f"GAN, {case}, rank {rank}")
 
 
 def test_a_step_on_gradients_never_averaged_is_refused(two_ranks) -> None:

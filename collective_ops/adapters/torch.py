@@ -333,6 +333,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         outer backward has delivered the gradients of the layers outside the checkpoint.
         """
         self._refuse_training_if_model_changed()  # (where every parameter was replaced, no gradient hook runs)
+        if self.optimizer is not None:
+            self.optimizer.backward_reaches_outputs()
         self._outputs_reached_at = time.perf_counter()
         if self._end_of_backward_queued or not self.manager.sync_enabled:
             return

@@ -583,6 +583,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def first_gradient_after_step(self, param: torch.Tensor) -> None:
         """The first gradient to arrive after a step (``awaits_first_gradient``), ``param``'s."""
 
+    def backward_reaches_outputs(self) -> None:
+        """A backward reached the model's outputs, before any parameter's gradient (every rank at the same point).
+        Where the last backward's reductions are still in flight with no step() since (its forward ran before
+        that backward: two losses computed, then each backpropagated), they are finished first, so that this one
+        adds onto averaged gradients, as under DDP's semantics (a forward in between finishes them itself)."""
+        if self._pending is None and self.model.manager.deferred_pending:
+            self.finish_reductions()
+
     def backward_starts(self, param: torch.Tensor | None = None) -> None:
         """At the first gradient of a backward that reduces (``param``'s; every rank at the same point). Unsharded, a second
         backward before step() accumulates onto averaged gradients, as under DDP: nothing to do."""

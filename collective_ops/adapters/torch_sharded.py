@@ -586,17 +586,34 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._steps_applied != self._reduction():
             self._skip_step()
 
+    def backward_reaches_outputs(self) -> None:
+        """A backward about to add onto reduced gradients no step() used yet (a second backward per step without
+        no_sync(): the DCGAN tutorial's discriminator, its real and fake losses apart). Under DDP it adds onto the
+        averaged gradients; each rank holds them averaged in its own shard only, so they are all-gathered here
+        first (:meth:`gather_gradients`: one all-gather of the gradients), before the backward's first gradient
+        adds onto them. Not where they were reduced in another dtype than the buffers', marked (never stepped
+        on) or cleared by the module since: :meth:`backward_starts` decides those."""
+        if self._steps_applied == self._reduction() or self._gradients_gathered or self._reduced_off_buffers():
+            return
+        if (self._tainted is not None and self._tainted[0] == self._reduction()) or self._cleared_but(None):
+            return
+        self.gather_gradients()
+
     def backward_starts(self, param: torch.Tensor | None = None) -> None:
         """A backward that reduces, while the last one's reduced gradients wait for step(): refused. Its
         gradients would add to a buffer averaged in this rank's shard only (the rest holds the last local
         gradients), and the next reduce-scatter would mix the two: DDP's accumulation would not come out.
-        Except where those gradients could never be stepped on (:attr:`_tainted`) and the module cleared
-        them since (``model.zero_grad()``): dropped, as the optimizer's zero_grad() drops them.
+        Except where they were all-gathered whole first (:meth:`backward_reaches_outputs`): added onto, as under
+        DDP; or cleared through the module since (``model.zero_grad()``): dropped, as the optimizer's zero_grad()
+        drops them.
         (Checked first, at every backward: a parameter moved off its shard buffer, :meth:`_refuse_params_moved`.)"""
         self._refuse_params_moved()
         if self._steps_applied == self._reduction():
             return
-        if self._tainted is not None and self._tainted[0] == self._reduction() and self._cleared_but(param):
+        if self._gradients_gathered:  # whole on every rank (backward_reaches_outputs): added onto, as under DDP
+            self._gradients_gathered = False
+            return
+        if self._cleared_but(param):  # cleared through the module since (model.zero_grad()): dropped, as by DDP
             self.synchronize()  # its reduce-scatters finished before this backward's gradients reach the buffers
             self._skip_step()
             self._tainted = None
@@ -604,10 +621,11 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         raise RuntimeError(
             "shard=True: backward() ran again before step() used the gradients it reduced last time. Each "
             "backward reduce-scatters, so this rank holds the averaged gradient only in its own shard, and a "
-            "second backward would add local gradients to it and mix the two (not DDP's accumulation). "
-            "Accumulate micro-batches under `with model.no_sync():` (every one but the last; a GAN "
-            "discriminator's real and fake losses: one backward of their sum), or call opt.step() (or "
-            "opt.zero_grad() to drop them) between backward() calls"
+            "second backward would add local gradients to it and mix the two (not DDP's accumulation). They are "
+            "all-gathered first where the backward passes through the model's outputs, but not where gradients "
+            "are reduced in another dtype than their buffers' (grad_reduce_dtype, compression), nor for a "
+            "backward that does not. Accumulate micro-batches under `with model.no_sync():` (every one but the "
+            "last), or call opt.step() (or opt.zero_grad() to drop them) between backward() calls"
         )
 
     @property
@@ -717,10 +735,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         meet as ``state_dict()``'s do, so a call on one rank alone raises ``StallError`` rather than pair with
         the others' next collectives. Nothing to do where no backward reduced since the last step, or already
         gathered; refused where gradients are reduced in another dtype than the buffers'."""
-        wire = self._wire_dtype()
-        if wire is not None and any(spec.dtype != wire for spec in self.model.manager.plan.buckets):
+        if self._reduced_off_buffers():
             raise ValueError(
-                f"gather_gradients() with gradients reduced in {wire} (grad_reduce_dtype or compression): the "
+                f"gather_gradients() with gradients reduced in {self._wire_dtype()} (grad_reduce_dtype or compression): the "
                 "reduced shards are not in the gradient buffers. Clip with opt.clip_grad_norm_(max_norm), which "
                 "takes the global norm from the shards"
             )
@@ -734,6 +751,11 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._bound_guard.clear()
         self.model.forget_gradients_owned()
         self._gradients_gathered = True
+
+    def _reduced_off_buffers(self) -> bool:
+        """Whether gradients are reduced in another dtype than their buffers' (the shards kept apart)."""
+        wire = self._wire_dtype()
+        return wire is not None and any(spec.dtype != wire for spec in self.model.manager.plan.buckets)
 
     def _gather_gradients(self) -> None:
         """Gradients bound to the pieces (``param_groups`` read, GradScaler's unscale in place) written back into
