@@ -518,8 +518,28 @@ def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
             optimizer.step()
         return snapshot(net)
 
+    def adversarial(ours: bool) -> dict:
+        """A PGD-like loop: two backwards whose parameter gradients are dropped by the zero_grad() that follows
+        (after step(), onto the gradients it used, from the second step on), then the real one."""
+        net = build("mlp")
+        model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
+        optimizer = (
+            co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+            if ours
+            else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        )
+        for step in range(steps):
+            for micro in range(3):
+                if micro == 2:
+                    optimizer.zero_grad()
+                x, y = rank_batch(MLP, 3 * step + micro, rank)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return snapshot(net)
+
     ddp = accumulated(False)
     out: dict = {"accumulated": (ddp, accumulated(True)), "losses_first": (ddp, accumulated(True, True)), "error": None}
+    out["adversarial"] = (adversarial(False), adversarial(True))
     try:
         accumulated(True, compression="fp16")
     except RuntimeError as exc:
@@ -964,7 +984,7 @@ def test_a_second_backward_before_step_accumulates_as_ddp_and_zero_grad_drops_th
     gradients reduced in fp16 (no whole buffers to gather into) still refused; zero_grad() between the two
     backwards drops the first, as with DDP."""
     for rank, out in enumerate(result["two_backwards"] for result in two_ranks):
-        for case in ("accumulated", "losses_first"):
+        for case in ("accumulated", "losses_first", "adversarial"):
             ddp, ours = out[case]
             assert_identical(ours, ddp, f"two backwards per step ({case}), rank {rank}")
         assert "backward() ran again before step()" in (out["error"] or ""), f"rank {rank}: {out['error']}"

@@ -592,8 +592,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self.finish_reductions()
 
     def backward_starts(self, param: torch.Tensor | None = None) -> None:
-        """At the first gradient of a backward that reduces (``param``'s; every rank at the same point). Unsharded, a second
-        backward before step() accumulates onto averaged gradients, as under DDP: nothing to do."""
+        """At the first gradient of a backward that reduces (``param``'s; every rank at the same point). Unsharded,
+        a second backward before step() accumulates onto averaged gradients, as under DDP: nothing to do."""
 
     def compiled_forward_starts(self) -> None:
         """Before the forward of a model under ``torch.compile`` (run as Python, outside the graph).

@@ -605,7 +605,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         gradients), and the next reduce-scatter would mix the two: DDP's accumulation would not come out.
         Except where they were all-gathered whole first (:meth:`backward_reaches_outputs`): added onto, as under
         DDP; or cleared through the module since (``model.zero_grad()``): dropped, as the optimizer's zero_grad()
-        drops them.
+        drops them; or marked (never stepped on): dropped, and this backward's reduction marked instead.
         (Checked first, at every backward: a parameter moved off its shard buffer, :meth:`_refuse_params_moved`.)"""
         self._refuse_params_moved()
         if self._steps_applied == self._reduction():
@@ -613,10 +613,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._gradients_gathered:  # whole on every rank (backward_reaches_outputs): added onto, as under DDP
             self._gradients_gathered = False
             return
-        if self._cleared_but(param):  # cleared through the module since (model.zero_grad()): dropped, as by DDP
+        tainted = self._tainted if self._tainted is not None and self._tainted[0] == self._reduction() else None
+        cleared = self._cleared_but(param)
+        if tainted is not None or cleared:
+            # Cleared through the module since (model.zero_grad()): dropped, as under DDP. Or never to be stepped
+            # on (marked): dropped too, this backward's reduction marked in its place (a PGD loop's adversarial
+            # backwards after step(), before its zero_grad()).
             self.synchronize()  # its reduce-scatters finished before this backward's gradients reach the buffers
             self._skip_step()
-            self._tainted = None
+            self._tainted = None if cleared else (self._steps_applied + 1, tainted[1])
             return
         raise RuntimeError(
             "shard=True: backward() ran again before step() used the gradients it reduced last time. Each "
@@ -737,9 +742,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         gathered; refused where gradients are reduced in another dtype than the buffers'."""
         if self._reduced_off_buffers():
             raise ValueError(
-                f"gather_gradients() with gradients reduced in {self._wire_dtype()} (grad_reduce_dtype or compression): the "
-                "reduced shards are not in the gradient buffers. Clip with opt.clip_grad_norm_(max_norm), which "
-                "takes the global norm from the shards"
+                f"gather_gradients() with gradients reduced in {self._wire_dtype()} (grad_reduce_dtype or "
+                "compression): the reduced shards are not in the gradient buffers. Clip with "
+                "opt.clip_grad_norm_(max_norm), which takes the global norm from the shards"
             )
         if self._reduction() == self._steps_applied or self._gradients_gathered:
             return
