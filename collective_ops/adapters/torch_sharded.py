@@ -590,14 +590,14 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """A backward about to add onto reduced gradients no step() used yet (a second backward per step without
         no_sync(): the DCGAN tutorial's discriminator, its real and fake losses apart). Under DDP it adds onto the
         averaged gradients; each rank holds them averaged in its own shard only, so they are all-gathered here
-        first (:meth:`gather_gradients`: one all-gather of the gradients), before the backward's first gradient
+        first (as by :meth:`gather_gradients`: one all-gather of the gradients), before the backward's first gradient
         adds onto them. Not where they were reduced in another dtype than the buffers', marked (never stepped
         on) or cleared by the module since: :meth:`backward_starts` decides those."""
         if self._steps_applied == self._reduction() or self._gradients_gathered or self._reduced_off_buffers():
             return
         if (self._tainted is not None and self._tainted[0] == self._reduction()) or self._cleared_but(None):
             return
-        self.gather_gradients()
+        self._gather_whole()  # (every rank runs this backward: no meeting first, as gather_gradients() has)
 
     def backward_starts(self, param: torch.Tensor | None = None) -> None:
         """A backward that reduces, while the last one's reduced gradients wait for step(): refused. Its
@@ -750,6 +750,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             return
         self._refuse_tainted("gather_gradients()")
         self._wait_for_every_rank("gather_gradients()")
+        self._gather_whole()
+
+    def _gather_whole(self) -> None:
+        """The averaged gradients whole in every bucket's buffer, on every rank (every rank calls it)."""
         self.synchronize()  # this backward's reduce-scatters waited for (and anything owed before them)
         if not self._allreduce_first_step:  # (the first step is all-reduced, as by DDP: whole already)
             self._gather_gradients()
