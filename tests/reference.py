@@ -84,3 +84,23 @@ class InTurn:
     def step(self) -> None:
         for optimizer in self.optimizers:
             optimizer.step()
+
+
+def two_losses_per_step(model, optimizer, model_cls, rank: int, steps: int, losses_first: bool) -> None:
+    """Each step: zero_grad(), two micro-batches each backpropagated without no_sync(), then step();
+    ``losses_first``: both losses computed before either backward."""
+    import torch
+
+    from tests.models import rank_batch
+
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = []
+        for micro in range(2):
+            x, y = rank_batch(model_cls, 2 * step + micro, rank)
+            losses.append(torch.nn.functional.cross_entropy(model(x), y))
+            if not losses_first:
+                losses.pop().backward()
+        for loss in losses:
+            loss.backward()
+        optimizer.step()

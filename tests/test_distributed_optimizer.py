@@ -11,7 +11,7 @@ import torch
 
 from collective_ops.adapters.torch_optimizer import TRIAL_BLOCK_STEPS, TRIAL_CANDIDATES, TRIAL_ROUNDS
 from tests.harness import run_ranks
-from tests.reference import InTurn, assert_identical, snapshot
+from tests.reference import InTurn, assert_identical, snapshot, two_losses_per_step
 
 STEPS = 20
 LEAD_S = 0.05  # a backward spent before the first gradient in the order trial's model (see _SlowOutputBackward)
@@ -921,31 +921,17 @@ def _two_losses_then_backwards(rank: int, steps: int = 4) -> tuple[dict, dict]:
     import torch
 
     import collective_ops as co
-    from tests.models import MLP, build, rank_batch
+    from tests.models import MLP, build
 
     def train(ours: bool) -> dict:
         net = build("mlp")
-        model = (
-            co.wrap(net, bucket_size_mb=0.004, first_bucket_mb=0.001)
-            if ours
-            else torch.nn.parallel.DistributedDataParallel(net)
-        )
-        optimizer = (
-            co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-            if ours
-            else torch.optim.AdamW(net.parameters(), lr=1e-2)
-        )
-        for step in range(steps):
-            optimizer.zero_grad()
-            losses = []
-            for micro in range(2):
-                x, y = rank_batch(MLP, 2 * step + micro, rank)
-                losses.append(torch.nn.functional.cross_entropy(model(x), y))
-                if not ours:
-                    losses.pop().backward()
-            for loss in losses:
-                loss.backward()
-            optimizer.step()
+        if ours:
+            model = co.wrap(net, bucket_size_mb=0.004, first_bucket_mb=0.001)
+            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(net)
+            optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        two_losses_per_step(model, optimizer, MLP, rank, steps, losses_first=ours)
         return snapshot(net)
 
     return train(False), train(True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.harness import run_ranks
-from tests.reference import assert_identical, collect_errors, snapshot
+from tests.reference import assert_identical, collect_errors, snapshot, two_losses_per_step
 from tests.test_distributed_optimizer import (
     STEPS,
     _ddp_or_ours,
@@ -493,28 +493,28 @@ def _accumulated(rank: int, ours: bool, losses_first: bool = False, steps: int =
     (``losses_first``: both forwards before either backward, which torch's DDP gets wrong: not compared)."""
     import torch
 
+    from tests.models import MLP
+
+    net, model, optimizer = _sharded_or_ddp(ours, torch.optim.SGD, lr=0.05, momentum=0.9, **wrap_options)
+    two_losses_per_step(model, optimizer, MLP, rank, steps, losses_first)
+    return snapshot(net)
+
+
+def _sharded_or_ddp(ours: bool, optimizer_class, **settings) -> tuple:
+    """(inner module, model, optimizer) for an MLP: ours sharded (wrap options among ``settings``: compression),
+    or torch DDP + the plain class."""
+    import torch
+
     import collective_ops as co
-    from tests.models import MLP, build, rank_batch
+    from tests.models import build
 
     net = build("mlp")
-    model = co.wrap(net, **BUCKET, **wrap_options) if ours else torch.nn.parallel.DistributedDataParallel(net)
-    optimizer = (
-        co.DistributedOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9, shard=True)
-        if ours
-        else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    )
-    for step in range(steps):
-        optimizer.zero_grad()
-        losses = []
-        for micro in range(2):
-            x, y = rank_batch(MLP, 2 * step + micro, rank)
-            losses.append(torch.nn.functional.cross_entropy(model(x), y))
-            if not losses_first:
-                losses.pop().backward()
-        for loss in losses:
-            loss.backward()
-        optimizer.step()
-    return snapshot(net)
+    wrap_options = {key: settings.pop(key) for key in ("compression",) if key in settings}
+    if not ours:
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        return net, model, optimizer_class(model.parameters(), **settings)
+    model = co.wrap(net, **BUCKET, **wrap_options)
+    return net, model, co.DistributedOptimizer(model, optimizer_class, shard=True, **settings)
 
 
 def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
@@ -523,19 +523,12 @@ def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
     between (the first micro-batch dropped: DDP's result, from the second alone)."""
     import torch
 
-    import collective_ops as co
-    from tests.models import MLP, build, rank_batch
+    from tests.models import MLP, rank_batch
 
     def adversarial(ours: bool) -> dict:
         """A PGD-like loop: two backwards whose parameter gradients are dropped by the zero_grad() that follows
         (after step(), onto the gradients it used, from the second step on), then the real one."""
-        net = build("mlp")
-        model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
-        optimizer = (
-            co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
-            if ours
-            else torch.optim.AdamW(model.parameters(), lr=1e-2)
-        )
+        net, model, optimizer = _sharded_or_ddp(ours, torch.optim.AdamW, lr=1e-2)
         for step in range(steps):
             for micro in range(3):
                 if micro == 2:
@@ -554,13 +547,7 @@ def _two_backwards_per_step(rank: int, steps: int = 4) -> dict:
     except RuntimeError as exc:
         out["error"] = str(exc)
     for ours, by_module in ((False, False), (True, False), (True, True)):
-        net = build("mlp")
-        model = co.wrap(net, **BUCKET) if ours else torch.nn.parallel.DistributedDataParallel(net)
-        optimizer = (
-            co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
-            if ours
-            else torch.optim.AdamW(model.parameters(), lr=1e-2)
-        )
+        net, model, optimizer = _sharded_or_ddp(ours, torch.optim.AdamW, lr=1e-2)
         for step in range(steps):
             for micro in range(2):
                 (model.zero_grad if by_module else optimizer.zero_grad)()  # (the module's: refused until 24th)
@@ -604,18 +591,9 @@ def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
     except RuntimeError as exc:
         out["stepped_twice"] = str(exc)
 
-    def ddp_or_ours(ours: bool, optimizer_class) -> tuple:
-        """(inner module, model, optimizer): ours sharded, or torch DDP + the plain class."""
-        net = build("mlp")
-        if not ours:
-            model = torch.nn.parallel.DistributedDataParallel(net)
-            return net, model, optimizer_class(model.parameters(), lr=0.01)
-        model = co.wrap(net, **BUCKET)
-        return net, model, co.DistributedOptimizer(model, optimizer_class, lr=0.01, shard=True)
-
     for set_to_none in (True, False):
         for ours in (False, True):
-            net, model, optimizer = ddp_or_ours(ours, torch.optim.SGD)
+            net, model, optimizer = _sharded_or_ddp(ours, torch.optim.SGD, lr=0.01)
             for step in range(steps):
                 model.zero_grad(set_to_none=set_to_none)  # the module's, not the optimizer's
                 with model.no_sync():
@@ -624,7 +602,7 @@ def _gradients_kept_after_step(rank: int, steps: int = 4) -> dict:
                 optimizer.step()
             out[("cleared by the module", set_to_none, ours)] = snapshot(net)
     for ours in (False, True):  # a step() on gradients zero_grad() left as zeros: AdamW decays and moves them
-        net, model, optimizer = ddp_or_ours(ours, torch.optim.AdamW)
+        net, model, optimizer = _sharded_or_ddp(ours, torch.optim.AdamW, lr=0.01)
         for step in range(steps):
             optimizer.zero_grad(set_to_none=False)
             if step != 2:  # no backward at step 2 (a skipped batch): the step still applies, as under DDP
