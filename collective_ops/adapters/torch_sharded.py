@@ -595,7 +595,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         on) or cleared by the module since: :meth:`backward_starts` decides those."""
         if self._steps_applied == self._reduction() or self._gradients_gathered or self._reduced_off_buffers():
             return
-        if (self._tainted is not None and self._tainted[0] == self._reduction()) or self._cleared_but(None):
+        if self._tainted_names() is not None or self._cleared_but(None):
             return
         self._gather_whole()  # (every rank runs this backward: no meeting first, as gather_gradients() has)
 
@@ -613,7 +613,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._gradients_gathered:  # whole on every rank (backward_reaches_outputs): added onto, as under DDP
             self._gradients_gathered = False
             return
-        tainted = self._tainted if self._tainted is not None and self._tainted[0] == self._reduction() else None
+        tainted = self._tainted_names()
         cleared = self._cleared_but(param)
         if tainted is not None or cleared:
             # Cleared through the module since (model.zero_grad()): dropped, as under DDP. Or never to be stepped
@@ -621,7 +621,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             # backwards after step(), before its zero_grad()).
             self.synchronize()  # its reduce-scatters finished before this backward's gradients reach the buffers
             self._skip_step()
-            self._tainted = None if cleared else (self._steps_applied + 1, tainted[1])
+            self._tainted = None if cleared else (self._steps_applied + 1, tainted)
             return
         raise RuntimeError(
             "shard=True: backward() ran again before step() used the gradients it reduced last time. Each "
@@ -666,10 +666,18 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         arrived)."""
         return all(p.grad is None or not bool(p.grad.any()) for p in self._model_params() if p is not param)
 
+    def _tainted_names(self) -> list[str] | None:
+        """Where the last backward's reduction is marked (it added onto a consumed step's gradients): the names
+        of the gradients that step left; else None."""
+        if self._tainted is not None and self._tainted[0] == self._reduction():
+            return self._tainted[1]
+        return None
+
     def _refuse_tainted(self, call: str) -> None:
         """Raise where ``call`` would use the gradients of a backward that added onto a consumed step's."""
-        if self._tainted is not None and self._tainted[0] == self._reduction():
-            self._refuse_kept(f"{call} on gradients a backward added after the last step(), while", self._tainted[1])
+        kept = self._tainted_names()
+        if kept is not None:
+            self._refuse_kept(f"{call} on gradients a backward added after the last step(), while", kept)
 
     def _refuse_gradients_kept(self, what: str, but: torch.Tensor | None = None) -> None:
         """Raise where gradients the last step used are still there and not all zeros (``but``'s aside)."""
