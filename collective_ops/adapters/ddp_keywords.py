@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# DDP's name -> ours, for the same setting
-RENAMED = {"bucket_cap_mb": "bucket_size_mb", "forward_sync_buffers": "broadcast_buffers"}
-
 UNSUPPORTED = {
     "mixed_precision": "cast the model to bf16/fp16 before wrap() and keep fp32 masters with "
     "DistributedOptimizer(model, ..., shard=True), or run the forward under torch.autocast; "
@@ -29,7 +26,8 @@ UNSUPPORTED = {
 
 
 def translate_ddp_keywords(bucket_size_mb: Any, default_bucket_mb: float, options: dict[str, Any]) -> Any:
-    """``options`` with DDP's names for our settings renamed (in place); the bucket size to use. Raises
+    """``options`` with DDP's names for our settings renamed (in place: ``bucket_cap_mb`` is ``bucket_size_mb``,
+    ``forward_sync_buffers`` is ``broadcast_buffers``); the bucket size to use. Raises
     ValueError where both names are given and disagree, or for a DDP keyword with no counterpart here."""
     for name, advice in UNSUPPORTED.items():
         if name in options:
