@@ -406,6 +406,7 @@ def feature_checks(rank: int, world: int) -> dict:
             "device_ids_cpu": lambda: co.wrap(build("mlp"), device_ids=[0]),
             "output_device_cpu": lambda: co.wrap(build("mlp"), output_device=1),
             "subgroup": lambda: co.wrap(build("mlp"), process_group=first_rank_only),
+            "group_text": lambda: co.wrap(build("mlp"), process_group="world"),
             "mixed_precision": lambda: co.wrap(build("mlp"), mixed_precision=object()),
             "static_graph_text": lambda: co.wrap(build("mlp"), static_graph="yes"),
             "sync_names_disagree": lambda: co.wrap(build("mlp"), forward_sync_buffers=False, broadcast_buffers=True),
@@ -600,6 +601,7 @@ def test_adapter_features(world: int) -> None:
         for name in ("device_ids_cpu", "output_device_cpu"):
             assert "Leave them out for a CPU model" in (keyword_errors[name] or ""), keyword_errors
         assert "data parallel over a subset of them" in (keyword_errors["subgroup"] or ""), keyword_errors
+        assert "process_group must be a torch.distributed process group" in (keyword_errors["group_text"] or "")
         assert "DDP's mixed_precision is not supported" in (keyword_errors["mixed_precision"] or ""), keyword_errors
         assert "static_graph must be True or False" in (keyword_errors["static_graph_text"] or ""), keyword_errors
         assert "disagree" in (keyword_errors["sync_names_disagree"] or ""), keyword_errors

@@ -55,7 +55,13 @@ def check_process_group(group: Any, world_size: int) -> None:
     """``process_group`` may only be the whole world (None, ``dist.group.WORLD`` or a group of every rank)."""
     if group is None:
         return
-    size = dist.get_world_size(group) if group is not dist.GroupMember.NON_GROUP_MEMBER else -1
+    outside = group is dist.GroupMember.NON_GROUP_MEMBER  # (what new_group() gives a rank it leaves out)
+    if not outside and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed process group (or None), got {type(group).__name__}: "
+            "leave it out, as wrap() reduces over every rank of the default group"
+        )
+    size = -1 if outside else dist.get_world_size(group)
     if size != world_size:
         raise ValueError(
             f"process_group of {size if size > 0 else 'not this rank:'} ranks: wrap() reduces over every rank of "
