@@ -104,3 +104,25 @@ def two_losses_per_step(model, optimizer, model_cls, rank: int, steps: int, loss
         for loss in losses:
             loss.backward()
         optimizer.step()
+
+
+def shared_temporary_folder() -> str:
+    """A new folder rank 0 makes, its path given to every rank (one collective): for checkpoints every rank writes."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    path = [tempfile.mkdtemp(prefix="collective_ops_test_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def remove_shared_folder(path: str) -> None:
+    """Once every rank is done with it (a barrier), rank 0 removes a :func:`shared_temporary_folder`."""
+    import shutil
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)

@@ -277,19 +277,20 @@ def assert_closure_steps_equal_ddp(results: list[dict], label: str) -> None:
 
 
 def resumed_through_torch_dcp(rank: int, steps: int = 3, more: int = 2, shard: bool = False) -> tuple:
-    """torch.distributed.checkpoint's get_state_dict() after ``steps``, then into a fresh model (other initial
-    weights) and a fresh optimizer (no state yet: DCP initialises it with a zero-lr step), the model's state first
-    and the optimizer's after it, as a loop restoring them one by one (torchtitan's) does (set_state_dict() loads
-    the optimizer first: its initial step would not show on the weights), ``more`` steps; and the same into torch's
-    DDP + AdamW (the checkpoint names entries as the model does). (The run continued, resumed as ours, resumed into
-    DDP.)"""
-    import copy
-
+    """torch.distributed.checkpoint's get_state_dict() after ``steps``, saved with ``dcp.save`` (sharded: each rank
+    writes its own part), then loaded as DCP's docs load (``get_state_dict`` of the fresh pair, ``dcp.load`` into
+    it, then set) into a fresh model (other initial weights) and a fresh optimizer (no state yet: DCP initialises
+    it with a zero-lr step), the model's state first and the optimizer's after it, as a loop restoring them one by
+    one (torchtitan's) does (set_state_dict() loads the optimizer first: its initial step would not show on the
+    weights), ``more`` steps; and the same into torch's DDP + AdamW (the checkpoint names entries as the model
+    does). (The run continued, resumed as ours, resumed into DDP.)"""
     import torch
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_optimizer_state_dict
 
     import collective_ops as co
     from tests.models import MLP, build
+    from tests.reference import remove_shared_folder, shared_temporary_folder
 
     settings = {"lr": 1e-2, "weight_decay": 0.01}
 
@@ -303,15 +304,18 @@ def resumed_through_torch_dcp(rank: int, steps: int = 3, more: int = 2, shard: b
 
     model, opt = ours(0)
     _train(rank, model, opt, MLP, steps=steps)
-    # (copied, as saving and loading does: the state dicts hold the optimizer's own tensors)
-    saved = copy.deepcopy(get_state_dict(model, opt))
+    path = shared_temporary_folder()
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
     results = [_train(rank, model, opt, MLP, steps=more)]
     for build_pair in (ours, ddp):
         resumed, resumed_opt = build_pair(1)
-        model_state, optim_state = copy.deepcopy(saved)
+        model_state, optim_state = get_state_dict(resumed, resumed_opt)
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
         set_model_state_dict(resumed, model_state)
         set_optimizer_state_dict(resumed, resumed_opt, optim_state)
         results.append(_train(rank, resumed, resumed_opt, MLP, steps=more))
+    remove_shared_folder(path)
     return tuple(results)
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collective_ops.bucketing import ParamSpec, plan_buckets
-from collective_ops.bucketing.shard import ShardLayout, padded_numel
+from collective_ops.bucketing.shard import ShardLayout, flat_range_boxes, padded_numel
 
 
 def _plan(numels: list[int], bucket_mb: float):
@@ -86,3 +87,35 @@ def test_bad_world_and_rank_refused():
     with pytest.raises(ValueError, match="outside the world"):
         ShardLayout(plan, 2).pieces(2)
     assert padded_numel(0, 4) == 4 and padded_numel(9, 4) == 12
+
+
+shapes_and_ranges = st.lists(st.integers(min_value=1, max_value=5), min_size=0, max_size=4).flatmap(
+    lambda shape: st.tuples(
+        st.just(tuple(shape)),
+        st.integers(min_value=0, max_value=int(np.prod(shape))),
+        st.integers(min_value=0, max_value=int(np.prod(shape))),
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes_and_ranges)
+def test_a_flat_range_is_tiled_by_its_boxes_in_element_order(case):
+    """What a checkpoint stores by blocks (torch.distributed.checkpoint) gets for a shard piece: boxes that hold
+    exactly the piece's elements, each a contiguous run of them, in order; at most 2 * ndim - 1 of them."""
+    shape, a, b = case
+    start, stop = min(a, b), max(a, b)
+    elements = np.arange(int(np.prod(shape))).reshape(shape)
+    covered = []
+    boxes = flat_range_boxes(shape, start, stop)
+    for box in boxes:
+        block = elements[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))].ravel()
+        assert list(block) == list(range(box.start, box.start + box.numel)), (box, shape)
+        covered += list(block)
+    assert covered == list(range(start, stop))
+    assert len(boxes) <= max(2 * len(shape) - 1, 1)
+
+
+def test_a_range_outside_the_tensor_is_refused():
+    with pytest.raises(ValueError, match="not a range"):
+        flat_range_boxes((3, 4), 5, 13)

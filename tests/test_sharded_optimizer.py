@@ -285,6 +285,69 @@ def _bf16_weights_loaded(rank: int, steps: int = 5, at: int = 3) -> dict:
     return out
 
 
+def _bf16_trained(rank: int, model, optimizer, steps: int, start: int = 0) -> dict:
+    """A bf16 model's weights (float32 numpy arrays) after ``steps`` steps of the MLP loop from batch ``start``."""
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    for step in range(start, start + steps):
+        x, y = rank_batch(MLP, step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+        optimizer.step()
+    optimizer.synchronize()
+    return {name: p.detach().float().numpy() for name, p in model.module.named_parameters()}
+
+
+def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
+    """torch.distributed.checkpoint's sharded save and load (each rank writing its part) of two layouts whose
+    pieces map onto the checkpoint's blocks otherwise: a bf16 model, whose fp32 master pieces are in the state
+    (dcp.load fills the views of them that get_state_dict() gave), and a channels_last CNN, whose pieces are flat
+    ranges in memory order, not in the weights' dimension order. (bf16: weights of the run continued and of the
+    run resumed into a fresh model and optimizer; channels_last: DDP + AdamW's state loaded from the checkpoint
+    and the sharded optimizer's full state, by parameter name.)"""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import collective_ops as co
+    from tests.models import SmallCNN, build
+    from tests.reference import remove_shared_folder, shared_temporary_folder
+
+    def bf16_pair(seed: int) -> tuple:
+        model = co.wrap(build("mlp", seed=seed).to(torch.bfloat16), **BUCKET)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+
+    out, path = {}, shared_temporary_folder()
+    model, optimizer = bf16_pair(0)
+    _bf16_trained(rank, model, optimizer, steps)
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{path}/bf16")
+    out["bf16_continued"] = _bf16_trained(rank, model, optimizer, more, start=steps)
+    model, optimizer = bf16_pair(1)
+    state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    dcp.load(state, checkpoint_id=f"{path}/bf16")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out["bf16_resumed"] = _bf16_trained(rank, model, optimizer, more, start=steps)
+
+    model = co.wrap(build("cnn").to(memory_format=torch.channels_last), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    _train(rank, model, optimizer, SmallCNN, steps=steps)
+    dcp.save({"optim": get_state_dict(model, optimizer)[1]}, checkpoint_id=f"{path}/channels_last")
+    names = [name for name, _ in model.module.named_parameters()]
+    full = optimizer.state_dict()["state"]
+    out["channels_last_ours"] = {f"{names[i]}.{k}": v.numpy() for i, state in full.items() for k, v in state.items()}
+    ddp = torch.nn.parallel.DistributedDataParallel(build("cnn", seed=1).to(memory_format=torch.channels_last))
+    plain = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    state = {"optim": get_state_dict(ddp, plain)[1]}
+    dcp.load(state, checkpoint_id=f"{path}/channels_last")
+    out["channels_last_plain"] = {
+        f"{name}.{k}": v.numpy() for name, values in state["optim"]["state"].items() for k, v in values.items()
+    }
+    remove_shared_folder(path)
+    return out
+
+
 def _consolidated(rank: int) -> dict:
     """torch's ZeroRedundancyOptimizer checkpoint idiom on ours: ``consolidate_state_dict(to=1)``, then
     ``state_dict()`` on rank 1 alone (and on rank 0: its error); after one more step ``state_dict()`` on every
@@ -790,11 +853,14 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     if rank == 0:
         torch.save(saved, checkpoint)
+    out["dcp_saved"] = _saved_through_torch_dcp(model, optimizer, checkpoint + ".dcp")
     out["continued"] = _continue_from(rank, saved)
+    out["dcp_continued"] = _continue_from_dcp(rank, checkpoint + ".dcp")
 
     # torch.distributed.checkpoint maps optimizer state through param_groups (here: pieces; for it, the model's
     # parameters): resumed into a fresh model and optimizer as the run continued (it was a KeyError: 0 in torch)
     out["dcp_resumed"] = resumed_through_torch_dcp(rank, shard=True)
+    out["dcp_layouts"] = _dcp_resumed_layouts(rank)
     out["consolidated"] = _consolidated(rank)
     out["zero_checkpoints"] = _zero_checkpoints(rank)
     out["errors"] = collect_errors(
@@ -870,13 +936,53 @@ def _continue_from(rank: int, saved: dict, steps: int = 4) -> tuple[dict, dict]:
     return results[0], results[1]
 
 
+def _saved_through_torch_dcp(model, optimizer, path: str) -> tuple[int, int, int]:
+    """torch.distributed.checkpoint's sharded save (``get_state_dict()``, DCP's default ``full_state_dict=False``)
+    to ``path``: (this rank's elements of the optimizer state in it, its pieces' elements, the model's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    values = [v for state in optim_state["state"].values() for v in state.values() if isinstance(v, ShardedTensor)]
+    local = sum(shard.tensor.numel() for value in values for shard in value.local_shards())
+    pieces = sum(piece.numel for piece, _ in optimizer._pieces)
+    return local, pieces, sum(p.numel() for p in model.parameters())
+
+
+def _continue_from_dcp(rank: int, path: str, steps: int = 4) -> dict:
+    """After loading the sharded DCP checkpoint at ``path`` at this world size, as DCP's docs load (DCP reads the
+    blocks each rank needs, whatever world size wrote them), ``steps`` more steps: sharded, and DDP + AdamW."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import collective_ops as co
+    from tests.models import MLP, build
+
+    results = {}
+    for kind in ("sharded", "ddp"):
+        if kind == "sharded":
+            model = co.wrap(build("mlp", seed=1), **BUCKET)
+            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, shard=True)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(build("mlp", seed=1))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        results[kind] = _train(rank, model, optimizer, MLP, steps=steps)
+    return results
+
+
 def resharded_checks(rank: int, world: int, checkpoint: str) -> dict:
     import torch
 
     from tests.models import MLP, build
 
     saved = torch.load(checkpoint, weights_only=True)
-    out = {"continued": _continue_from(rank, saved)}
+    out = {"continued": _continue_from(rank, saved), "dcp_continued": _continue_from_dcp(rank, checkpoint + ".dcp")}
     if world == 1:  # the plain optimizer on the plain model, from the same checkpoint
         net = build("mlp")
         net.load_state_dict(saved["model"])
@@ -1163,6 +1269,28 @@ def test_resumed_through_torch_distributed_checkpoint_as_if_never_stopped(two_ra
         assert_identical(into_ddp, continued, f"sharded, resumed into DDP + AdamW from DCP's state dicts, rank {rank}")
 
 
+def test_torch_dcp_saves_each_ranks_shards_and_loads_them_into_ours_and_ddp(two_ranks) -> None:
+    """DCP's default (sharded) state dict holds on each rank only its pieces of the optimizer state (nothing
+    gathered); saved with dcp.save and loaded with dcp.load at the same world size it resumes ours and DDP + AdamW
+    bit-identically to the full checkpoint of the same step."""
+    saved = [out["dcp_saved"] for out in two_ranks]
+    for rank, (local, pieces, _) in enumerate(saved):
+        assert local == 2 * pieces, f"rank {rank}: {local} elements of exp_avg/exp_avg_sq for {pieces} in its pieces"
+    assert sum(pieces for _, pieces, _ in saved) == saved[0][2]  # every element in one rank's pieces
+    for rank, out in enumerate(two_ranks):
+        unsharded, sharded = out["continued"]
+        assert_identical(out["dcp_continued"]["sharded"], sharded, f"sharded, from DCP, rank {rank}")
+        assert_identical(out["dcp_continued"]["ddp"], unsharded, f"DDP + AdamW, from DCP, rank {rank}")
+
+
+def test_torch_dcp_maps_bf16_masters_and_channels_last_pieces(two_ranks) -> None:
+    """The fp32 masters of a bf16 model travel in DCP's sharded state (resumed: the run that went on), and the
+    pieces of channels_last weights (flat in memory order) land where DDP + AdamW reads them."""
+    for rank, out in enumerate(result["dcp_layouts"] for result in two_ranks):
+        assert_identical(out["bf16_resumed"], out["bf16_continued"], f"bf16, resumed from DCP, rank {rank}")
+        assert_identical(out["channels_last_plain"], out["channels_last_ours"], f"channels_last state, rank {rank}")
+
+
 def test_consolidate_state_dict_gathers_the_state_onto_one_rank_in_host_memory(two_ranks) -> None:
     """torch's ZeroRedundancyOptimizer idiom: consolidate_state_dict(to=1) on every rank, then state_dict() on
     rank 1 alone, with no collective, gives the full state (host memory); rank 0 gets an error that says where it
@@ -1217,6 +1345,9 @@ def test_checkpoint_of_two_ranks_loads_at_one_rank(two_ranks, checkpoint) -> Non
     unsharded, sharded = out["continued"]
     assert_identical(sharded, unsharded, "1 rank")
     assert_identical(sharded, out["plain"], "1 rank, against a plain AdamW")
+    # torch.distributed.checkpoint's sharded save of 2 ranks read at 1: as the full checkpoint
+    assert_identical(out["dcp_continued"]["sharded"], sharded, "1 rank, sharded, from DCP")
+    assert_identical(out["dcp_continued"]["ddp"], out["plain"], "1 rank, DDP + AdamW, from DCP")
 
 
 def test_checkpoint_of_two_ranks_loads_at_three_ranks(two_ranks, checkpoint) -> None:
@@ -1225,7 +1356,9 @@ def test_checkpoint_of_two_ranks_loads_at_three_ranks(two_ranks, checkpoint) -> 
     averaged gradients all-gathered first, 1e-6 after 6). Adam divides by sqrt(v), so an element
     whose averaged gradient is near zero turns a last-bit difference into a visible step: its
     weights are compared at 1e-4 for an MLP whose gradients are not near zero."""
-    for out in run_ranks(3, resharded_checks, checkpoint, timeout=300):
+    for rank, out in enumerate(run_ranks(3, resharded_checks, checkpoint, timeout=300)):
+        # torch.distributed.checkpoint's sharded save of 2 ranks, resharded by DCP: as our own resharding
+        assert_identical(out["dcp_continued"]["sharded"], out["continued"][1], f"3 ranks, from DCP, rank {rank}")
         cases = (("continued", 1e-4), ("transformer_sgd", 1e-6), ("mlp_adamw", 1e-4), ("two_backwards_sgd", 1e-6))
         for case, atol in cases:
             reference, sharded = out[case]

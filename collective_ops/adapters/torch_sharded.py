@@ -42,6 +42,7 @@ from .torch import DistributedDataParallel, called_by_torch_dcp, view_like
 from .torch_inplace import InPlaceGuard
 from .torch_optimizer import DistributedOptimizer, frozen_setting
 from .torch_optimizer_set import given_optimizers
+from .torch_sharded_dcp import dcp_asks_sharded_state, is_sharded, piece_values, sharded_state_tensor
 
 _log = logging.getLogger(__name__)
 _GATHER_NAMED = "the all-gather of updated parameters"  # how a failed all-gather is named in its error
@@ -851,6 +852,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             return self._in_plain_format(full)
         self._wait_for_every_rank("state_dict()")
         self.synchronize()
+        if dcp_asks_sharded_state():
+            return self._in_plain_format(self._sharded_state())
         return self._in_plain_format(self._full_state())
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -963,29 +966,38 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _install(self, full: dict[int, dict[str, Any]], settings: list[dict[str, Any]]) -> None:
         """A fresh inner optimizer over the current pieces, holding their slices of ``full``."""
         self._consolidated = None
+        # sliced before the masters are refreshed from the weights: a sharded state's values may view them
+        slices = {
+            id(tensor): self._slice_state(full[piece.param_index], piece)
+            for piece, tensor in self._pieces
+            if piece.param_index in full
+        }
         self.reload_model_params()
         optimizer = self._inner_optimizer(settings)
         inner_state, number, groups = {}, 0, []
-        piece_of = {id(tensor): piece for piece, tensor in self._pieces}
         for group in optimizer.param_groups:
             groups.append({**_settings(group), "params": list(range(number, number + len(group["params"])))})
             for tensor in group["params"]:
-                piece = piece_of[id(tensor)]
-                state = full.get(piece.param_index)
-                if state is not None:
-                    inner_state[number] = self._slice_state(state, piece, tensor)
+                sliced = slices.get(id(tensor))
+                if sliced is not None:
+                    master = sliced.pop(MASTER_KEY, None)
+                    if master is not None:
+                        tensor.detach().copy_(master)
+                    inner_state[number] = sliced
                 number += 1
         optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
         self._optimizer = optimizer
         self._rebind()
 
-    def _slice_state(self, state: dict[str, Any], piece: ShardPiece, tensor: torch.Tensor) -> dict[str, Any]:
+    def _slice_state(self, state: dict[str, Any], piece: ShardPiece) -> dict[str, Any]:
+        """A piece's part of a parameter's state: full values, or torch.distributed.checkpoint's sharded ones
+        (taken in this layout, or filled by ``dcp.load`` for it); copies, the fp32 masters among them."""
         p = self.model._params[piece.param_index]
         sliced = {}
         for key, value in state.items():
-            if key == MASTER_KEY:
-                tensor.detach().copy_(_flat_like(value, p)[piece.param_start : piece.param_end])
-            elif _elementwise(key, value, p):
+            if is_sharded(value):
+                sliced[key] = piece_values(value, p, piece).clone()
+            elif key == MASTER_KEY or _elementwise(key, value, p):
                 sliced[key] = _flat_like(value, p)[piece.param_start : piece.param_end].clone()
             else:  # a scalar (step): each piece its own, as the class's load_state_dict would not copy it
                 sliced[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -1018,21 +1030,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         False: this rank takes part only (an empty result); ``device``: where the values go, bucket by bucket
         (default: where the state is)."""
         plan = self._layout.plan
-        inner_state = self._optimizer.state
-        scalars, keys = {}, set()
-        for piece, tensor in self._pieces:
-            state = inner_state.get(tensor, {})
-            keys |= {k for k, v in state.items() if _piecewise(v, piece)}
-            if piece.param_start == 0 and state:
-                scalars[piece.param_index] = {k: v for k, v in state.items() if not _piecewise(v, piece)}
-        if any(_is_master(pc, t, self._param_buffers) for pc, t in self._pieces):
-            keys.add(MASTER_KEY)
-        gathered: list[Any] = [None] * self.model.engine.world_size
-        dist.all_gather_object(gathered, (scalars, sorted(keys)))
-        full: dict[int, dict[str, Any]] = {}
-        for rank_scalars, _ in gathered:
-            full.update({index: _moved(dict(values), device) for index, values in rank_scalars.items()})
-        keys = sorted({k for _, rank_keys in gathered for k in rank_keys})
+        full, keys = self._gathered_scalars(device)
         for bucket, shards in enumerate(self._layout.buckets):
             spec = plan.buckets[bucket]
             for key in keys:
@@ -1047,6 +1045,50 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                         p = self.model._params[index]
                         full[index][key] = _unflat_like(flat.narrow(0, offset, p.numel()), p)
         return full if keep else {}
+
+    def _gathered_scalars(self, device: torch.device | None = None) -> tuple[dict[int, dict[str, Any]], list[str]]:
+        """(every stepped parameter's values that are not per element (``step``; all of a 0-d parameter's), from
+        the rank holding its first element; the per-element keys any rank holds): one small all-gather."""
+        inner_state = self._optimizer.state
+        scalars, keys = {}, set()
+        for piece, tensor in self._pieces:
+            state = inner_state.get(tensor, {})
+            keys |= {k for k, v in state.items() if _piecewise(v, piece)}
+            if piece.param_start == 0 and state:
+                whole = self.model._params[piece.param_index].dim() == 0
+                scalars[piece.param_index] = {k: v for k, v in state.items() if whole or not _piecewise(v, piece)}
+        if any(_is_master(pc, t, self._param_buffers) for pc, t in self._pieces):
+            keys.add(MASTER_KEY)
+        gathered: list[Any] = [None] * self.model.engine.world_size
+        dist.all_gather_object(gathered, (scalars, sorted(keys)))
+        state: dict[int, dict[str, Any]] = {}
+        for rank_scalars, _ in gathered:
+            state.update({index: _moved(dict(values), device) for index, values in rank_scalars.items()})
+        return state, sorted({k for _, rank_keys in gathered for k in rank_keys})
+
+    def _sharded_state(self) -> dict[int, dict[str, Any]]:
+        """Every parameter's state as torch.distributed.checkpoint saves sharded state (``full_state_dict=False``):
+        each per-element value a ``ShardedTensor`` whose local shards view this rank's pieces of it (nothing
+        gathered: 1/N of the state per rank), the rest (``step``) from :meth:`_gathered_scalars`."""
+        state, keys = self._gathered_scalars()
+        inner_state = self._optimizer.state
+        mine: dict[int, list[tuple[ShardPiece, torch.Tensor]]] = {}
+        for piece, tensor in self._pieces:
+            mine.setdefault(piece.param_index, []).append((piece, tensor))
+        for index, values in state.items():
+            p = self.model._params[index]
+            if p.dim() == 0:
+                continue  # (gathered whole with the scalars)
+            dtype = _master_dtype(str(p.dtype).removeprefix("torch."))
+            for key in keys:
+                if key == MASTER_KEY and p.dtype not in LOW_PRECISION:
+                    continue
+                local = {}
+                for piece, tensor in mine.get(index, []):
+                    value = tensor.detach() if key == MASTER_KEY else inner_state.get(tensor, {}).get(key)
+                    local[piece] = value if value is not None else torch.zeros_like(tensor, dtype=dtype)
+                values[key] = sharded_state_tensor(p, self._layout.owners(index), local, dtype, p.device)
+        return state
 
     def _gather_bucket_state(self, bucket: int, key: str, shard_numel: int) -> torch.Tensor:
         dtype = _master_dtype(self._layout.plan.buckets[bucket].dtype)  # the layout being read (a replan: the old)

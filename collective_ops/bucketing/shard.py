@@ -14,6 +14,7 @@ plan (checked at wrap) computes the same layout without communicating.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 from .plan import BucketPlan
 
@@ -99,3 +100,58 @@ class ShardLayout:
         """Elements of rank ``rank``'s shards that hold no parameter."""
         total = sum(b.shard_numel for b in self.buckets)
         return total - sum(p.numel for p in self.pieces(rank))
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular block of a tensor: ``sizes`` elements per dimension from ``offsets``, holding the elements
+    ``[start, start + numel)`` of the tensor flattened in row-major order (a box of a flat range is contiguous)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return prod(self.sizes)
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """The elements ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in element order: a partial
+    first row, whole rows, a partial last row, each partial row split the same way one dimension down (at most
+    ``2 * len(shape) - 1`` boxes). A shard piece is a flat range of its parameter; checkpoint formats that store
+    tensors by blocks (torch.distributed.checkpoint) take it as these boxes."""
+    shape = tuple(shape)
+    if not 0 <= start <= stop <= prod(shape):
+        raise ValueError(f"[{start}, {stop}) is not a range of the {prod(shape)} elements of shape {shape}")
+    return _boxes(shape, start, stop)
+
+
+def _boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    if start == stop:
+        return []
+    if not shape:
+        return [Box((), (), start)]  # a 0-d tensor's one element
+    row = prod(shape[1:])
+    first, last = start // row, stop // row  # the first row touched; the row where the range ends
+    boxes = []
+    if start % row:  # a partial first row
+        end = min(stop, (first + 1) * row)
+        boxes += _in_row(shape, first, start, end)
+        first += 1
+        if end == stop:
+            return boxes
+    if last > first:
+        boxes.append(Box((first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:], first * row))
+    if stop % row:
+        boxes += _in_row(shape, last, last * row, stop)
+    return boxes
+
+
+def _in_row(shape: tuple[int, ...], row: int, start: int, stop: int) -> list[Box]:
+    """The boxes of ``[start, stop)``, which lies inside row ``row`` of dimension 0."""
+    base = row * prod(shape[1:])
+    return [
+        Box((row,) + box.offsets, (1,) + box.sizes, base + box.start)
+        for box in _boxes(shape[1:], start - base, stop - base)
+    ]

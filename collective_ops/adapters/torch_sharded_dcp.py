@@ -1,0 +1,128 @@
+"""The sharded optimizer's state as torch.distributed.checkpoint saves sharded state: each rank writes its own.
+
+``get_state_dict()`` / ``get_optimizer_state_dict()`` with ``full_state_dict=False`` (DCP's default) ask for
+state each rank can save without gathering it: every element-wise value (``exp_avg``, the fp32 masters) is
+given as a ``ShardedTensor`` of the parameter's full shape whose local shards are this rank's pieces, as boxes
+(:func:`collective_ops.bucketing.shard.flat_range_boxes`: a piece is a flat range of the parameter in its memory
+order), views of the optimizer's own state, so ``dcp.load`` writes into them as it writes into a plain
+optimizer's tensors. DCP's planner then saves each rank's boxes and, at load, reads whatever boxes the loading
+layout needs: other world sizes, and plain optimizers' full tensors, both ways.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from ..bucketing.shard import Box, ShardPiece, flat_range_boxes
+from .torch import TORCH_DCP_MODULE
+
+# DCP's function that reads an optimizer's state_dict() for get_state_dict()/get_optimizer_state_dict(), and
+# the one that loads it, which reads the local state through the former while it distributes a full state
+_DCP_READS_STATE = "_get_optim_state_dict"
+_DCP_LOADS_STATE = "_load_optim_state_dict"
+
+
+def dcp_asks_sharded_state() -> bool:
+    """Whether torch.distributed.checkpoint is reading the optimizer's ``state_dict()`` for a sharded state dict
+    (``full_state_dict=False``) that it will save as it is. Read off DCP's own frame (its ``info``); anything
+    else, including a torch whose DCP is laid out otherwise, gets the full state, which is always correct."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") != TORCH_DCP_MODULE:
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_name != _DCP_READS_STATE:
+        return False
+    caller = frame.f_back
+    if caller is not None and caller.f_code.co_name == _DCP_LOADS_STATE:
+        return False  # loading a full state: DCP copies it over the local one, which must be whole
+    info = frame.f_locals.get("info")
+    return getattr(info, "full_state_dict", True) is False
+
+
+def memory_order(p: torch.Tensor) -> list[int]:
+    """``p``'s dimensions from outermost to innermost in memory (how it lies in its bucket: dense, maybe
+    permuted, as channels_last); ``p.permute(order)`` is then contiguous in that layout."""
+    strides = torch.empty_like(p, device="meta").stride()
+    return sorted(range(p.dim()), key=lambda dim: -strides[dim])
+
+
+def piece_boxes(p: torch.Tensor, piece: ShardPiece) -> list[tuple[Box, list[int], list[int]]]:
+    """The piece's boxes: (box in memory order, its offsets and sizes in ``p``'s own dimensions)."""
+    order = memory_order(p)
+    shape = tuple(p.shape[dim] for dim in order)
+    boxes = []
+    for box in flat_range_boxes(shape, piece.param_start, piece.param_end):
+        offsets, sizes = [0] * p.dim(), [1] * p.dim()
+        for position, dim in enumerate(order):
+            offsets[dim], sizes[dim] = box.offsets[position], box.sizes[position]
+        boxes.append((box, offsets, sizes))
+    return boxes
+
+
+def _box_view(flat: torch.Tensor, piece: ShardPiece, box: Box, order: list[int]) -> torch.Tensor:
+    """The box's elements of a piece's flat values, shaped in the parameter's dimensions: a view, or for a
+    parameter laid out permuted (channels_last) whose box is not contiguous so, a copy (ShardedTensor takes
+    contiguous shards only; DCP's loaded values then reach the state through ``set_state_dict``)."""
+    inverse = sorted(range(len(order)), key=lambda position: order[position])
+    box_values = flat.narrow(0, box.start - piece.param_start, box.numel).view(box.sizes).permute(inverse)
+    return box_values if box_values.is_contiguous() else box_values.contiguous()
+
+
+def sharded_state_tensor(
+    p: torch.Tensor,
+    owners: list[tuple[int, ShardPiece]],
+    local: dict[ShardPiece, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ShardedTensor:
+    """A state value of parameter ``p`` (its shape) whose shards are every owner's pieces, as boxes; this rank's
+    are views of ``local`` (piece -> its flat values). Built alike on every rank from the layout, no collective."""
+    rank, order = dist.get_rank(), memory_order(p)
+    shards, local_shards = [], []
+    for owner, piece in owners:
+        for box, offsets, sizes in piece_boxes(p, piece):
+            metadata = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{owner}/{device}")
+            shards.append(metadata)
+            if owner == rank:
+                local_shards.append(Shard(_box_view(local[piece], piece, box, order), metadata))
+    # A rank holding none of it still needs the key: DCP's load drops a ShardedTensor with no local shard, and a
+    # key missing there makes it read the checkpoint as one of torch 2.3's, failing on another key. An empty box
+    # (no elements: nothing written or read) keeps it, placed past the last row: DCP's save keeps one write item
+    # per offset, so at a real box's offset it would replace that box.
+    for holder in sorted(set(range(dist.get_world_size())) - {owner for owner, _ in owners}):
+        offsets, sizes = [p.shape[0]] + [0] * (p.dim() - 1), [0] + list(p.shape[1:])
+        metadata = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{holder}/{device}")
+        shards.append(metadata)
+        if holder == rank:
+            local_shards.append(Shard(torch.empty(sizes, dtype=dtype, device=device), metadata))
+    properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
+    metadata = ShardedTensorMetadata(shards_metadata=shards, size=p.shape, tensor_properties=properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+
+
+def piece_values(value: ShardedTensor, p: torch.Tensor, piece: ShardPiece) -> torch.Tensor:
+    """A piece's flat values from a sharded state value whose local shards hold its boxes (the layout it was
+    taken from, or one ``dcp.load`` filled for this optimizer)."""
+    by_offsets = {tuple(shard.metadata.shard_offsets): shard for shard in value.local_shards()}
+    order, parts = memory_order(p), []
+    for _box, offsets, sizes in piece_boxes(p, piece):
+        shard = by_offsets.get(tuple(offsets))
+        if shard is None or list(shard.metadata.shard_sizes) != sizes:
+            raise ValueError(
+                "this sharded optimizer state (torch.distributed.checkpoint's, full_state_dict=False) holds other "
+                "elements on this rank than its shards here: it was taken at another world size or bucket layout. "
+                "Load it as DCP reshards: state = get_state_dict(model, opt); dcp.load(state, checkpoint_id=...); "
+                "set_state_dict(model, opt, ...); or take it with StateDictOptions(full_state_dict=True)"
+            )
+        parts.append(shard.tensor.permute(order).reshape(-1))  # its elements in memory order, as the piece's
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
+def is_sharded(value: Any) -> bool:
+    return isinstance(value, ShardedTensor)
