@@ -309,11 +309,16 @@ def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
     and the sharded optimizer's full state, by parameter name.)"""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_optimizer_state_dict,
+        set_state_dict,
+    )
 
     import collective_ops as co
     from tests.models import SmallCNN, build
-    from tests.reference import remove_shared_folder, shared_temporary_folder
+    from tests.reference import collect_errors, remove_shared_folder, shared_temporary_folder
 
     def bf16_pair(seed: int) -> tuple:
         model = co.wrap(build("mlp", seed=seed).to(torch.bfloat16), **BUCKET)
@@ -345,6 +350,13 @@ def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
         f"{name}.{k}": v.numpy() for name, values in state["optim"]["state"].items() for k, v in values.items()
     }
     remove_shared_folder(path)
+
+    # a sharded state dict of one bucket layout handed in memory to an optimizer of another: said, not misread
+    taken = get_optimizer_state_dict(model, optimizer)
+    model = co.wrap(build("cnn").to(memory_format=torch.channels_last), bucket_size_mb=25)  # one bucket
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    _train(rank, model, optimizer, SmallCNN, steps=1)
+    out["other_layout"] = collect_errors({"set": lambda: set_optimizer_state_dict(model, optimizer, taken)})["set"]
     return out
 
 
@@ -1285,10 +1297,13 @@ def test_torch_dcp_saves_each_ranks_shards_and_loads_them_into_ours_and_ddp(two_
 
 def test_torch_dcp_maps_bf16_masters_and_channels_last_pieces(two_ranks) -> None:
     """The fp32 masters of a bf16 model travel in DCP's sharded state (resumed: the run that went on), and the
-    pieces of channels_last weights (flat in memory order) land where DDP + AdamW reads them."""
+    pieces of channels_last weights (flat in memory order) land where DDP + AdamW reads them. A sharded state
+    dict handed in memory to an optimizer of another bucket layout is refused, saying how to load it."""
     for rank, out in enumerate(result["dcp_layouts"] for result in two_ranks):
         assert_identical(out["bf16_resumed"], out["bf16_continued"], f"bf16, resumed from DCP, rank {rank}")
         assert_identical(out["channels_last_plain"], out["channels_last_ours"], f"channels_last state, rank {rank}")
+        assert "another world size or bucket layout" in (out["other_layout"] or ""), out["other_layout"]
+        assert "dcp.load" in out["other_layout"]
 
 
 def test_consolidate_state_dict_gathers_the_state_onto_one_rank_in_host_memory(two_ranks) -> None:
