@@ -242,6 +242,17 @@ class PeekingLM(UntiedLM):
         return out
 
 
+class ScaledMLP(MLP):
+    """An MLP whose logits are scaled by a learned 0-d parameter (CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.logit_scale
+
+
 MODELS = {
     "mlp": MLP,
     "cnn": SmallCNN,
@@ -254,7 +265,7 @@ MODELS = {
     "checkpointed-head": CheckpointedHeadMLP,
 }
 # Built by name too, but not in MODELS (whose every model the adapter tests train on its output tensor)
-OTHER_OUTPUTS = {"checkpointed-head-dict": CheckpointedHeadDictMLP}
+OTHER_OUTPUTS = {"checkpointed-head-dict": CheckpointedHeadDictMLP, "scaled-mlp": ScaledMLP}
 
 
 def gan(seed: int = 0) -> tuple[nn.Module, nn.Module]:

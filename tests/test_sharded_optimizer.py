@@ -300,6 +300,14 @@ def _bf16_trained(rank: int, model, optimizer, steps: int, start: int = 0) -> di
     return {name: p.detach().float().numpy() for name, p in model.module.named_parameters()}
 
 
+def _full_state_arrays(optimizer) -> dict:
+    """The optimizer's full state (``state_dict()``, a collective) as float32 arrays, by parameter number and key."""
+    state = optimizer.state_dict()["state"]
+    return {
+        f"{number}.{key}": value.float().numpy() for number, values in state.items() for key, value in values.items()
+    }
+
+
 def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
     """torch.distributed.checkpoint's sharded save and load (each rank writing its part) of two layouts whose
     pieces map onto the checkpoint's blocks otherwise: a bf16 model, whose fp32 master pieces are in the state
@@ -320,19 +328,21 @@ def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
     from tests.models import SmallCNN, build
     from tests.reference import collect_errors, remove_shared_folder, shared_temporary_folder
 
-    def bf16_pair(seed: int) -> tuple:
-        model = co.wrap(build("mlp", seed=seed).to(torch.bfloat16), **BUCKET)
+    def bf16_pair(seed: int) -> tuple:  # (with a 0-d parameter: its state and master are saved whole)
+        model = co.wrap(build("scaled-mlp", seed=seed).to(torch.bfloat16), **BUCKET)
         return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
 
     out, path = {}, shared_temporary_folder()
     model, optimizer = bf16_pair(0)
     _bf16_trained(rank, model, optimizer, steps)
     dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{path}/bf16")
+    out["bf16_saved_state"] = _full_state_arrays(optimizer)
     out["bf16_continued"] = _bf16_trained(rank, model, optimizer, more, start=steps)
     model, optimizer = bf16_pair(1)
     state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     dcp.load(state, checkpoint_id=f"{path}/bf16")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out["bf16_loaded_state"] = _full_state_arrays(optimizer)  # (bf16 weights may hide fp32 digits lost)
     out["bf16_resumed"] = _bf16_trained(rank, model, optimizer, more, start=steps)
 
     model = co.wrap(build("cnn").to(memory_format=torch.channels_last), **BUCKET)
@@ -1296,10 +1306,11 @@ def test_torch_dcp_saves_each_ranks_shards_and_loads_them_into_ours_and_ddp(two_
 
 
 def test_torch_dcp_maps_bf16_masters_and_channels_last_pieces(two_ranks) -> None:
-    """The fp32 masters of a bf16 model travel in DCP's sharded state (resumed: the run that went on), and the
+    """The fp32 masters of a bf16 model (one parameter 0-d) travel in DCP's sharded state (resumed: the run that went on), and the
     pieces of channels_last weights (flat in memory order) land where DDP + AdamW reads them. A sharded state
     dict handed in memory to an optimizer of another bucket layout is refused, saying how to load it."""
     for rank, out in enumerate(result["dcp_layouts"] for result in two_ranks):
+        assert_identical(out["bf16_loaded_state"], out["bf16_saved_state"], f"bf16, state through DCP, rank {rank}")
         assert_identical(out["bf16_resumed"], out["bf16_continued"], f"bf16, resumed from DCP, rank {rank}")
         assert_identical(out["channels_last_plain"], out["channels_last_ours"], f"channels_last state, rank {rank}")
         assert "another world size or bucket layout" in (out["other_layout"] or ""), out["other_layout"]

@@ -1055,8 +1055,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             state = inner_state.get(tensor, {})
             keys |= {k for k, v in state.items() if _piecewise(v, piece)}
             if piece.param_start == 0 and state:
-                whole = self.model._params[piece.param_index].dim() == 0
-                scalars[piece.param_index] = {k: v for k, v in state.items() if whole or not _piecewise(v, piece)}
+                scalars[piece.param_index] = self._scalar_state(piece, tensor, state)
         if any(_is_master(pc, t, self._param_buffers) for pc, t in self._pieces):
             keys.add(MASTER_KEY)
         gathered: list[Any] = [None] * self.model.engine.world_size
@@ -1065,6 +1064,16 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for rank_scalars, _ in gathered:
             state.update({index: _moved(dict(values), device) for index, values in rank_scalars.items()})
         return state, sorted({k for _, rank_keys in gathered for k in rank_keys})
+
+    def _scalar_state(self, piece: ShardPiece, tensor: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """What of a piece's state is not per element (``step``); of a 0-d parameter (one piece: CLIP's
+        ``logit_scale``), all of it, shaped as the parameter, its fp32 master too."""
+        if self.model._params[piece.param_index].dim() != 0:
+            return {k: v for k, v in state.items() if not _piecewise(v, piece)}
+        whole = {k: v.reshape(()) if _piecewise(v, piece) else v for k, v in state.items()}
+        if _is_master(piece, tensor, self._param_buffers):
+            whole[MASTER_KEY] = tensor.detach().reshape(())
+        return whole
 
     def _sharded_state(self) -> dict[int, dict[str, Any]]:
         """Every parameter's state as torch.distributed.checkpoint saves sharded state (``full_state_dict=False``):
@@ -1079,7 +1088,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             p = self.model._params[index]
             if p.dim() == 0:
                 continue  # (gathered whole with the scalars)
-            dtype = _master_dtype(str(p.dtype).removeprefix("torch."))
+            dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
             for key in keys:
                 if key == MASTER_KEY and p.dtype not in LOW_PRECISION:
                     continue
