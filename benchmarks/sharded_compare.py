@@ -3,13 +3,17 @@
     python benchmarks/sharded_compare.py                      # loopback, 2 ranks
     python benchmarks/sharded_compare.py --world 3
     python benchmarks/sharded_compare.py --link 1gbit         # emulated 2-node link
+    python benchmarks/sharded_compare.py --checkpoint         # also a torch.distributed.checkpoint save
 
 In the same processes, alternating in blocks of steps (the order reversed every round), with
 AdamW everywhere: torch DDP (25 MiB buckets) + AdamW; DDP + ``ZeroRedundancyOptimizer(AdamW)``;
 ``wrap(bucket_size_mb="auto")`` (or ``--bucket-size-mb``) + ``DistributedOptimizer`` (unsharded); the same with
 ``shard=True``. Memory per rank: the bytes of the optimizer's state tensors and fp32 master
 copies, counted after the steps (max over ranks), and the process's peak RSS measured in a
-separate run of each setup alone (``--memory``).
+separate run of each setup alone (``--memory``). ``--checkpoint``: ``shard=True`` saved with
+torch.distributed.checkpoint (``get_state_dict`` + ``dcp.save``) as a full state dict and as DCP's default
+sharded one, each in a run of its own: the optimizer-state bytes the state dict holds on a rank, the growth of
+the process's peak RSS across the save, and its seconds (max over ranks).
 """
 
 from __future__ import annotations
@@ -134,6 +138,54 @@ def memory_rank(rank: int, world: int, port: int, args, label: str, queue) -> No
         queue.put(peak)
 
 
+def checkpoint_rank(rank: int, world: int, port: int, args, full: bool, queue) -> None:
+    """``shard=True`` trained 4 steps, then saved through torch.distributed.checkpoint (``full_state_dict``
+    as given): (state MiB in the state dict, peak-RSS growth MiB, seconds), each the max over ranks."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import collective_ops as co
+    from collective_ops.runtime import get_engine
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    name = args.models[0]
+    batches = _batches(name, rank)
+    model, optimizer = build_setup(SETUPS[3], name, args.bucket_size_mb, args.row_sparse_embeddings == "auto")
+    for i in range(4):
+        one_step(model, optimizer, batches[i % len(batches)])
+    optimizer.synchronize()
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    before, started = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full))
+    held = sum(_local_bytes(value) for values in optim_state["state"].values() for value in values.values())
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path[0])
+    seconds = time.perf_counter() - started
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    worst = get_engine("torch").reduce_floats([held / 2**20, grown, seconds], "max")
+    co.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+    co.shutdown()
+    if rank == 0:
+        queue.put(worst)
+
+
+def _local_bytes(value) -> int:
+    """Bytes of a state-dict value held on this rank (a ShardedTensor's local shards; not a 0-d step)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return sum(shard.tensor.numel() * shard.tensor.element_size() for shard in value.local_shards())
+    is_vector = isinstance(value, torch.Tensor) and value.dim() > 0
+    return value.numel() * value.element_size() if is_vector else 0
+
+
 def _size(value: str) -> float | str:
     return value if value == "auto" else float(value)
 
@@ -161,6 +213,9 @@ def main(argv=None) -> int:
         "then moves the same bytes, the comparison the sharded goal assumes)",
     )
     parser.add_argument("--memory", action="store_true", help="also measure each setup's peak RSS alone")
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="also save shard=True through torch.distributed.checkpoint"
+    )
     parser.add_argument("--json")
     started = time.monotonic()
     outcome = run_benchmark(parser, argv, rank_main)
@@ -168,6 +223,7 @@ def main(argv=None) -> int:
         return outcome
     args, results = outcome
     peaks = {label: spawn(memory_rank, args.world, args, label) for label in SETUPS} if args.memory else {}
+    saves = {full: spawn(checkpoint_rank, args.world, args, full) for full in (True, False)} if args.checkpoint else {}
     print(
         f"# sharded_compare: {args.world} Gloo ranks, {where()}, AdamW; median step, {args.rounds} rounds x "
         f"{args.block} steps alternating ({time.monotonic() - started:.0f} s)"
@@ -195,9 +251,18 @@ def main(argv=None) -> int:
             )
         share = memory[SETUPS[3]] / memory[SETUPS[2]]
         print(f"    sharded state / unsharded state: {share:.3f} (1/{args.world} = {1 / args.world:.3f})")
+    for full, (held, grown, seconds) in saves.items():
+        kind = "full_state_dict=True " if full else "sharded (DCP's default)"
+        print(
+            f"  {args.models[0]}, shard=True saved by torch.distributed.checkpoint, {kind}: optimizer state held "
+            f"{held:.2f} MiB/rank, peak RSS +{grown:.1f} MiB, {seconds:.2f} s (max over ranks)"
+        )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": vars(args), "where": where(), "results": results, "peak_rss_mib": peaks}, indent=1)
+            json.dumps(
+                {"args": vars(args), "where": where(), "results": results, "peak_rss_mib": peaks, "dcp_saves": saves},
+                indent=1,
+            )
         )
     return 0
 
