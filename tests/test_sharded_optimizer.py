@@ -308,6 +308,49 @@ def _full_state_arrays(optimizer) -> dict:
     }
 
 
+def _dcp_async_saves(rank: int, steps: int = 3) -> dict:
+    """``dcp.async_save`` while training goes on: of DCP's default sharded state dict (refused: torch's stager
+    cannot copy a ShardedTensor; the error, text), and of the full one (what a fresh sharded optimizer loads from
+    it, and the state when it was taken, as arrays)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import collective_ops as co
+    from tests.models import MLP, build
+    from tests.reference import remove_shared_folder, shared_temporary_folder
+
+    def pair(seed: int) -> tuple:
+        model = co.wrap(build("mlp", seed=seed), **BUCKET)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+
+    out, path = {}, shared_temporary_folder()
+    model, optimizer = pair(0)
+    _train(rank, model, optimizer, MLP, steps=steps)
+    sharded = {"optim": get_optimizer_state_dict(model, optimizer)}
+    out["error"] = collect_errors(
+        {"async": lambda: dcp.async_save(sharded, checkpoint_id=f"{path}/sharded")}, (RuntimeError,)
+    )["async"]
+    full = {"optim": get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))}
+    out["taken"] = _full_state_arrays(optimizer)
+    # (its collectives run beside training's: on a group of their own, as torch's docs advise)
+    saving = dcp.async_save(full, checkpoint_id=f"{path}/full", process_group=dist.new_group(backend="gloo"))
+    _train(rank, model, optimizer, MLP, steps=2)  # training goes on while it writes
+    saving.result()
+    model, optimizer = pair(1)
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=f"{path}/full")
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    out["loaded"] = _full_state_arrays(optimizer)
+    remove_shared_folder(path)
+    return out
+
+
 def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
     """torch.distributed.checkpoint's sharded save and load (each rank writing its part) of two layouts whose
     pieces map onto the checkpoint's blocks otherwise: a bf16 model, whose fp32 master pieces are in the state
@@ -883,6 +926,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     # parameters): resumed into a fresh model and optimizer as the run continued (it was a KeyError: 0 in torch)
     out["dcp_resumed"] = resumed_through_torch_dcp(rank, shard=True)
     out["dcp_layouts"] = _dcp_resumed_layouts(rank)
+    out["dcp_async"] = _dcp_async_saves(rank)
     out["consolidated"] = _consolidated(rank)
     out["zero_checkpoints"] = _zero_checkpoints(rank)
     out["errors"] = collect_errors(
@@ -1315,6 +1359,15 @@ def test_torch_dcp_maps_bf16_masters_and_channels_last_pieces(two_ranks) -> None
         assert_identical(out["channels_last_plain"], out["channels_last_ours"], f"channels_last state, rank {rank}")
         assert "another world size or bucket layout" in (out["other_layout"] or ""), out["other_layout"]
         assert "dcp.load" in out["other_layout"]
+
+
+def test_torch_dcp_async_save_of_sharded_state_says_what_to_do_and_the_full_state_works(two_ranks) -> None:
+    """torch's async_save cannot stage ShardedTensors (its own error named neither them nor a way out): refused
+    saying so; the full state dict it takes, written while training goes on, holds the state when it was taken."""
+    for rank, out in enumerate(result["dcp_async"] for result in two_ranks):
+        assert "async_save cannot stage" in (out["error"] or ""), f"rank {rank}: {out['error']}"
+        assert "full_state_dict=True" in out["error"]
+        assert_identical(out["loaded"], out["taken"], f"async_save of the full state, rank {rank}")
 
 
 def test_consolidate_state_dict_gathers_the_state_onto_one_rank_in_host_memory(two_ranks) -> None:

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torch.distributed._shard.sharding_spec.api import custom_sharding_spec_op
 
 from ..bucketing.shard import Box, ShardPiece, flat_range_boxes
 from .torch import TORCH_DCP_MODULE
@@ -27,6 +29,23 @@ from .torch import TORCH_DCP_MODULE
 # the one that loads it, which reads the local state through the former while it distributes a full state
 _DCP_READS_STATE = "_get_optim_state_dict"
 _DCP_LOADS_STATE = "_load_optim_state_dict"
+
+
+class CollectiveOpsPieceBoxes(EnumerableShardingSpec):
+    """How the sharded optimizer's state values in DCP's state dicts are cut: each rank's pieces, as boxes. A
+    class of its own so that the ops torch registers for it (below) reach these tensors only."""
+
+
+@custom_sharding_spec_op(CollectiveOpsPieceBoxes, torch.Tensor.data_ptr)
+def _refuse_staging(types: Any, args: Any, kwargs: Any, process_group: Any) -> None:
+    """torch's ``dcp.async_save`` copies a state dict's tensors through their storage (``data_ptr`` first), which a
+    ShardedTensor does not have; its own error named neither the tensor nor a way out."""
+    raise RuntimeError(
+        "this state dict holds a sharded optimizer state (collective_ops DistributedOptimizer(shard=True): each "
+        "rank's shards, as ShardedTensors), which torch.distributed.checkpoint's async_save cannot stage. Save it "
+        "with dcp.save (synchronous), or, for async_save, take the state with "
+        "get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)) (the full state on every rank)"
+    )
 
 
 def dcp_asks_sharded_state() -> bool:
@@ -103,7 +122,8 @@ def sharded_state_tensor(
             local_shards.append(Shard(torch.empty(sizes, dtype=dtype, device=device), metadata))
     properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
     metadata = ShardedTensorMetadata(shards_metadata=shards, size=p.shape, tensor_properties=properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+    spec = CollectiveOpsPieceBoxes(shards)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, sharding_spec=spec)
 
 
 def piece_values(value: ShardedTensor, p: torch.Tensor, piece: ShardPiece) -> torch.Tensor:
