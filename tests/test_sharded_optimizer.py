@@ -308,10 +308,12 @@ def _full_state_arrays(optimizer) -> dict:
     }
 
 
-def _dcp_async_saves(rank: int, steps: int = 3) -> dict:
-    """``dcp.async_save`` while training goes on: of DCP's default sharded state dict (refused: torch's stager
-    cannot copy a ShardedTensor; the error, text), and of the full one (what a fresh sharded optimizer loads from
-    it, and the state when it was taken, as arrays)."""
+def _dcp_full_state_dicts(rank: int, steps: int = 3) -> dict:
+    """DCP with full state dicts (``full_state_dict=True``): ``dcp.async_save`` while training goes on, of DCP's
+    default sharded state dict (refused: torch's stager cannot copy a ShardedTensor; the error, text), and of the
+    full one (what a fresh sharded optimizer loads from it); and the full one handed in memory to
+    ``set_optimizer_state_dict(..., full_state_dict=True)``, which loads it over the local state (what that
+    loaded). Arrays, with the state when it was taken."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -329,14 +331,14 @@ def _dcp_async_saves(rank: int, steps: int = 3) -> dict:
         model = co.wrap(build("mlp", seed=seed), **BUCKET)
         return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
 
+    full_options = StateDictOptions(full_state_dict=True)
     out, path = {}, shared_temporary_folder()
     model, optimizer = pair(0)
     _train(rank, model, optimizer, MLP, steps=steps)
     sharded = {"optim": get_optimizer_state_dict(model, optimizer)}
-    out["error"] = collect_errors(
-        {"async": lambda: dcp.async_save(sharded, checkpoint_id=f"{path}/sharded")}, (RuntimeError,)
-    )["async"]
-    full = {"optim": get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))}
+    saving = {"async": lambda: dcp.async_save(sharded, checkpoint_id=f"{path}/sharded")}
+    out["error"] = collect_errors(saving, (RuntimeError,))["async"]
+    full = {"optim": get_optimizer_state_dict(model, optimizer, options=full_options)}
     out["taken"] = _full_state_arrays(optimizer)
     # (its collectives run beside training's: on a group of their own, as torch's docs advise)
     saving = dcp.async_save(full, checkpoint_id=f"{path}/full", process_group=dist.new_group(backend="gloo"))
@@ -346,7 +348,10 @@ def _dcp_async_saves(rank: int, steps: int = 3) -> dict:
     state = {"optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=f"{path}/full")
     set_optimizer_state_dict(model, optimizer, state["optim"])
-    out["loaded"] = _full_state_arrays(optimizer)
+    out["async_loaded"] = _full_state_arrays(optimizer)
+    model, optimizer = pair(1)
+    set_optimizer_state_dict(model, optimizer, full["optim"], options=full_options)
+    out["full_loaded"] = _full_state_arrays(optimizer)
     remove_shared_folder(path)
     return out
 
@@ -926,7 +931,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     # parameters): resumed into a fresh model and optimizer as the run continued (it was a KeyError: 0 in torch)
     out["dcp_resumed"] = resumed_through_torch_dcp(rank, shard=True)
     out["dcp_layouts"] = _dcp_resumed_layouts(rank)
-    out["dcp_async"] = _dcp_async_saves(rank)
+    out["dcp_full"] = _dcp_full_state_dicts(rank)
     out["consolidated"] = _consolidated(rank)
     out["zero_checkpoints"] = _zero_checkpoints(rank)
     out["errors"] = collect_errors(
@@ -1361,13 +1366,16 @@ def test_torch_dcp_maps_bf16_masters_and_channels_last_pieces(two_ranks) -> None
         assert "dcp.load" in out["other_layout"]
 
 
-def test_torch_dcp_async_save_of_sharded_state_says_what_to_do_and_the_full_state_works(two_ranks) -> None:
+def test_torch_dcp_full_state_dicts_and_async_save(two_ranks) -> None:
     """torch's async_save cannot stage ShardedTensors (its own error named neither them nor a way out): refused
-    saying so; the full state dict it takes, written while training goes on, holds the state when it was taken."""
-    for rank, out in enumerate(result["dcp_async"] for result in two_ranks):
+    saying so; the full state dict it takes, written while training goes on, holds the state when it was taken;
+    a full state dict loaded in memory (full_state_dict=True) loads whole (DCP reads the local state then: it
+    must be whole too)."""
+    for rank, out in enumerate(result["dcp_full"] for result in two_ranks):
         assert "async_save cannot stage" in (out["error"] or ""), f"rank {rank}: {out['error']}"
         assert "full_state_dict=True" in out["error"]
-        assert_identical(out["loaded"], out["taken"], f"async_save of the full state, rank {rank}")
+        assert_identical(out["async_loaded"], out["taken"], f"async_save of the full state, rank {rank}")
+        assert_identical(out["full_loaded"], out["taken"], f"full state dict loaded in memory, rank {rank}")
 
 
 def test_consolidate_state_dict_gathers_the_state_onto_one_rank_in_host_memory(two_ranks) -> None:

@@ -25,10 +25,10 @@ from torch.distributed._shard.sharding_spec.api import custom_sharding_spec_op
 from ..bucketing.shard import Box, ShardPiece, flat_range_boxes
 from .torch import TORCH_DCP_MODULE
 
-# DCP's function that reads an optimizer's state_dict() for get_state_dict()/get_optimizer_state_dict(), and
-# the one that loads it, which reads the local state through the former while it distributes a full state
+# DCP's function that reads an optimizer's state_dict(): for get_state_dict()/get_optimizer_state_dict(), and
+# while set_optimizer_state_dict(..., full_state_dict=True) copies a full state over the local one (which then
+# replaces our sharded values with full tensors: tested)
 _DCP_READS_STATE = "_get_optim_state_dict"
-_DCP_LOADS_STATE = "_load_optim_state_dict"
 
 
 class CollectiveOpsPieceBoxes(EnumerableShardingSpec):
@@ -57,9 +57,6 @@ def dcp_asks_sharded_state() -> bool:
         frame = frame.f_back
     if frame is None or frame.f_code.co_name != _DCP_READS_STATE:
         return False
-    caller = frame.f_back
-    if caller is not None and caller.f_code.co_name == _DCP_LOADS_STATE:
-        return False  # loading a full state: DCP copies it over the local one, which must be whole
     info = frame.f_locals.get("info")
     return getattr(info, "full_state_dict", True) is False
 
