@@ -15,7 +15,8 @@ Checks:
   order after step 3; ``schedule="plan"``; a held launch order that sends buckets in chunks, each
   an allreduce of a slice of the bucket's device buffer) and ``shard=True`` (reduce-scatter and
   all-gather: NCCL's own in place) against DDP + the same SGD after 6 steps; Muon (hidden matrices)
-  + AdamW given to one ``DistributedOptimizer`` against DDP + the two;
+  + AdamW given to one ``DistributedOptimizer`` against DDP + the two; the sharded state saved through
+  torch.distributed.checkpoint (each rank's shards, device tensors) and read back whole;
 - ``collective-ops bench --backend nccl`` (CLI, #wrong must be 0);
 - ``benchmarks/ddp_compare.py --backend nccl --world 1`` (step time and peak memory vs DDP).
 """
@@ -142,7 +143,7 @@ def optimizer_checks(rank: int, device: str) -> dict:
         ours = train(wrapped, optimizer)
         differ = [k for k in reference if not np.array_equal(reference[k], ours[k])]
         if options.get("shard"):
-            differ += _consolidation_faults(optimizer, rank)
+            differ += _consolidation_faults(optimizer, rank) + _dcp_faults(wrapped, optimizer)
         out[label] = {
             "reference": "Muon + AdamW" if muon else "SGD",
             "differ": differ,
@@ -171,6 +172,33 @@ def _consolidation_faults(optimizer, rank: int) -> list[str]:
             elif isinstance(value, torch.Tensor) and not torch.equal(mine, value.cpu()):
                 faults.append(f"consolidated {index}/{key}")
     return faults
+
+
+def _dcp_faults(model, optimizer) -> list[str]:
+    """torch.distributed.checkpoint: the sharded state dict (each rank's shards, device tensors) saved with
+    dcp.save and read back into the full state dict's tensors equals the full state."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path[0])
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    read = {name: {k: torch.zeros_like(v) for k, v in entry.items()} for name, entry in full["state"].items()}
+    dcp.load({"optim": {"state": read, "param_groups": full["param_groups"]}}, checkpoint_id=path[0])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+    return [
+        f"DCP {name}/{key}"
+        for name, entry in full["state"].items()
+        for key, value in entry.items()
+        if not torch.equal(read[name][key], value)
+    ]
 
 
 def _hold_in_chunks(manager) -> None:
@@ -304,7 +332,8 @@ def _group_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
     else:
         for name, r in optimizers.items():
             detail = "bit-identical after 6 steps" if not r["differ"] else f"differ: {r['differ'][:4]}"
-            detail += "; consolidate_state_dict(to=0): the state, on the host" if "shard" in name else ""
+            if "shard" in name:
+                detail += "; consolidate_state_dict(to=0): the state, on the host; DCP's sharded save read back whole"
             row = f"{label}: {name} == DDP + {r['reference']}"
             rows.append((row, "FAIL" if r["differ"] else "ok", f"{detail} ({r['order']})"))
     if "paths" in out:

@@ -438,6 +438,14 @@ def _consolidated(rank: int) -> dict:
         out["devices"] = {v.device.type for entry in consolidated["state"].values() for v in entry.values()}
     except RuntimeError as exc:
         out["consolidated"] = str(exc)
+    # torch.distributed.checkpoint on every rank still gets every rank's state (it raised on rank 0)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    dcp_full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    names = [name for name, _ in model.module.named_parameters()]
+    out["dcp_after_consolidating"] = {
+        f"{names.index(name)}/{k}": v.numpy() for name, entry in dcp_full["state"].items() for k, v in entry.items()
+    }
     _train(rank, model, optimizer, MLP, steps=1)
     out["after_a_step"] = _state_arrays(optimizer.state_dict())
     return out
@@ -1384,6 +1392,8 @@ def test_consolidate_state_dict_gathers_the_state_onto_one_rank_in_host_memory(t
     is. After the next step state_dict() is the collective again, on every rank (not the stale copy)."""
     rank0, rank1 = (out["consolidated"] for out in two_ranks)
     assert_identical(rank1["consolidated"], rank1["everywhere"], "consolidated on rank 1 vs read on every rank")
+    for out in (rank0, rank1):  # DCP reads every rank's state, consolidated or not
+        assert_identical(out["dcp_after_consolidating"], rank1["everywhere"], "DCP's full state after consolidating")
     assert rank1["devices"] == {"cpu"}
     assert "consolidated on rank 1" in rank0["consolidated"] and "state_dict() on rank 1" in rank0["consolidated"]
     assert_identical(rank0["after_a_step"], rank1["after_a_step"], "state read on every rank after a step")

@@ -840,8 +840,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The full, unsharded state in the plain optimizer's format, on every rank (a collective). After
         :meth:`consolidate_state_dict` (and until the next step or load): on the rank it gathered to, that
-        state, with no collective; on the others a ``RuntimeError``."""
-        if self._consolidated is not None:
+        state, with no collective; on the others a ``RuntimeError``. torch.distributed.checkpoint, which calls it
+        on every rank, gets each rank's state whatever was consolidated: its sharded state dict (see
+        :mod:`.torch_sharded_dcp`) or, asking for ``full_state_dict=True``, the full state."""
+        if self._consolidated is not None and not called_by_torch_dcp():
             to, full = self._consolidated
             if full is None:
                 raise RuntimeError(
