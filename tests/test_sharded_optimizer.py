@@ -317,6 +317,7 @@ def _dcp_full_state_dicts(rank: int, steps: int = 3) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -340,15 +341,25 @@ def _dcp_full_state_dicts(rank: int, steps: int = 3) -> dict:
     out["error"] = collect_errors(saving, (RuntimeError,))["async"]
     full = {"optim": get_optimizer_state_dict(model, optimizer, options=full_options)}
     out["taken"] = _full_state_arrays(optimizer)
-    # (its collectives run beside training's: on a group of their own, as torch's docs advise)
-    saving = dcp.async_save(full, checkpoint_id=f"{path}/full", process_group=dist.new_group(backend="gloo"))
+    # both as the error says: the sharded state with the blocking stager, the full state with the default one
+    # (their collectives run beside training's: on a group of their own, as torch's docs advise)
+    group = dist.new_group(backend="gloo")
+    saving = dcp.async_save(
+        sharded, checkpoint_id=f"{path}/sharded", process_group=group, async_stager=BlockingAsyncStager()
+    )
+    with torch.no_grad():  # the live state changed at once: the staged copy must not see it
+        for value in (v for state in optimizer._optimizer.state.values() for v in state.values()):
+            value.add_(1.0)
+    saving.result()
+    saving = dcp.async_save(full, checkpoint_id=f"{path}/full", process_group=group)
     _train(rank, model, optimizer, MLP, steps=2)  # training goes on while it writes
     saving.result()
-    model, optimizer = pair(1)
-    state = {"optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=f"{path}/full")
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    out["async_loaded"] = _full_state_arrays(optimizer)
+    for kind in ("sharded", "full"):
+        model, optimizer = pair(1)
+        state = {"optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=f"{path}/{kind}")
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+        out[f"async_{kind}_loaded"] = _full_state_arrays(optimizer)
     model, optimizer = pair(1)
     set_optimizer_state_dict(model, optimizer, full["optim"], options=full_options)
     out["full_loaded"] = _full_state_arrays(optimizer)
@@ -1375,14 +1386,18 @@ def test_torch_dcp_maps_bf16_masters_and_channels_last_pieces(two_ranks) -> None
 
 
 def test_torch_dcp_full_state_dicts_and_async_save(two_ranks) -> None:
-    """torch's async_save cannot stage ShardedTensors (its own error named neither them nor a way out): refused
-    saying so; the full state dict it takes, written while training goes on, holds the state when it was taken;
+    """torch's async_save cannot stage ShardedTensors with its default stager (its own error named neither them
+    nor a way out): refused saying so and what works; both ways it names (its blocking stager, the live state
+    changed at once; the full state dict, written while training goes on) hold the state when it was taken;
     a full state dict loaded in memory (full_state_dict=True) loads whole (DCP reads the local state then: it
     must be whole too)."""
     for rank, out in enumerate(result["dcp_full"] for result in two_ranks):
-        assert "async_save cannot stage" in (out["error"] or ""), f"rank {rank}: {out['error']}"
+        assert "async_stager=torch.distributed.checkpoint.staging.BlockingAsyncStager()" in (out["error"] or ""), (
+            f"rank {rank}: {out['error']}"
+        )
         assert "full_state_dict=True" in out["error"]
-        assert_identical(out["async_loaded"], out["taken"], f"async_save of the full state, rank {rank}")
+        assert_identical(out["async_sharded_loaded"], out["taken"], f"async_save, blocking stager, rank {rank}")
+        assert_identical(out["async_full_loaded"], out["taken"], f"async_save of the full state, rank {rank}")
         assert_identical(out["full_loaded"], out["taken"], f"full state dict loaded in memory, rank {rank}")
 
 

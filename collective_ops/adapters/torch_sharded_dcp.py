@@ -38,13 +38,15 @@ class CollectiveOpsPieceBoxes(EnumerableShardingSpec):
 
 @custom_sharding_spec_op(CollectiveOpsPieceBoxes, torch.Tensor.data_ptr)
 def _refuse_staging(types: Any, args: Any, kwargs: Any, process_group: Any) -> None:
-    """torch's ``dcp.async_save`` copies a state dict's tensors through their storage (``data_ptr`` first), which a
-    ShardedTensor does not have; its own error named neither the tensor nor a way out."""
+    """torch's ``dcp.async_save`` with its default stager copies a state dict's tensors through their storage
+    (``data_ptr`` first), which a ShardedTensor does not have; its own error named neither the tensor nor a way
+    out. Its ``BlockingAsyncStager`` copies ShardedTensors (their local shards, to the host) before returning."""
     raise RuntimeError(
         "this state dict holds a sharded optimizer state (collective_ops DistributedOptimizer(shard=True): each "
-        "rank's shards, as ShardedTensors), which torch.distributed.checkpoint's async_save cannot stage. Save it "
-        "with dcp.save (synchronous), or, for async_save, take the state with "
-        "get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)) (the full state on every rank)"
+        "rank's shards, as ShardedTensors), which the default stager of torch.distributed.checkpoint's async_save "
+        "cannot copy. Pass async_stager=torch.distributed.checkpoint.staging.BlockingAsyncStager() to async_save "
+        "(it copies each rank's shards to the host before returning), save with dcp.save, or take the full state "
+        "with get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))"
     )
 
 
