@@ -372,8 +372,9 @@ def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
     pieces map onto the checkpoint's blocks otherwise: a bf16 model, whose fp32 master pieces are in the state
     (dcp.load fills the views of them that get_state_dict() gave), and a channels_last CNN, whose pieces are flat
     ranges in memory order, not in the weights' dimension order. (bf16: weights of the run continued and of the
-    run resumed into a fresh model and optimizer; channels_last: DDP + AdamW's state loaded from the checkpoint
-    and the sharded optimizer's full state, by parameter name.)"""
+    run resumed into a fresh model and optimizer; channels_last: DDP + AdamW's state loaded from the checkpoint,
+    the sharded optimizer's full state, and a fresh sharded optimizer's loaded from DDP + AdamW's own DCP
+    checkpoint, by parameter name.)"""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -418,6 +419,16 @@ def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
     out["channels_last_plain"] = {
         f"{name}.{k}": v.numpy() for name, values in state["optim"]["state"].items() for k, v in values.items()
     }
+    # and back: the plain optimizer's own DCP checkpoint (full tensors) into a fresh sharded one
+    set_optimizer_state_dict(ddp, plain, state["optim"])
+    dcp.save({"optim": get_state_dict(ddp, plain)[1]}, checkpoint_id=f"{path}/plain")
+    model = co.wrap(build("cnn", seed=2).to(memory_format=torch.channels_last), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    state = {"optim": get_state_dict(model, optimizer)[1]}
+    dcp.load(state, checkpoint_id=f"{path}/plain")
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    full = optimizer.state_dict()["state"]
+    out["channels_last_back"] = {f"{names[i]}.{k}": v.numpy() for i, state in full.items() for k, v in state.items()}
     remove_shared_folder(path)
 
     # a sharded state dict of one bucket layout handed in memory to an optimizer of another: said, not misread
@@ -1381,6 +1392,7 @@ def test_torch_dcp_maps_bf16_masters_and_channels_last_pieces(two_ranks) -> None
         assert_identical(out["bf16_loaded_state"], out["bf16_saved_state"], f"bf16, state through DCP, rank {rank}")
         assert_identical(out["bf16_resumed"], out["bf16_continued"], f"bf16, resumed from DCP, rank {rank}")
         assert_identical(out["channels_last_plain"], out["channels_last_ours"], f"channels_last state, rank {rank}")
+        assert_identical(out["channels_last_back"], out["channels_last_ours"], f"from DDP + AdamW's DCP, rank {rank}")
         assert "another world size or bucket layout" in (out["other_layout"] or ""), out["other_layout"]
         assert "dcp.load" in out["other_layout"]
 
