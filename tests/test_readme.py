@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,13 @@ def snippet(name: str) -> str:
     return found[0]
 
 
-@pytest.mark.parametrize("name", ["train.py", "primitives.py"])
-def test_torch_snippets_run_at_two_ranks_as_the_readme_launches_them(name: str, tmp_path: Path) -> None:
-    script = tmp_path / name
-    script.write_text(snippet(name))
+# torch's default process group torn down at interpreter exit: about 1 rank run in 80 of the README's script
+# aborts there after its last line (docs/reliability.md, "shutdown()"; not fixed)
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _two_ranks(script: Path, tmp_path: Path) -> list[tuple[int, str, str]]:
+    """``script`` at 2 ranks as the README launches it: (return code, stdout, stderr) of each rank."""
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
@@ -42,8 +46,22 @@ def test_torch_snippets_run_at_two_ranks_as_the_readme_launches_them(name: str, 
         for r in range(2)
     ]
     outputs = [p.communicate(timeout=180) for p in procs]
-    for rank, (proc, (out, err)) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank}: {err[-2000:]}"
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]
+
+
+@pytest.mark.parametrize("name", ["train.py", "primitives.py"])
+def test_torch_snippets_run_at_two_ranks_as_the_readme_launches_them(name: str, tmp_path: Path) -> None:
+    """Run once more, with a warning, only where a rank finished its work and then aborted at exit in torch's
+    teardown (the known race above); any other failure, or that abort twice, fails the test."""
+    script = tmp_path / name
+    script.write_text(snippet(name))
+    results = _two_ranks(script, tmp_path)
+    aborted_at_exit = [code == -6 and EXIT_ABORT in err for code, _, err in results]
+    if any(aborted_at_exit) and all(code == 0 or aborted for (code, _, _), aborted in zip(results, aborted_at_exit)):
+        warnings.warn(f"{name}: a rank aborted at exit after its work ({EXIT_ABORT!r}); ran again", stacklevel=1)
+        results = _two_ranks(script, tmp_path)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"rank {rank}: {err[-2000:]}"
         if name == "train.py":
             assert f"rank {rank}/2: loss" in out
 
