@@ -177,22 +177,18 @@ def _consolidation_faults(optimizer, rank: int) -> list[str]:
 def _dcp_faults(model, optimizer) -> list[str]:
     """torch.distributed.checkpoint: the sharded state dict (each rank's shards, device tensors) saved with
     dcp.save and read back into the full state dict's tensors equals the full state."""
-    import shutil
-
     import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path[0])
+    from tests.reference import remove_shared_folder, shared_temporary_folder
+
+    path = shared_temporary_folder("collective_ops_device_check_")
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
     full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     read = {name: {k: torch.zeros_like(v) for k, v in entry.items()} for name, entry in full["state"].items()}
-    dcp.load({"optim": {"state": read, "param_groups": full["param_groups"]}}, checkpoint_id=path[0])
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(path[0], ignore_errors=True)
+    dcp.load({"optim": {"state": read, "param_groups": full["param_groups"]}}, checkpoint_id=path)
+    remove_shared_folder(path)
     return [
         f"DCP {name}/{key}"
         for name, entry in full["state"].items()

@@ -141,15 +141,12 @@ def memory_rank(rank: int, world: int, port: int, args, label: str, queue) -> No
 def checkpoint_rank(rank: int, world: int, port: int, args, full: bool, queue) -> None:
     """``shard=True`` trained 4 steps, then saved through torch.distributed.checkpoint (``full_state_dict``
     as given): (state MiB in the state dict, peak-RSS growth MiB, seconds), each the max over ranks."""
-    import shutil
-    import tempfile
-
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     import collective_ops as co
     from collective_ops.runtime import get_engine
+    from tests.reference import remove_shared_folder, shared_temporary_folder
 
     torch.set_num_threads(1)
     co.init("gloo", rank=rank, world_size=world, master_port=port)
@@ -159,18 +156,15 @@ def checkpoint_rank(rank: int, world: int, port: int, args, full: bool, queue) -
     for i in range(4):
         one_step(model, optimizer, batches[i % len(batches)])
     optimizer.synchronize()
-    path = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(path)
+    path = shared_temporary_folder("collective_ops_checkpoint_")
     before, started = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full))
     held = sum(_local_bytes(value) for values in optim_state["state"].values() for value in values.values())
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path[0])
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
     seconds = time.perf_counter() - started
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     worst = get_engine("torch").reduce_floats([held / 2**20, grown, seconds], "max")
-    co.barrier()
-    if rank == 0:
-        shutil.rmtree(path[0], ignore_errors=True)
+    remove_shared_folder(path)
     co.shutdown()
     if rank == 0:
         queue.put(worst)

@@ -106,13 +106,13 @@ def two_losses_per_step(model, optimizer, model_cls, rank: int, steps: int, loss
         optimizer.step()
 
 
-def shared_temporary_folder() -> str:
+def shared_temporary_folder(prefix: str = "collective_ops_test_") -> str:
     """A new folder rank 0 makes, its path given to every rank (one collective): for checkpoints every rank writes."""
     import tempfile
 
     import torch.distributed as dist
 
-    path = [tempfile.mkdtemp(prefix="collective_ops_test_") if dist.get_rank() == 0 else None]
+    path = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     return path[0]
 
