@@ -1091,6 +1091,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             if p.dim() == 0:
                 continue  # (gathered whole with the scalars)
             dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
+            owners = self._layout.owners(index)
             for key in keys:
                 if key == MASTER_KEY and p.dtype not in LOW_PRECISION:
                     continue
@@ -1098,7 +1099,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 for piece, tensor in mine.get(index, []):
                     value = tensor.detach() if key == MASTER_KEY else inner_state.get(tensor, {}).get(key)
                     local[piece] = value if value is not None else torch.zeros_like(tensor, dtype=dtype)
-                values[key] = sharded_state_tensor(p, self._layout.owners(index), local, dtype, p.device)
+                values[key] = sharded_state_tensor(p, owners, local, dtype, p.device)
         return state
 
     def _gather_bucket_state(self, bucket: int, key: str, shard_numel: int) -> torch.Tensor:

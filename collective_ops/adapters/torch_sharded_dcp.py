@@ -70,9 +70,9 @@ def memory_order(p: torch.Tensor) -> list[int]:
     return sorted(range(p.dim()), key=lambda dim: -strides[dim])
 
 
-def piece_boxes(p: torch.Tensor, piece: ShardPiece) -> list[tuple[Box, list[int], list[int]]]:
-    """The piece's boxes: (box in memory order, its offsets and sizes in ``p``'s own dimensions)."""
-    order = memory_order(p)
+def piece_boxes(p: torch.Tensor, piece: ShardPiece, order: list[int]) -> list[tuple[Box, list[int], list[int]]]:
+    """The piece's boxes: (box in memory order, its offsets and sizes in ``p``'s own dimensions); ``order``:
+    :func:`memory_order` of ``p``."""
     shape = tuple(p.shape[dim] for dim in order)
     boxes = []
     for box in flat_range_boxes(shape, piece.param_start, piece.param_end):
@@ -104,7 +104,7 @@ def sharded_state_tensor(
     rank, order = dist.get_rank(), memory_order(p)
     shards, local_shards = [], []
     for owner, piece in owners:
-        for box, offsets, sizes in piece_boxes(p, piece):
+        for box, offsets, sizes in piece_boxes(p, piece, order):
             metadata = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{owner}/{device}")
             shards.append(metadata)
             if owner == rank:
@@ -130,7 +130,7 @@ def piece_values(value: ShardedTensor, p: torch.Tensor, piece: ShardPiece) -> to
     taken from, or one ``dcp.load`` filled for this optimizer)."""
     by_offsets = {tuple(shard.metadata.shard_offsets): shard for shard in value.local_shards()}
     order, parts = memory_order(p), []
-    for _box, offsets, sizes in piece_boxes(p, piece):
+    for _box, offsets, sizes in piece_boxes(p, piece, order):
         shard = by_offsets.get(tuple(offsets))
         if shard is None or list(shard.metadata.shard_sizes) != sizes:
             raise ValueError(
