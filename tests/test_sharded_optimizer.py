@@ -300,14 +300,6 @@ def _bf16_trained(rank: int, model, optimizer, steps: int, start: int = 0) -> di
     return {name: p.detach().float().numpy() for name, p in model.module.named_parameters()}
 
 
-def _full_state_arrays(optimizer) -> dict:
-    """The optimizer's full state (``state_dict()``, a collective) as float32 arrays, by parameter number and key."""
-    state = optimizer.state_dict()["state"]
-    return {
-        f"{number}.{key}": value.float().numpy() for number, values in state.items() for key, value in values.items()
-    }
-
-
 def _dcp_full_state_dicts(rank: int, steps: int = 3) -> dict:
     """DCP with full state dicts (``full_state_dict=True``): ``dcp.async_save`` while training goes on, of DCP's
     default sharded state dict (refused: torch's stager cannot copy a ShardedTensor; the error, text), and of the
@@ -340,7 +332,7 @@ def _dcp_full_state_dicts(rank: int, steps: int = 3) -> dict:
     saving = {"async": lambda: dcp.async_save(sharded, checkpoint_id=f"{path}/sharded")}
     out["error"] = collect_errors(saving, (RuntimeError,))["async"]
     full = {"optim": get_optimizer_state_dict(model, optimizer, options=full_options)}
-    out["taken"] = _full_state_arrays(optimizer)
+    out["taken"] = _state_arrays(optimizer.state_dict())
     # both as the error says: the sharded state with the blocking stager, the full state with the default one
     # (their collectives run beside training's: on a group of their own, as torch's docs advise)
     group = dist.new_group(backend="gloo")
@@ -359,10 +351,10 @@ def _dcp_full_state_dicts(rank: int, steps: int = 3) -> dict:
         state = {"optim": get_optimizer_state_dict(model, optimizer)}
         dcp.load(state, checkpoint_id=f"{path}/{kind}")
         set_optimizer_state_dict(model, optimizer, state["optim"])
-        out[f"async_{kind}_loaded"] = _full_state_arrays(optimizer)
+        out[f"async_{kind}_loaded"] = _state_arrays(optimizer.state_dict())
     model, optimizer = pair(1)
     set_optimizer_state_dict(model, optimizer, full["optim"], options=full_options)
-    out["full_loaded"] = _full_state_arrays(optimizer)
+    out["full_loaded"] = _state_arrays(optimizer.state_dict())
     remove_shared_folder(path)
     return out
 
@@ -396,13 +388,13 @@ def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
     model, optimizer = bf16_pair(0)
     _bf16_trained(rank, model, optimizer, steps)
     dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{path}/bf16")
-    out["bf16_saved_state"] = _full_state_arrays(optimizer)
+    out["bf16_saved_state"] = _state_arrays(optimizer.state_dict())
     out["bf16_continued"] = _bf16_trained(rank, model, optimizer, more, start=steps)
     model, optimizer = bf16_pair(1)
     state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     dcp.load(state, checkpoint_id=f"{path}/bf16")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    out["bf16_loaded_state"] = _full_state_arrays(optimizer)  # (bf16 weights may hide fp32 digits lost)
+    out["bf16_loaded_state"] = _state_arrays(optimizer.state_dict())  # (bf16 weights may hide fp32 digits lost)
     out["bf16_resumed"] = _bf16_trained(rank, model, optimizer, more, start=steps)
 
     model = co.wrap(build("cnn").to(memory_format=torch.channels_last), **BUCKET)
