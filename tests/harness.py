@@ -6,6 +6,8 @@ forked from a forkserver that imported torch once (0.1 s for a 2-rank group inst
 Each rank still starts as spawn starts it: a process with no parent state but the parent's
 environment, sys.path and working directory. A rank that raises has its traceback re-raised
 here; a group that does not finish within ``timeout`` is killed and reported, never left hanging.
+``run_checks`` runs a group's checks by name, each failing on its own: one check that raises (or hangs)
+fails its own test, with that rank's traceback, and the others keep their results.
 """
 
 from __future__ import annotations
@@ -278,7 +280,21 @@ def run_checks(
     names, start = _check_group(world_size, checks_fn, args, timeout, env, 0, found)
     while start is not None:
         names, start = _check_group(world_size, checks_fn, args, timeout, env, start, found)
+    _share_failures(len(names), found)
     return [CheckResults(rank, _by_name(names, f)) for rank, f in enumerate(found)]
+
+
+def _share_failures(count: int, found: list[dict]) -> None:
+    """A check that failed reads, on every rank where it failed, as every rank's side of it: the rank that
+    raised first (its traceback), then the ranks that only saw it (a broken connection, not finished)."""
+    for index in range(count):
+        reports = sorted(enumerate(f[index] for f in found), key=lambda r: "did not finish" in str(r[1][1]))
+        if all(status == "ok" for _, (status, _) in reports):
+            continue
+        text = "\n".join(f"--- rank {r} ---\n{v if s != 'ok' else 'finished it'}" for r, (s, v) in reports)
+        for f in found:
+            if f[index][0] != "ok":
+                f[index] = ("error", text)
 
 
 def _by_name(names: list, found: dict) -> dict:

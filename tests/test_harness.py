@@ -48,12 +48,11 @@ def test_a_crashing_check_fails_alone_and_the_others_keep_their_results() -> Non
     for rank, out in enumerate(results):
         assert out["before"] == 3.0 and out["after"] == 3.0 and out["last"] == 20.0
         assert (out["pair_rank"], out["pair_world"]) == (rank, 2)
-        with pytest.raises(AssertionError, match="check 'crash' failed on rank"):
-            out["crash"]  # rank 0's too: its collective never completed, and is not paired with a later check's
-        with pytest.raises(AssertionError, match="check 'hang' failed"):
+        # rank 0's read too, with rank 1's traceback: its collective never completed, nor paired with a later one's
+        with pytest.raises(AssertionError, match=f"(?s)check 'crash' failed on rank {rank}.*deliberate failure"):
+            out["crash"]
+        with pytest.raises(AssertionError, match="(?s)check 'hang' failed.*not finished within 10"):
             out["hang"]
-    with pytest.raises(AssertionError, match="deliberate failure on rank 1"):
-        results[1]["crash"]
-    # the hung check costs its timeout (10 s), three group starts seconds each (more on a loaded machine); the crash costs no
-    # wait for the collectives' own timeout (60 s): its rank exits, which breaks its peer's connection
+    # the hung check costs its timeout (10 s), three group starts seconds each (more on a loaded machine); the
+    # crash costs no wait for the collectives' own timeout (60 s): its rank exits, breaking its peer's connection
     assert elapsed < 65, elapsed
