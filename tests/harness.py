@@ -285,8 +285,8 @@ def run_checks(
 
 
 def _share_failures(count: int, found: list[dict]) -> None:
-    """A check that failed reads, on every rank where it failed, as every rank's side of it: the rank that
-    raised first (its traceback), then the ranks that only saw it (a broken connection, not finished)."""
+    """A check that failed reads, on every rank where it failed, as every rank's side of it: the tracebacks
+    (the raising rank's; a peer's broken connection), then the ranks that did not finish it."""
     for index in range(count):
         reports = sorted(enumerate(f[index] for f in found), key=lambda r: "did not finish" in str(r[1][1]))
         if all(status == "ok" for _, (status, _) in reports):
