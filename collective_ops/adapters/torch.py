@@ -716,7 +716,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         manager = self.manager
         if not self.require_backward_grad_sync:
-            raise RuntimeError("sync_gradients() inside no_sync(): leave the no_sync() block first")
+            raise RuntimeError(
+                "sync_gradients() inside no_sync() (require_backward_grad_sync is False): leave the no_sync() "
+                "block (or set it True) first"
+            )
         manager.set_sync(True)  # (the last forward may have run inside the block)
         if self._step_end_owed:
             raise RuntimeError("sync_gradients() during backward: call it after loss.backward() returns")
