@@ -154,6 +154,11 @@ def _init_torch(
     backend = select_backend(backend, probe_hardware())
     rank = env.rank if rank is None else rank
     world_size = env.world_size if world_size is None else world_size
+    existing = _contexts.get("torch")
+    if existing is not None or dist.is_initialized():
+        # A group already made (by us, or by the caller: Lightning's launcher sets WORLD_SIZE but not RANK, then
+        # calls init_process_group) is adopted with its own rank and size; only the values known are checked.
+        return _check_existing_torch(existing, backend if requested else None, rank, world_size)
     if rank is None and world_size is None:
         rank, world_size = 0, 1
     if rank is None or world_size is None:
@@ -167,10 +172,6 @@ def _init_torch(
         device_id = env.local_rank if env.local_rank is not None else env.device_id
     if device_id is None:
         device_id = local_rank
-
-    existing = _contexts.get("torch")
-    if existing is not None or dist.is_initialized():
-        return _check_existing_torch(existing, backend if requested else None, rank, world_size)
 
     if algorithm:
         os.environ["HCCL_ALGO" if backend == "hccl" else "NCCL_ALGO"] = algorithm
@@ -222,15 +223,17 @@ def _rendezvous_hint(
     return f"{where}: {text.splitlines()[0] if text else type(exc).__name__}"
 
 
-def _check_existing_torch(existing: DistContext | None, backend: str | None, rank: int, world_size: int) -> DistContext:
-    """The live context if it is what was asked for (``backend`` None: any), else a clear error."""
+def _check_existing_torch(
+    existing: DistContext | None, backend: str | None, rank: int | None, world_size: int | None
+) -> DistContext:
+    """The live context if it is what was asked for (None: anything), else a clear error."""
     import torch.distributed as dist
 
     from .comm.torch_engine import TorchEngine
 
     live_rank, live_world = dist.get_rank(), dist.get_world_size()
     live_backend = str(dist.get_backend()).lower()
-    if (live_rank, live_world) != (rank, world_size):
+    if rank not in (None, live_rank) or world_size not in (None, live_world):
         raise RuntimeError(
             f"already initialized as rank {live_rank}/{live_world}; init was asked for rank {rank}/{world_size}. "
             "Call collective_ops.shutdown() first to change it."

@@ -6,6 +6,8 @@ forked from a forkserver that imported torch once (0.1 s for a 2-rank group inst
 Each rank still starts as spawn starts it: a process with no parent state but the parent's
 environment, sys.path and working directory. A rank that raises has its traceback re-raised
 here; a group that does not finish within ``timeout`` is killed and reported, never left hanging.
+``run_checks`` runs a group's checks by name, each failing on its own: one check that raises (or hangs)
+fails its own test, with that rank's traceback, and the others keep their results.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # The server is a fresh interpreter (not a fork of pytest) holding only what importing torch loads,
@@ -137,3 +139,171 @@ def run_faulty_ranks(world_size: int, fn: Callable, *args: Any, timeout: float =
             p.kill()
         p.join()
     return {r: out.get(r, ("missing", None)) for r in range(world_size)}
+
+
+# -- named checks: one failing check fails its own test only ------------------------------------------------------
+
+
+class CheckResults(Mapping):
+    """One rank's results of :func:`run_checks`, by check name. Reading a check that failed raises an
+    AssertionError with the traceback of the rank where it failed, so only that check's test fails."""
+
+    def __init__(self, rank: int, entries: dict) -> None:
+        self.rank = rank
+        self._entries = entries  # name -> ("ok", value) | ("error", text)
+
+    def __getitem__(self, name: str) -> Any:
+        status, value = self._entries[name]
+        if status != "ok":
+            raise AssertionError(f"check {name!r} failed on rank {self.rank}:\n{value}")
+        return value
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _checks_entry(
+    rank: int, world_size: int, port: int, checks_fn: Callable, args: tuple, results: Any, env: dict, start: int
+) -> None:
+    """A rank of :func:`run_checks`: the checks from ``start`` on, each one's result sent as it ends. The first
+    that raises ends this rank (its peers may be inside that check's collectives: the group is not trusted)."""
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import collective_ops
+
+        collective_ops.init("gloo", rank=rank, world_size=world_size, master_port=port, timeout=60)
+        checks = checks_fn(rank, world_size, *args)
+        results.put((rank, "names", list(checks)))
+    except BaseException:
+        results.put((rank, "setup error", traceback.format_exc()))
+        return
+    for index, check in enumerate(list(checks.values())[start:], start):
+        try:
+            value = check()
+            pickle.dumps(value)
+            results.put((rank, index, ("ok", value)))
+        except BaseException:
+            results.put((rank, index, ("error", traceback.format_exc())))
+            return  # exiting closes this rank's connections: a peer waiting on it in a collective fails promptly
+    try:
+        collective_ops.barrier()
+        collective_ops.shutdown()
+    finally:
+        results.put((rank, "done", None))
+
+
+def _check_group(
+    world_size: int, checks_fn: Callable, args: tuple, timeout: float, env: dict, start: int, found: list[dict]
+) -> tuple[list, int | None]:
+    """One rank group running the checks from ``start``; their results written into ``found`` (per rank, by
+    index). Returns the checks' names and where a fresh group must go on (None: every check has run)."""
+    results = _RANK_CONTEXT.Queue()
+    port = free_port()
+    procs = [
+        _RANK_CONTEXT.Process(
+            target=_checks_entry, args=(r, world_size, port, checks_fn, args, results, env, start), daemon=True
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    names: list = []
+    done: set[int] = set()
+    failed_at: int | None = None  # the first check that raised on some rank
+    # starting a group (forking, importing, joining) can take tens of seconds on a loaded machine: its own bound;
+    # then one per check, renewed by every result
+    deadline = time.monotonic() + max(timeout, 120)
+    try:
+        while len(done) < world_size:
+            try:
+                rank, what, value = results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline or all(not p.is_alive() for r, p in enumerate(procs) if r not in done):
+                    break
+                continue
+            if what == "setup error":
+                raise AssertionError(f"multi-process run failed:\n--- rank {rank} ---\n{value}")
+            if what == "names":
+                names = value
+                deadline = time.monotonic() + timeout
+            elif what == "done":
+                done.add(rank)
+            else:
+                found[rank][what] = value
+                if value[0] != "ok" and failed_at is None:
+                    failed_at = what
+                    deadline = time.monotonic() + 10  # the peers' own report of it (a broken connection, say)
+                if failed_at is not None and all(failed_at in f for f in found):
+                    break
+                if failed_at is None:
+                    deadline = time.monotonic() + timeout
+    finally:
+        for p in procs:
+            p.join(timeout=5 if failed_at is None and len(done) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if len(done) == world_size:
+        return names, None
+    if not names:
+        raise AssertionError(f"the ranks did not start their checks within {timeout}s")
+    # the check some rank did not finish (it failed on a peer, hung, or its process died): recorded, then on
+    stuck = failed_at if failed_at is not None else min(max(f, default=start - 1) + 1 for f in found)
+    culprit = next((r for r, f in enumerate(found) if f.get(stuck, ("ok",))[0] != "ok"), None)
+    for f in found:
+        if stuck not in f:
+            why = f"rank {culprit} failed in it" if culprit is not None else f"not finished within {timeout}s"
+            f[stuck] = ("error", f"this rank did not finish the check: {why} (or this rank's process died)")
+    return names, stuck + 1 if stuck + 1 < len(names) else None
+
+
+def run_checks(
+    world_size: int, checks_fn: Callable, *args: Any, timeout: float = 180, env: dict | None = None
+) -> list[CheckResults]:
+    """Named checks on ``world_size`` Gloo ranks, each failing on its own: the per-rank results by name.
+
+    ``checks_fn(rank, world_size, *args)`` returns ``{name: check}`` (the same names, in the same order, on
+    every rank), each ``check()`` returning that check's value; a tuple of names takes a tuple of values. A
+    check that raises on a rank is that check's result there (reading it raises with the traceback); its
+    peers' results of it too, and the checks after it run on a fresh group, so the others' results stand.
+    ``timeout`` bounds each check: one that hangs is recorded as not finished and the next one runs.
+    """
+    env = _rank_environment(env)
+    found: list[dict] = [{} for _ in range(world_size)]
+    names, start = _check_group(world_size, checks_fn, args, timeout, env, 0, found)
+    while start is not None:
+        names, start = _check_group(world_size, checks_fn, args, timeout, env, start, found)
+    _share_failures(len(names), found)
+    return [CheckResults(rank, _by_name(names, f)) for rank, f in enumerate(found)]
+
+
+def _share_failures(count: int, found: list[dict]) -> None:
+    """A check that failed reads, on every rank where it failed, as every rank's side of it: the tracebacks
+    (the raising rank's; a peer's broken connection), then the ranks that did not finish it."""
+    for index in range(count):
+        reports = sorted(enumerate(f[index] for f in found), key=lambda r: "did not finish" in str(r[1][1]))
+        if all(status == "ok" for _, (status, _) in reports):
+            continue
+        text = "\n".join(f"--- rank {r} ---\n{v if s != 'ok' else 'finished it'}" for r, (s, v) in reports)
+        for f in found:
+            if f[index][0] != "ok":
+                f[index] = ("error", text)
+
+
+def _by_name(names: list, found: dict) -> dict:
+    """Results by index -> by name; a check named by a tuple of names gives each of them its value."""
+    entries = {}
+    for index, name in enumerate(names):
+        status, value = found[index]
+        if isinstance(name, tuple):
+            entries.update({n: (status, value[i] if status == "ok" else value) for i, n in enumerate(name)})
+        else:
+            entries[name] = (status, value)
+    return entries

@@ -13,7 +13,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from tests.harness import run_ranks
+from tests.harness import run_checks, run_ranks
 from tests.reference import assert_identical, collect_errors, snapshot, two_losses_per_step
 from tests.test_distributed_optimizer import (
     STEPS,
@@ -818,8 +818,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     import torch
 
     import collective_ops as co
-    from collective_ops.bucketing.shard import ShardLayout
-    from tests.models import MLP, TinyTransformer, build
+    from tests.models import build
 
     def mlp() -> torch.nn.Module:
         return build("mlp")
@@ -827,68 +826,132 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     def sharded_adamw(model: torch.nn.Module) -> co.DistributedOptimizer:
         return co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
 
-    out: dict = {}
+    checks: dict = {}
     for name in ("transformer", "cnn"):
         for opt in ("sgd", "adamw"):
-            out[f"{name}_{opt}"] = _ddp_and_sharded(rank, name, opt)
-    out["scheduler"] = _ddp_and_sharded(
-        rank, "mlp", "adamw", scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8)
+            checks[f"{name}_{opt}"] = functools.partial(_ddp_and_sharded, rank, name, opt)
+    checks["scheduler"] = functools.partial(
+        _ddp_and_sharded,
+        rank,
+        "mlp",
+        "adamw",
+        scheduler_of=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8),
     )
-    out["accumulation"] = _ddp_and_sharded(rank, "mlp", "sgd", accumulate=3, steps=6)
-    out["classic_norms"] = _ddp_and_sharded(rank, "classic-norms", "adamw")  # weights from pre-hooks of their own
-    out["parametrized_norms"] = _ddp_and_sharded(rank, "parametrized-norms", "adamw", steps=6)
+    checks["accumulation"] = functools.partial(_ddp_and_sharded, rank, "mlp", "sgd", accumulate=3, steps=6)
+    # weights from pre-hooks of their own
+    checks["classic_norms"] = functools.partial(_ddp_and_sharded, rank, "classic-norms", "adamw")
+    checks["parametrized_norms"] = functools.partial(_ddp_and_sharded, rank, "parametrized-norms", "adamw", steps=6)
     for name in ("checkpointed", "checkpointed-reentrant", "checkpointed-head"):  # forwards run again in backward
-        out[name] = _ddp_and_sharded(rank, name, "adamw", steps=6)
+        checks[name] = functools.partial(_ddp_and_sharded, rank, name, "adamw", steps=6)
     # the branch unused by rank 1 on some steps (reduced from rank 0's), by every rank on others (no update)
-    out["unused"] = _ddp_and_sharded(
-        rank, "unused", "adamw", unused=lambda r, s: not (s % 4 == 2 or (r == 1 and s % 3 == 1))
+    checks["unused"] = functools.partial(
+        _ddp_and_sharded, rank, "unused", "adamw", unused=lambda r, s: not (s % 4 == 2 or (r == 1 and s % 3 == 1))
     )
-    reference, _ = _ddp_and_sharded(rank, "mlp", "adamw")
-    cls, kwargs = _make_optimizer("adamw")
-    model = co.wrap(build("mlp"), **BUCKET)
-    optimizer = co.DistributedOptimizer(model, cls, shard=True, overlap=False, **kwargs)
-    out["no_overlap"] = (reference, _train(rank, model, optimizer, MLP))
+    checks["no_overlap"] = functools.partial(_without_overlap, rank)
     for set_to_none in (True, False):
-        out[f"zero_grad_after_step_{set_to_none}"] = zero_grad_after_step(rank, mlp, sharded_adamw, set_to_none)
-    out["grad_scaler"] = scaled_training(rank, mlp, sharded_adamw)
+        checks[f"zero_grad_after_step_{set_to_none}"] = functools.partial(
+            zero_grad_after_step, rank, mlp, sharded_adamw, set_to_none
+        )
+    checks["grad_scaler"] = functools.partial(scaled_training, rank, mlp, sharded_adamw)
     # the overflow in one rank's shard: every rank must skip
-    out["grad_scaler_one_element"] = scaled_training(rank, mlp, sharded_adamw, one_element=True)
-    try:  # torch's announced GradScaler protocol: refused sharded (the per-rank verdict stays in the scaler)
-        scaled_training(rank, mlp, sharded_adamw, new_protocol=True)
-        out["new_protocol_refused"] = None
-    except RuntimeError as exc:
-        out["new_protocol_refused"] = str(exc)
-    out["grad_scaler_unscale_clip"] = scaled_training(rank, mlp, sharded_adamw, unscale_clip=True)
-    out["grad_scaler_unscale_torch_clip"] = scaled_training(
-        rank, mlp, sharded_adamw, unscale_clip=True, torch_clip=True
+    checks["grad_scaler_one_element"] = functools.partial(scaled_training, rank, mlp, sharded_adamw, one_element=True)
+    checks["new_protocol_refused"] = functools.partial(_new_protocol_refused, rank)
+    checks["grad_scaler_unscale_clip"] = functools.partial(scaled_training, rank, mlp, sharded_adamw, unscale_clip=True)
+    checks["grad_scaler_unscale_torch_clip"] = functools.partial(
+        scaled_training, rank, mlp, sharded_adamw, unscale_clip=True, torch_clip=True
     )
-    out["eval_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw)
-    out["inference_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw, inference_mode=True)
-    out["closure"] = step_with_closure(rank, mlp, sharded_adamw)
-    out["nonfinite"] = nonfinite_step_refused(rank, mlp, sharded_adamw)
-    out["two_backwards"] = _two_backwards_per_step(rank)
-    out["kept_after_step"] = _gradients_kept_after_step(rank)
-    out["gan"] = _gan_loops(rank)
-    out["group_added"] = group_added_mid_training(rank, mlp, shard=True)
-    out["frozen_layer"] = frozen_layer_in_params(rank, shard=True)
-    out["no_sync_only"] = step_after_no_sync_only(rank, mlp, sharded_adamw)
-    out["changed_params"] = params_changed_after_step(rank, mlp, sharded_adamw)
+    checks["eval_between_steps"] = functools.partial(eval_between_steps, rank, mlp, sharded_adamw)
+    checks["inference_between_steps"] = functools.partial(
+        eval_between_steps, rank, mlp, sharded_adamw, inference_mode=True
+    )
+    checks["closure"] = functools.partial(step_with_closure, rank, mlp, sharded_adamw)
+    checks["nonfinite"] = functools.partial(nonfinite_step_refused, rank, mlp, sharded_adamw)
+    checks["two_backwards"] = functools.partial(_two_backwards_per_step, rank)
+    checks["kept_after_step"] = functools.partial(_gradients_kept_after_step, rank)
+    checks["gan"] = functools.partial(_gan_loops, rank)
+    checks["group_added"] = functools.partial(group_added_mid_training, rank, mlp, shard=True)
+    checks["frozen_layer"] = functools.partial(frozen_layer_in_params, rank, shard=True)
+    checks["no_sync_only"] = functools.partial(step_after_no_sync_only, rank, mlp, sharded_adamw)
+    checks["changed_params"] = functools.partial(params_changed_after_step, rank, mlp, sharded_adamw)
     # no clip: sharded, p.grad is not for other code
     # opt.gather_gradients() between backward and step all-gathers the averaged gradients: torch's clips after it
-    out["through_the_model"] = read_through_the_model(rank, mlp, sharded_adamw, clip="norm", gather=True)
-    out["through_the_model_value"] = read_through_the_model(rank, mlp, sharded_adamw, clip="value", gather=True)
-    out["read_on_rank_0_alone"] = _gradients_read_on_rank_0_alone(rank, mlp, sharded_adamw)
-    out["gathered_before_unscale"] = _gathered_before_unscale(rank)
-    out["changed_gradients"] = gradients_changed_before_step(
+    checks["through_the_model"] = functools.partial(
+        read_through_the_model, rank, mlp, sharded_adamw, clip="norm", gather=True
+    )
+    checks["through_the_model_value"] = functools.partial(
+        read_through_the_model, rank, mlp, sharded_adamw, clip="value", gather=True
+    )
+    checks["read_on_rank_0_alone"] = functools.partial(_gradients_read_on_rank_0_alone, rank, mlp, sharded_adamw)
+    checks["gathered_before_unscale"] = functools.partial(_gathered_before_unscale, rank)
+    checks["changed_gradients"] = functools.partial(
+        gradients_changed_before_step,
         rank,
         mlp,
         sharded_adamw,
         cases=("torch_clip", "one_gradient", "clip_over_param_groups", "clip_after_finish_reductions"),
     )
-    out["interleaved"] = _interleaved_user_collectives(rank)
-    out["rank0_checkpoints"] = _rank0_checkpoints(rank)
-    out["state_on_rank_0"] = _optimizer_state_on_rank_0_alone(rank)
-    out["replanned"] = _replanned_mid_training(rank)
+    checks["interleaved"] = functools.partial(_interleaved_user_collectives, rank)
+    checks["rank0_checkpoints"] = functools.partial(_rank0_checkpoints, rank)
+    checks["state_on_rank_0"] = functools.partial(_optimizer_state_on_rank_0_alone, rank)
+    checks["replanned"] = functools.partial(_replanned_mid_training, rank)
+
+    checks[("layout", "reloaded", "full_state", "state_bytes")] = functools.partial(_full_state, rank, world)
+    checks["clip"] = functools.partial(_clipped_from_shards, rank)
+    checks["bf16"] = functools.partial(_bf16_loss_curves, rank)
+    checks["bf16_loaded"] = functools.partial(_bf16_weights_loaded, rank)
+    checks["bf16_edited"] = functools.partial(_bf16_edited_in_place, rank)
+    checks["bf16_value_clip"] = functools.partial(_bf16_value_clip_under_scaler, rank)
+    checks["params_moved"] = functools.partial(_params_moved, rank)
+
+    checks["auto_size"] = functools.partial(_auto_bucket_size, rank)
+    checks[("dcp_saved", "continued", "dcp_continued")] = functools.partial(_checkpointed, rank, checkpoint)
+    # torch.distributed.checkpoint maps optimizer state through param_groups (here: pieces; for it, the model's
+    # parameters): resumed into a fresh model and optimizer as the run continued (it was a KeyError: 0 in torch)
+    checks["dcp_resumed"] = functools.partial(resumed_through_torch_dcp, rank, shard=True)
+    checks["dcp_layouts"] = functools.partial(_dcp_resumed_layouts, rank)
+    checks["dcp_full"] = functools.partial(_dcp_full_state_dicts, rank)
+    checks["consolidated"] = functools.partial(_consolidated, rank)
+    checks["zero_checkpoints"] = functools.partial(_zero_checkpoints, rank)
+    checks[("errors", "assumed")] = functools.partial(_refused_sharded, rank)
+    return checks
+
+
+def _new_protocol_refused(rank: int) -> str | None:
+    """torch's announced GradScaler protocol: refused sharded (the per-rank verdict stays in the scaler)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import build
+
+    try:
+        scaled_training(
+            rank,
+            lambda: build("mlp"),
+            lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2, shard=True),
+            new_protocol=True,
+        )
+        return None
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def _without_overlap(rank: int) -> tuple:
+    import collective_ops as co
+    from tests.models import MLP, build
+
+    reference, _ = _ddp_and_sharded(rank, "mlp", "adamw")
+    cls, kwargs = _make_optimizer("adamw")
+    model = co.wrap(build("mlp"), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, cls, shard=True, overlap=False, **kwargs)
+    return (reference, _train(rank, model, optimizer, MLP))
+
+
+def _full_state(rank: int, world: int) -> tuple:
+    import torch
+
+    import collective_ops as co
+    from collective_ops.bucketing.shard import ShardLayout
+    from tests.models import TinyTransformer, build
 
     # the full state: equal to the unsharded optimizer's after the same training, and it round-trips
     states, bytes_used = [], []
@@ -901,7 +964,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         if shard:
             layout = ShardLayout(model.manager.plan, world)
             mine = optimizer._layout.pieces(rank)
-            out["layout"] = (
+            layout_check = (
                 hashlib.sha256(repr([layout.pieces(r) for r in range(world)]).encode()).hexdigest(),
                 mine == layout.pieces(rank),
                 sum(b.padded_numel - b.numel for b in layout.buckets),
@@ -909,34 +972,50 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
             plain = torch.optim.AdamW(build("transformer").parameters(), lr=1e-2)
             plain.load_state_dict(states[1])
             optimizer.load_state_dict(plain.state_dict())
-            out["reloaded"] = _state_arrays(optimizer.state_dict())
-    out["full_state"] = (
+            reloaded = _state_arrays(optimizer.state_dict())
+    full_state = (
         _state_arrays(states[0]),
         _state_arrays(states[1]),
         states[0]["param_groups"] == states[1]["param_groups"],
     )
-    out["state_bytes"] = bytes_used
+    return layout_check, reloaded, full_state, bytes_used
+
+
+def _clipped_from_shards(rank: int) -> tuple:
+    import torch
+
+    import collective_ops as co
+    from tests.models import build
 
     # clip_grad_norm_ from the shards against torch's on DDP's averaged gradients
     clipped = functools.partial(clipped_step, rank)
     ddp = torch.nn.parallel.DistributedDataParallel(build("mlp"))
     model = co.wrap(build("mlp"), **BUCKET)
-    out["clip"] = (
+    return (
         clipped(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)),
         clipped(model, co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)),
     )
-    out["bf16"] = _bf16_loss_curves(rank)
-    out["bf16_loaded"] = _bf16_weights_loaded(rank)
-    out["bf16_edited"] = _bf16_edited_in_place(rank)
-    out["bf16_value_clip"] = _bf16_value_clip_under_scaler(rank)
-    out["params_moved"] = _params_moved(rank)
+
+
+def _auto_bucket_size(rank: int) -> tuple:
+    import torch
+
+    import collective_ops as co
+    from tests.models import TinyTransformer, build
 
     # bucket_size_mb="auto": the online tune weighs each candidate by the simulated sharded step
     model = co.wrap(build("transformer"), bucket_size_mb="auto")
     optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
     _train(rank, model, optimizer, TinyTransformer, steps=5)
     plan = model.manager.plan
-    out["auto_size"] = (dict(model.auto_tune_overlapped), (plan.bucket_size_mb, plan.first_bucket_mb))
+    return (dict(model.auto_tune_overlapped), (plan.bucket_size_mb, plan.first_bucket_mb))
+
+
+def _checkpointed(rank: int, checkpoint: str) -> tuple:
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build
 
     # a checkpoint for the 1- and 3-rank runs, and training continued from it here
     model = co.wrap(build("mlp"), **BUCKET)
@@ -945,18 +1024,18 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     if rank == 0:
         torch.save(saved, checkpoint)
-    out["dcp_saved"] = _saved_through_torch_dcp(model, optimizer, checkpoint + ".dcp")
-    out["continued"] = _continue_from(rank, saved)
-    out["dcp_continued"] = _continue_from_dcp(rank, checkpoint + ".dcp")
+    dcp_saved = _saved_through_torch_dcp(model, optimizer, checkpoint + ".dcp")
+    continued = _continue_from(rank, saved)
+    return dcp_saved, continued, _continue_from_dcp(rank, checkpoint + ".dcp")
 
-    # torch.distributed.checkpoint maps optimizer state through param_groups (here: pieces; for it, the model's
-    # parameters): resumed into a fresh model and optimizer as the run continued (it was a KeyError: 0 in torch)
-    out["dcp_resumed"] = resumed_through_torch_dcp(rank, shard=True)
-    out["dcp_layouts"] = _dcp_resumed_layouts(rank)
-    out["dcp_full"] = _dcp_full_state_dicts(rank)
-    out["consolidated"] = _consolidated(rank)
-    out["zero_checkpoints"] = _zero_checkpoints(rank)
-    out["errors"] = collect_errors(
+
+def _refused_sharded(rank: int) -> tuple:
+    import torch
+
+    import collective_ops as co
+    from tests.models import build
+
+    errors = collect_errors(
         {
             "custom_hook": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp"), comm_hook=lambda ctx: ctx.engine.allreduce(ctx.buffer, "sum", async_op=True)),
@@ -999,15 +1078,15 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     class LoggingAdamW(torch.optim.AdamW):
         """A subclass (its step may differ): accepted only when said to be element-wise."""
 
-    out["assumed"] = type(
+    assumed = type(
         co.DistributedOptimizer(co.wrap(build("mlp")), LoggingAdamW, lr=0.01, shard=True, assume_elementwise=True)
     ).__name__
-    out["errors"].update(
+    errors.update(
         collect_errors(
             {"subclass": lambda: co.DistributedOptimizer(co.wrap(build("mlp")), LoggingAdamW, lr=0.01, shard=True)}
         )
     )
-    return out
+    return errors, assumed
 
 
 def _continue_from(rank: int, saved: dict, steps: int = 4) -> tuple[dict, dict]:
@@ -1096,7 +1175,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def two_ranks(checkpoint) -> list[dict]:
-    return run_ranks(2, two_rank_checks, checkpoint, timeout=400)
+    return run_checks(2, two_rank_checks, checkpoint, timeout=400)
 
 
 @pytest.mark.parametrize(

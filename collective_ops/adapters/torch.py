@@ -138,6 +138,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.broadcast_buffers = broadcast_buffers
+        # DDP's public switches, read at each forward as DDP reads them: no_sync() clears the first (loops such
+        # as nanoGPT's set it directly); the second is set at the end of each forward and decides whether the
+        # next one broadcasts the buffers
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
         self.check_finite = check_finite
         self.compression = compression
 
@@ -710,8 +715,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         The result equals DDP's for the same accumulation (the last backward outside no_sync()).
         """
         manager = self.manager
-        if not manager.sync_enabled:
-            raise RuntimeError("sync_gradients() inside no_sync(): leave the no_sync() block first")
+        if not self.require_backward_grad_sync:
+            raise RuntimeError(
+                "sync_gradients() inside no_sync() (require_backward_grad_sync is False): leave the no_sync() "
+                "block (or set it True) first"
+            )
+        manager.set_sync(True)  # (the last forward may have run inside the block)
         if self._step_end_owed:
             raise RuntimeError("sync_gradients() during backward: call it after loss.backward() returns")
         for i, p in enumerate(self._params):
@@ -722,9 +731,18 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._contribute(i, p, used=used)
         self._finalize()
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Accumulate gradients locally; the first backward after the block synchronizes them all."""
-        return self.manager.no_sync()
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block synchronizes them all.
+
+        As DDP's: it clears ``require_backward_grad_sync`` (which a loop may set itself) for the block, and the
+        forward decides: a backward of a forward run inside the block is not reduced."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As torch's; with a DistributedOptimizer, its work in flight is finished first (reductions waited for,
@@ -820,6 +838,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._sync_buffers(active=True)
 
     def _end_forward(self) -> None:
+        # As DDP's _post_forward: a forward under autograd decides whether its backward reduces, and whether the
+        # next forward broadcasts the buffers (not after an evaluation forward, nor one inside no_sync())
+        syncs = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if torch.is_grad_enabled():
+            self.manager.set_sync(syncs)
+        self.require_forward_param_sync = syncs
         if self.optimizer is not None and self.optimizer.in_flight:
             # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
             self.optimizer.synchronize()
@@ -830,12 +854,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.manager.alignment.count_forward()
 
     def _sync_buffers(self, active: bool) -> None:
-        """Rank 0's buffers (running statistics) to every rank before a forward, as DDP does.
+        """Rank 0's buffers (running statistics) to every rank before a forward, when DDP does: where the
+        forward before it ran under autograd outside no_sync() (``require_forward_param_sync``), so once per
+        accumulated step (before its first micro-batch) and before the first of a run of evaluation forwards.
 
         Inside ``join()`` the source is the highest rank still active (a joined rank's buffers are
         stale), agreed on by one small collective that joined ranks shadow.
         """
-        if not (self.broadcast_buffers and self.engine.world_size > 1 and self.manager.sync_enabled):
+        if not (self.require_forward_param_sync and self.broadcast_buffers and self.engine.world_size > 1):
             return
         buffers = list(self.module.buffers())
         if not buffers:
@@ -920,6 +946,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         self._count_active_ranks(active=False)
         self._sync_buffers(active=False)
+        self.require_forward_param_sync = True  # as DDP's joined rank: the step it shadows reduces
         self._finish_owed_updates()  # this rank's own last step, if a DistributedOptimizer deferred it
         self._settle()
         self.manager.shadow_step()
