@@ -92,6 +92,7 @@ def _assert_same_run(
 def test_strategy_trains_bit_identical_to_ddp_strategy(runs: dict, name: str) -> None:
     _assert_same_run(runs[name], runs["ddp"], name)
     assert runs[name][0]["world_size"] == 2
+    assert runs[name][0]["trained_through"].startswith("collective_ops."), "the strategy did not wrap the model"
 
 
 def test_sharded_optimizer_trains_as_ddp_strategy_to_the_clipping_norms_rounding(runs: dict) -> None:

@@ -55,6 +55,10 @@ class BufferLog(L.Callback):
 
     def __init__(self) -> None:
         self.after_batch: list[torch.Tensor] = []
+        self.trained_through = ""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.trained_through = type(trainer.strategy.model).__module__
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
         self.after_batch.append(torch.cat([b.detach().flatten().double() for b in module.buffers()]))
@@ -132,6 +136,7 @@ def main() -> None:
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "buffers_after_batch": torch.stack(buffer_log.after_batch),
             "model_after": type(trainer.strategy.model).__name__,
+            "trained_through": buffer_log.trained_through,
             "world_size": trainer.world_size,
         },
         os.path.join(args.out, f"rank{rank}.pt"),
