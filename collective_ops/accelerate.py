@@ -39,7 +39,6 @@ def prepare(accelerator: Accelerator, *objects: Any, **wrap_options: Any) -> Any
     """What ``accelerator.prepare(*objects)`` returns, with each model wrapped by ``collective_ops.wrap``
     (``wrap_options`` are its options) instead of torch's DDP."""
     _check_supported(accelerator)
-    _adopt_process_group(accelerator)
     prepare_others = getattr(accelerator, "_collective_ops_original_prepare", accelerator.prepare)
     models = {i: _prepare_model(accelerator, obj, wrap_options) for i, obj in enumerate(objects) if _is_model(obj)}
     others = [obj for i, obj in enumerate(objects) if i not in models]
@@ -87,6 +86,7 @@ def _prepare_model(accelerator: Accelerator, model: nn.Module, wrap_options: dic
     prepared = accelerator.prepare_model(model, evaluation_mode=True)
     if accelerator.distributed_type not in _DATA_PARALLEL:
         return prepared  # one process: Accelerate wraps nothing either
+    _adopt_process_group(accelerator)
     handler = accelerator.ddp_handler  # DistributedDataParallelKwargs: DDP's names, which wrap() takes
     wrapped = co.wrap(prepared, **{**(handler.to_kwargs() if handler is not None else {}), **wrap_options})
     if handler is not None:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.harness import free_port
+from tests.integrations import optional_package
 
-pytest.importorskip("accelerate", reason="pip install 'collective-ops[accelerate]'")
+optional_package("accelerate", "accelerate")
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

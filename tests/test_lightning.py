@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.harness import free_port
+from tests.integrations import optional_package
 
-pytest.importorskip("lightning", reason="pip install 'collective-ops[lightning]'")
+optional_package("lightning", "lightning")
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
