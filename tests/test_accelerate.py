@@ -1,0 +1,90 @@
+"""collective_ops.accelerate against Accelerate's own DDP path: the same loop under torchrun at 2 CPU processes
+(accumulate(), clip_grad_norm_, a scheduler, gather_for_metrics, unwrap_model, save_state/load_state), fp32 and
+bf16 autocast, bit for bit; and a transformers Trainer (a tiny GPT-2 from a config) through use()."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.harness import free_port
+from tests.integrations import optional_package
+
+optional_package("accelerate", "accelerate")
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+
+
+def _torchrun(script: str, out: Path, *args: str) -> dict[int, dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
+    command += [str(ROOT / "tests" / "integrations" / script), "--out", str(out), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"{script} {' '.join(args)} failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
+    return {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    base = tmp_path_factory.mktemp("accelerate")
+    jobs = {
+        f"{route}_{precision}": ("accelerate_train.py", "--route", route, "--precision", precision)
+        for route in ("ddp", "ours")
+        for precision in ("no", "bf16")
+    }
+    jobs |= {f"trainer_{route}": ("trainer_train.py", "--route", route) for route in ("ddp", "ours")}
+    with ThreadPoolExecutor(2) as pool:  # each run is two processes; two runs at a time on this machine
+        futures = {name: pool.submit(_torchrun, job[0], base / name, *job[1:]) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_prepare_trains_bit_identical_to_accelerates_ddp(runs: dict, precision: str) -> None:
+    for rank in (0, 1):
+        ours, ddp = runs[f"ours_{precision}"][rank], runs[f"ddp_{precision}"][rank]
+        assert ours["trained_through"].startswith("collective_ops."), "prepare() did not wrap the model"
+        assert torch.equal(ours["losses"], ddp["losses"]), f"rank {rank}: losses differ ({precision})"
+        for name, tensor in ddp["state"].items():
+            assert torch.equal(ours["state"][name], tensor), f"rank {rank}: {name} differs ({precision})"
+        assert ours["metrics"] == ddp["metrics"]
+        assert ours["output_dtype"] == ddp["output_dtype"]
+
+
+def test_bf16_autocast_is_applied(runs: dict) -> None:
+    """Accelerate's autocast reaches the wrapped forward: the bf16 run's losses are not the fp32 run's."""
+    assert not torch.equal(runs["ours_bf16"][0]["losses"], runs["ours_no"][0]["losses"])
+
+
+def test_unwrap_save_and_load_state_see_the_model(runs: dict) -> None:
+    for rank in (0, 1):
+        ours = runs["ours_no"][rank]
+        assert ours["unwrapped"] == "Sequential", "unwrap_model returned the wrapper"
+        assert ours["saved_model_files"] == runs["ddp_no"][rank]["saved_model_files"] == ["model.safetensors"]
+        for name, tensor in ours["state"].items():
+            assert torch.equal(ours["restored"][name], tensor), f"load_state did not restore {name}"
+
+
+def test_transformers_trainer_through_use_equals_its_ddp_run(runs: dict) -> None:
+    for rank in (0, 1):
+        ours, ddp = runs["trainer_ours"][rank], runs["trainer_ddp"][rank]
+        assert ours["trained_through"].startswith("collective_ops."), "the Trainer did not train through the wrapper"
+        assert ddp["trained_through"].startswith("torch.")
+        assert ours["losses"] == ddp["losses"]
+        for name, tensor in ddp["state"].items():
+            assert torch.equal(ours["state"][name], tensor), f"rank {rank}: {name} differs from the DDP Trainer's"
