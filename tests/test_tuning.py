@@ -239,7 +239,9 @@ def _best_and_chosen(model) -> tuple:
 
 def _auto_under_fits(rank: int) -> dict:
     """bucket_size_mb="auto" on a 6 MiB model (six 1 MiB layers) with two injected alpha/beta fits in place of the
-    measured one, on every rank alike: a latency-bound link (alpha only) and a bandwidth-bound one (beta only)."""
+    measured one, on every rank alike: a latency-bound link (alpha only) and a bandwidth-bound one (beta only, a
+    transfer far longer than backward: a slower one can hide behind a late end of backward, seen under load, where
+    every size then ties at nothing exposed and the fewest collectives win)."""
     import torch
 
     import collective_ops as co
@@ -248,7 +250,7 @@ def _auto_under_fits(rank: int) -> dict:
 
     measured, out = tuning.measure_alpha_beta, {}
     try:
-        for name, fit in (("latency", CostModel(0.05, 0.0)), ("bandwidth", CostModel(0.0, 1e-9))):
+        for name, fit in (("latency", CostModel(0.05, 0.0)), ("bandwidth", CostModel(0.0, 1e-7))):
             tuning.measure_alpha_beta = lambda fit=fit: fit
             torch.manual_seed(0)
             model = co.wrap(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]), bucket_size_mb="auto")
