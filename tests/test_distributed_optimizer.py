@@ -941,6 +941,89 @@ def _two_losses_then_backwards(rank: int, steps: int = 4) -> tuple[dict, dict]:
     return train(False), train(True)
 
 
+def evaluations_on_one_rank(rank: int, world: int, steps: int = 40, every: int = 3) -> dict:
+    """nanoGPT's loop: every few steps rank 0 alone evaluates (model.eval(), no_grad), which issues no collective on
+    any rank. DDP + AdamW, then ours: wrap + AdamW, DistributedOptimizer with schedule="auto" (and
+    bucket_size_mb="auto": the online tune, the first-step rebuild and the order trial all happen within the run),
+    with "plan", and with shard=True. Each: (weights, what settled)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    def train(model, optimizer) -> dict:
+        for step in range(steps):
+            x, y = rank_batch(MLP, step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if rank == 0 and step % every == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(rank_batch(MLP, 100, rank)[0])
+                model.train()
+        return snapshot(model.module)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build("mlp"))
+    out: dict = {"ddp": train(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2))}
+    model = co.wrap(build("mlp"), bucket_size_mb="auto")
+    out["wrap"] = (train(model, torch.optim.AdamW(model.parameters(), lr=1e-2)), model.tune_pending)
+    cases = {"auto": {"schedule": "auto"}, "auto_tuned": {"schedule": "auto"}, "plan": {"schedule": "plan"}}
+    for name, kwargs in (*cases.items(), ("shard", {"shard": True})):
+        model = co.wrap(build("mlp"), bucket_size_mb="auto" if name == "auto_tuned" else 0.004)
+        optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, **kwargs)
+        weights = train(model, optimizer)
+        trial = optimizer.schedule_trial
+        out[name] = (weights, (model.tune_pending, trial is not None and len(trial["orders"])))
+    return out
+
+
+def weights_whichever_order_is_kept(rank: int, world: int, steps: int = 36) -> dict:
+    """The same training twice with schedule="auto", the order trial's winner forced: the baseline (every bucket
+    finished in backward), then its last candidate: the best chunked order wherever one was planned (shortlisted
+    here even where simulated slower). A model with a 2 MiB bucket, which chunk_candidates_mib could cut. Each:
+    (weights, orders tried, kept, planned order lengths)."""
+    import torch
+
+    import collective_ops as co
+    from collective_ops.adapters import torch_optimizer
+    from collective_ops.bucketing.schedule import OrderTrial
+
+    shortlist = torch_optimizer._shortlist
+
+    def with_any_chunked(predictions: list, count: int, buckets: int) -> list:
+        out = shortlist(predictions, count, buckets)
+        chunked = next((p.order for p in predictions if len(p.order) > buckets), None)
+        return out if chunked is None or chunked in out else [*out, chunked]
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(64, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 256), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(256, 4))
+
+    out, pick = {}, OrderTrial.pick
+    torch_optimizer._shortlist = with_any_chunked
+    try:
+        for forced in ("first", "last"):
+            OrderTrial.pick = staticmethod(
+                lambda medians, margin=0.02, f=forced: 0 if f == "first" else len(medians) - 1
+            )
+            model = co.wrap(build(), bucket_size_mb=4)
+            optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+            for step in range(steps):
+                generator = torch.Generator().manual_seed(1000 * step + rank)
+                x, y = torch.randn(16, 64, generator=generator), torch.randint(0, 4, (16,), generator=generator)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            trial = optimizer.schedule_trial or {}
+            planned = sorted({len(p.order) for p in optimizer.schedule_report or []})
+            out[forced] = (snapshot(model), trial.get("orders"), trial.get("kept"), planned)
+    finally:
+        OrderTrial.pick, torch_optimizer._shortlist = pick, shortlist
+    return out
+
+
 def optimizer_checks(rank: int, world: int) -> dict:
     """Every check of the two-rank group, by name (tests.harness.run_checks runs each on its own)."""
     import torch
@@ -987,6 +1070,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         _pair, rank, lambda: build("mlp"), "sgd", model_cls=MLP, accumulate=3, steps=6
     )
     checks["losses_first"] = functools.partial(_two_losses_then_backwards, rank)
+    checks["one_rank_evaluations"] = functools.partial(evaluations_on_one_rank, rank, world)
     # classic weight_norm / spectral_norm derive weights in pre-hooks of their own: ours must run first (the owed
     # updates land 0.2 s late, so they are owed at every forward, whatever the machine's speed)
     checks["classic_norms"] = functools.partial(
@@ -1370,6 +1454,31 @@ def test_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:
     for rank, out in enumerate(two_ranks):
         ddp, ours = out[case]
         assert_identical(ours, ddp, f"{case}, rank {rank}, {STEPS} steps")
+
+
+def test_an_evaluation_on_one_rank_alone_issues_no_collective_and_trains_as_ddp(two_ranks) -> None:
+    for rank, out in enumerate(two_ranks):
+        results = dict(out["one_rank_evaluations"])
+        ddp = results.pop("ddp")
+        for name, (weights, _) in results.items():
+            assert_identical(weights, ddp, f"{name} with evaluations on rank 0 alone, rank {rank}")
+        # what settles outside backward happened during the run: the online tune, the order trial (planned
+        # over several buckets, and over one after the tune)
+        assert results["wrap"][1] is False
+        assert results["auto"][1][1] >= 3 and results["auto_tuned"][1] == (False, 2), results
+        assert results["plan"][1] == results["shard"][1] == (False, False)
+
+
+def test_weights_do_not_depend_on_which_order_the_trial_keeps_at_three_ranks() -> None:
+    """At 3 ranks a bucket sent in chunks sums differently from the same bucket sent whole (Gloo's ring adds each
+    element in an order set by its place in the buffer), so only whole-bucket orders are planned there: whichever
+    the timed trial keeps, the weights are the same."""
+    for rank, out in enumerate(run_ranks(3, weights_whichever_order_is_kept, timeout=300)):
+        (first, tried, kept_first, planned), (last, tried_again, kept_last, _) = out["first"], out["last"]
+        buckets = len(tried[0])
+        assert kept_first == 0 and kept_last == len(tried_again) - 1 > 0 and tried_again[kept_last] != tried[0]
+        assert planned == [buckets], f"chunked orders planned at 3 ranks: lengths {planned}"
+        assert_identical(last, first, f"weights with the trial's first vs last order kept, rank {rank}")
 
 
 def test_state_dict_round_trips_through_a_plain_optimizer(two_ranks) -> None:

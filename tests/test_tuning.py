@@ -220,9 +220,49 @@ def tuner_checks(rank: int, world: int, profile_path: str) -> dict:
         sizes.append(auto.manager.plan.bucket_size_mb)
     out["auto_sizes"] = sizes
     out["auto_report"] = auto.auto_tune_report is not None
+    out["auto_best"] = _best_and_chosen(auto)
     out["auto_contention"] = auto.auto_tune_contention
+    out["auto_fits"] = _auto_under_fits(rank)
     with pytest.raises(ValueError, match="'auto'"):
         co.wrap(build("mlp"), bucket_size_mb="fast")
+    return out
+
+
+def _best_and_chosen(model) -> tuple:
+    """((size, first bucket) the online tune's cost model ranked best, the plan it set, its collectives, the
+    fewest and most collectives among the candidates)."""
+    report, plan = model.auto_tune_report, model.manager.plan
+    counts = [p.collectives for p in report]
+    best = (report[0].bucket_size_mb, report[0].first_bucket_mb)
+    return best, (plan.bucket_size_mb, plan.first_bucket_mb), len(plan.buckets), min(counts), max(counts)
+
+
+def _auto_under_fits(rank: int) -> dict:
+    """bucket_size_mb="auto" on a 6 MiB model (six 1 MiB layers) with two injected alpha/beta fits in place of the
+    measured one, on every rank alike: a latency-bound link (alpha only) and a bandwidth-bound one (beta only, a
+    transfer far longer than backward: a slower one can hide behind a late end of backward, seen under load, where
+    every size then ties at nothing exposed and the fewest collectives win)."""
+    import torch
+
+    import collective_ops as co
+    from collective_ops import tuning
+    from collective_ops.tuning import CostModel
+
+    measured, out = tuning.measure_alpha_beta, {}
+    try:
+        for name, fit in (("latency", CostModel(0.05, 0.0)), ("bandwidth", CostModel(0.0, 1e-7))):
+            tuning.measure_alpha_beta = lambda fit=fit: fit
+            torch.manual_seed(0)
+            model = co.wrap(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]), bucket_size_mb="auto")
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            for step in range(3):
+                x = torch.randn(8, 512, generator=torch.Generator().manual_seed(step + 10 * rank))
+                optimizer.zero_grad()
+                model(x).square().mean().backward()
+                optimizer.step()
+            out[name] = _best_and_chosen(model)
+    finally:
+        tuning.measure_alpha_beta = measured
     return out
 
 
@@ -242,6 +282,17 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
         sizes = out["auto_sizes"]
         assert sizes[0] == 25.0 and sizes[1] == sizes[2] == sizes[3] in CANDIDATES_MB, sizes  # settled at step 2
         assert out["auto_report"]
+        # rank 0's cost model decides for every rank (each rank's own ranking may differ, from its own timings)
+        best, chosen = outs[0]["auto_best"][0], out["auto_best"][1]
+        assert chosen == best and sizes[1] == best[0]  # the measured fit's best candidate, not just any
+        # The choice follows the fit: a latency-bound link asks for the fewest collectives; a bandwidth-bound one
+        # for more, smaller buckets, sent while backward still runs (the last bucket's transfer alone is exposed).
+        fits = out["auto_fits"]
+        for name, (_, chosen, *_) in fits.items():
+            best = outs[0]["auto_fits"][name][0]
+            assert chosen == best, f"{name} fit: set {chosen}, rank 0's cost model's best is {best}"
+        assert fits["latency"][2] == fits["latency"][3] == 1 < fits["latency"][4], fits
+        assert fits["bandwidth"][2] > 1 and fits["bandwidth"][1] != fits["latency"][1], fits
         # Gloo on CPU tensors spends CPU while bytes move: the online tune charges it (not the 0 of a device)
         assert 0.0 < out["auto_contention"] <= 1.0
     assert outs[0]["auto_sizes"] == outs[1]["auto_sizes"]

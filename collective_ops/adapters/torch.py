@@ -847,8 +847,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.optimizer is not None and self.optimizer.in_flight:
             # Buckets of parameters this forward did not use: finished now, before any backward can touch them.
             self.optimizer.synchronize()
-        self._settle()  # the end of forward: the same point on every rank, whatever ended the last step where
-        if self.manager.alignment is not None and self.module.training and torch.is_grad_enabled():
+        if not (self.module.training and torch.is_grad_enabled()):
+            # An evaluation may run on one rank alone (nanoGPT evaluates on rank 0, Lightning's sanity check on
+            # whichever): it settles nothing, since settling may issue collectives. The next training forward does.
+            return
+        self._settle()  # the end of a training forward: the same point on every rank, whatever ended the last step
+        if self.manager.alignment is not None:
             # a forward a backward may follow; counted once it completed: one that raised (a refused step's
             # error, met in its first wait) is run again or skipped by the loop, and must not count twice
             self.manager.alignment.count_forward()

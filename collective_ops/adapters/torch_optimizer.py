@@ -78,7 +78,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     held from earlier in backward (and, with ``bucket_size_mb="auto"``, the bucket size by the
     same simulated step). Orders that send large buckets in chunks (of each size in MiB of
     ``opt.chunk_candidates_mib``, default ``CHUNK_CANDIDATES_MIB``; ``()``: whole buckets only),
-    part in backward and part held, are weighed too. The simulator's two best whole-bucket
+    part in backward and part held, are weighed too at 2 ranks (beyond, cutting a bucket changes its sum,
+    so only whole-bucket orders, which all sum alike, are: the weights never depend on the trial's timing).
+    The simulator's two best whole-bucket
     orders and its best chunked one then run in turn with plan order and with every bucket
     finished in backward (``TRIAL_ROUNDS`` x ``TRIAL_BLOCK_STEPS`` steps each),
     and the fastest measured is kept, overlapping only if more than 2% faster (``schedule_trial``,
@@ -289,7 +291,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     @property
     def chunk_candidates_mib(self) -> tuple[float, ...]:
         """The chunk sizes (MiB) ``schedule="auto"`` weighs for buckets larger than them; ``()``: whole buckets only.
-        Set before the schedule is planned (the 4th forward)."""
+        Set before the schedule is planned (the 4th forward). Weighed at 2 ranks only (beyond, the chunks would
+        change the sums, so the weights would depend on which order the timed trial keeps)."""
         return self._chunk_candidates_mib
 
     @chunk_candidates_mib.setter
@@ -896,7 +899,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         manager = self.model.manager
         profile, price = self._planner_inputs(stats, plan, cost)
         ranked = plan_order(profile, price)
-        if not chunked:
+        if not chunked or self.model.engine.world_size > 2:
+            # Beyond 2 ranks a bucket's sum depends on how it is cut (Gloo's ring adds each element in an order
+            # set by its place in the buffer sent): chunked orders would make the weights depend on which order
+            # the timed trial keeps. A sum of two is the same in any order, so at 2 ranks any chunking may win.
             return ranked
         chunkable = [manager.chunkable(b, plan) for b in range(len(plan.buckets))]
         nbytes = [bucket.nbytes for bucket in plan.buckets]
