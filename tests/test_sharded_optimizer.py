@@ -27,6 +27,7 @@ from tests.test_distributed_optimizer import (
     assert_evaluations_equal_ddp,
     assert_frozen_layer_as_ddp,
     assert_nonfinite_step_refused,
+    assert_peeking_forwards_equal_ddp,
     assert_scaled_training_equals_ddp,
     assert_step_after_no_sync_only_refused,
     assert_through_the_model_equals_ddp,
@@ -37,6 +38,7 @@ from tests.test_distributed_optimizer import (
     group_added_mid_training,
     nonfinite_step_refused,
     params_changed_after_step,
+    peeking_forwards,
     read_through_the_model,
     resumed_through_torch_dcp,
     scaled_training,
@@ -819,7 +821,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
 
     import collective_ops as co
     from collective_ops.bucketing.shard import ShardLayout
-    from tests.models import MLP, TinyTransformer, build
+    from tests.models import MLP, PEEKING, TinyTransformer, build
 
     def mlp() -> torch.nn.Module:
         return build("mlp")
@@ -863,6 +865,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         rank, mlp, sharded_adamw, unscale_clip=True, torch_clip=True
     )
     out["eval_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw)
+    for name in PEEKING:  # forwards reading parameters of modules before those run, all-gathers landing late
+        for opt_kind in ("sgd", "adamw"):
+            out[f"peeking_{name}_{opt_kind}"] = peeking_forwards(rank, name, opt_kind, shard=True)
     out["inference_between_steps"] = eval_between_steps(rank, mlp, sharded_adamw, inference_mode=True)
     out["closure"] = step_with_closure(rank, mlp, sharded_adamw)
     out["nonfinite"] = nonfinite_step_refused(rank, mlp, sharded_adamw)
@@ -1134,6 +1139,12 @@ def test_replanned_buckets_move_the_sharded_state(two_ranks) -> None:
 
 def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
     assert_evaluations_equal_ddp(two_ranks, "sharded, ")
+
+
+def test_a_forward_reading_parameters_before_their_module_runs_reads_them_updated(two_ranks) -> None:
+    """As unsharded, with the all-gathers of updated parameters landing late: a forward reading a parameter
+    before its module runs waits for its all-gather (rank 0's lone evaluations too, issuing no collective)."""
+    assert_peeking_forwards_equal_ddp(two_ranks, "sharded, ")
 
 
 def test_a_closure_is_called_once_and_its_loss_returned_as_torch_optimizers_do(two_ranks) -> None:
