@@ -49,21 +49,21 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}), "adamw": 
 
 
 def _time_forward_waits() -> list[float]:
-    """Seconds each DistributedOptimizer forward pre-hook spends finishing buckets (and, sharded, waiting for
-    all-gathers), appended to the list returned; patched on the classes, as the hooks hold bound methods."""
+    """Seconds each DistributedOptimizer forward pre-hook, and each read of a parameter before its module runs,
+    spends finishing buckets (and, sharded, waiting for all-gathers), appended to the list returned; patched on
+    the class (the sharded one inherits both), as the hooks hold bound methods."""
     from collective_ops.adapters.torch_optimizer import DistributedOptimizer
-    from collective_ops.adapters.torch_sharded import ShardedDistributedOptimizer
 
     waits: list[float] = []
-    for cls in (DistributedOptimizer, ShardedDistributedOptimizer):
-        hook = cls.__dict__["_before_forward_of"]
+    for name in ("_before_forward_of", "read_owed"):
+        method = DistributedOptimizer.__dict__[name]
 
-        def timed(self, module: nn.Module, args, hook=hook) -> None:
+        def timed(self, *args, method=method) -> None:
             start = time.perf_counter()
-            hook(self, module, args)
+            method(self, *args)
             waits.append(time.perf_counter() - start)
 
-        cls._before_forward_of = timed
+        setattr(DistributedOptimizer, name, timed)
     return waits
 
 

@@ -253,6 +253,68 @@ class ScaledMLP(MLP):
         return self.net(x) * self.logit_scale
 
 
+class PeekAheadMLP(nn.Module):
+    """Reads its last layer's bias in its own forward before that layer runs (the add keeps nothing for backward,
+    so autograd never sees the bias change under it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 64)
+        self.last = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x) + self.last.bias.sum()
+        return self.last(torch.relu(h))
+
+    batch = MLP.batch
+
+
+class _Gate(nn.Module):
+    """A projection gated by another branch's weight, read through a reference (not a submodule of this one)."""
+
+    def __init__(self, peer: nn.Linear) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 64)
+        self._peer = (peer,)  # (a tuple: not registered, so the peer's parameters are not this module's)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (the peer's weight alone fills most of a test bucket: never in one with this module's parameters)
+        return torch.relu(self.proj(x)) * torch.sigmoid(self._peer[0].weight.sum(1))
+
+
+class PeekAcrossMLP(nn.Module):
+    """Two top-level branches; the first (``left``) reads a parameter of the second (``right``), which runs later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.right = nn.Sequential(nn.Linear(16, 64), nn.ReLU())
+        self.left = _Gate(self.right[0])
+        self.head = nn.Linear(128, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.left(x), self.right(x)], dim=1))
+
+    batch = MLP.batch
+
+
+class PeekTiedMLP(nn.Module):
+    """``third`` shares ``second``'s weight (tied); the forward reads it through ``third`` before either runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 32)
+        self.second = nn.Linear(32, 32)
+        self.third = nn.Linear(32, 32)
+        self.third.weight = self.second.weight
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x)) * torch.tanh(self.third.weight.mean(0))
+        return self.head(torch.relu(self.third(torch.relu(self.second(h)))))
+
+    batch = MLP.batch
+
+
 MODELS = {
     "mlp": MLP,
     "cnn": SmallCNN,
@@ -266,6 +328,8 @@ MODELS = {
 }
 # Built by name too, but not in MODELS (whose every model the adapter tests train on its output tensor)
 OTHER_OUTPUTS = {"checkpointed-head-dict": CheckpointedHeadDictMLP, "scaled-mlp": ScaledMLP}
+# Forwards that read parameters of modules before those run (built by name, not in MODELS)
+PEEKING = {"peek-ahead": PeekAheadMLP, "peek-across": PeekAcrossMLP, "peek-tied": PeekTiedMLP}
 
 
 def gan(seed: int = 0) -> tuple[nn.Module, nn.Module]:
@@ -278,7 +342,7 @@ def gan(seed: int = 0) -> tuple[nn.Module, nn.Module]:
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {**MODELS, **OTHER_OUTPUTS}[name]()
+    return {**MODELS, **OTHER_OUTPUTS, **PEEKING}[name]()
 
 
 def rank_batch(model_cls: type, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ def compiled_checks(rank: int, world: int) -> dict:
     from torch._dynamo.utils import counters
 
     from tests.models import MLP, build, rank_batch
+    from tests.test_distributed_optimizer import peeking_forwards
 
     out = {}
     for kind in SETUPS:
@@ -59,6 +60,11 @@ def compiled_checks(rank: int, world: int) -> dict:
             out[f"{kind}/trial"] = getattr(optimizer, "schedule_trial", None)
             # the planner gave up on this plan (rank 0's forwards compiled), not retrying with a collective each step
             out[f"{kind}/planning"] = getattr(optimizer, "_plans_schedule", lambda: False)()
+    # a compiled submodule in an eager forward, reading another branch's weight while the step's updates are owed
+    for shard in (False, True):
+        out[f"compiled submodule, shard={shard}"] = peeking_forwards(
+            rank, "peek-across", "adamw", shard, compiled="left"
+        )
     return out
 
 
@@ -72,3 +78,9 @@ def test_compiled_wrap_equals_compiled_ddp_with_each_optimizer() -> None:
         for kind in ("ours+DistributedOptimizer",):  # the planner, which times the forward by modules, keeps plan order
             assert out[f"{kind}/trial"] is None and not out[f"{kind}/planning"]
             assert out[f"{kind}/launch_order"] == tuple(range(out[f"{kind}/buckets"]))
+        for shard in (False, True):  # its graph cannot wait at a read: every owed update landed before it ran
+            (ddp, ddp_evaluations), (ours, our_evaluations) = out[f"compiled submodule, shard={shard}"]
+            assert_identical(ours, ddp, f"a compiled submodule reading another's weight, shard={shard}, rank {rank}")
+            assert len(our_evaluations) == len(ddp_evaluations) == (2 if rank == 0 else 0)
+            for got, want in zip(our_evaluations, ddp_evaluations):
+                assert (got == want).all(), f"shard={shard}: rank 0's evaluation differs from DDP's"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -631,6 +632,106 @@ def late_allreduce(ctx):
     return _LateHandle(allreduce_hook(ctx), 0.2)
 
 
+class _LateGather:
+    """An all-gather whose result reaches the parameters only when waited for, ``seconds`` after its launch: the
+    real all-gather lands in a scratch copy of the bucket, copied in at the wait."""
+
+    def __init__(self, handle, scratch: torch.Tensor, buffer: torch.Tensor, seconds: float) -> None:
+        self._handle, self._scratch, self._buffer = handle, scratch, buffer
+        self._done_at = time.perf_counter() + seconds
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None):
+        from collective_ops.bucketing.interfaces import wait_with_timeout
+
+        time.sleep(max(0.0, self._done_at - time.perf_counter()))
+        wait_with_timeout(self._handle, None)
+        self._buffer.copy_(self._scratch)
+        return self._buffer
+
+
+@contextlib.contextmanager
+def late_gathers(seconds: float = 0.05):
+    """Sharded all-gathers of updated parameters landing ``seconds`` late (as a slow link has them): a forward
+    that reads a parameter before waiting for its bucket's all-gather reads the step's old values."""
+    from collective_ops.comm.torch_engine import TorchEngine
+
+    real = TorchEngine.all_gather_shard
+
+    def late(self, buffer, async_op=False, group=None):
+        scratch = buffer.clone()
+        handle = real(self, scratch, async_op=True, group=group)
+        gather = _LateGather(handle, scratch, buffer, seconds)
+        if async_op:
+            return gather
+        gather.wait()
+        return None
+
+    TorchEngine.all_gather_shard = late
+    try:
+        yield
+    finally:
+        TorchEngine.all_gather_shard = real
+
+
+def peeking_forwards(
+    rank: int, name: str, opt_kind: str, shard: bool = False, steps: int = 5, compiled: str | None = None
+) -> tuple:
+    """(DDP, ours) for a model whose forward reads parameters of modules before those run (tests.models.PEEKING),
+    with every reduction (sharded: all-gather) landing late, so each step()'s updates are owed when the next
+    forward reads them; rank 0 alone evaluates the inner module (no_grad) after every other step. Weights, and
+    rank 0's evaluations. ``compiled``: that submodule under torch.compile (in both), in an eager forward."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    cls, kwargs = _make_optimizer(opt_kind)
+    results = []
+    for ours in (False, True):
+        net = build(name)
+        if compiled is not None:
+            # (inductor: its kernels read the parameters directly; the "eager" backends' graphs run as torch
+            # calls, which the optimizer's torch function mode sees anyway)
+            setattr(net, compiled, torch.compile(getattr(net, compiled)))
+        if ours:
+            late = {} if shard else {"comm_hook": late_allreduce}
+            model = co.wrap(net, bucket_size_mb=0.004, first_bucket_mb=0.001, **late)
+            optimizer = co.DistributedOptimizer(model, cls, shard=shard, **kwargs)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(net)
+            optimizer = cls(model.parameters(), **kwargs)
+        evaluations = []
+        with late_gathers() if ours and shard else contextlib.nullcontext():
+            for step in range(steps):
+                x, y = rank_batch(MLP, step, rank)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                if rank == 0 and step % 2 == 1:
+                    with torch.no_grad():
+                        evaluations.append(model.module(rank_batch(MLP, 100, rank)[0]).numpy().copy())
+            results.append((snapshot(model if ours else model.module), evaluations))
+    return results[0], results[1]
+
+
+def assert_peeking_forwards_equal_ddp(results: list[dict], label: str) -> None:
+    """The ``peeking_forwards`` results of every rank (under ``peeking_<model>_<optimizer>``) as DDP's."""
+    from tests.models import PEEKING
+
+    for rank, out in enumerate(results):
+        for name in PEEKING:
+            for opt_kind in ("sgd", "adamw"):
+                (ddp, ddp_evaluations), (ours, our_evaluations) = out[f"peeking_{name}_{opt_kind}"]
+                case = f"{label}{name} ({opt_kind}), rank {rank}"
+                assert_identical(ours, ddp, case)
+                assert len(our_evaluations) == len(ddp_evaluations) == (2 if rank == 0 else 0), case
+                for step, (got, want) in enumerate(zip(our_evaluations, ddp_evaluations)):
+                    np.testing.assert_array_equal(got, want, err_msg=f"{case}: evaluation {step}")
+
+
 def params_changed_after_step(
     rank: int, build, make_optimizer, steps: int = 6, at: int = 3, wrap_kwargs: dict | None = None
 ) -> dict:
@@ -1029,7 +1130,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
     import torch
 
     import collective_ops as co
-    from tests.models import MLP, Reordered, SmallCNN, TinyTransformer, WithUnusedBranch, build
+    from tests.models import MLP, PEEKING, Reordered, SmallCNN, TinyTransformer, WithUnusedBranch, build
 
     checks: dict = {}
     for name, cls in (("transformer", TinyTransformer), ("cnn", SmallCNN)):
@@ -1136,6 +1237,9 @@ def optimizer_checks(rank: int, world: int) -> dict:
         return Reordered()
 
     checks["out_of_order"] = functools.partial(_pair, rank, reordered, "sgd", model_cls=MLP)
+    for name in PEEKING:  # forwards reading parameters of modules before those run, with the updates owed
+        for opt_kind in ("sgd", "adamw"):
+            checks[f"peeking_{name}_{opt_kind}"] = functools.partial(peeking_forwards, rank, name, opt_kind)
 
     for set_to_none in (True, False):
         checks[f"zero_grad_after_step_{set_to_none}"] = functools.partial(
@@ -1479,6 +1583,13 @@ def test_weights_do_not_depend_on_which_order_the_trial_keeps_at_three_ranks() -
         assert kept_first == 0 and kept_last == len(tried_again) - 1 > 0 and tried_again[kept_last] != tried[0]
         assert planned == [buckets], f"chunked orders planned at 3 ranks: lengths {planned}"
         assert_identical(last, first, f"weights with the trial's first vs last order kept, rank {rank}")
+
+
+def test_a_forward_reading_parameters_before_their_module_runs_reads_them_updated(two_ranks) -> None:
+    """The step's updates still owed (reductions landing late): a parent's forward reading a child's bias before
+    the child runs, a branch reading a later branch's bias, a tied weight read before either holder runs; and
+    rank 0 alone evaluating under no_grad. Weights and evaluations as DDP's, bit for bit."""
+    assert_peeking_forwards_equal_ddp(two_ranks, "")
 
 
 def test_state_dict_round_trips_through_a_plain_optimizer(two_ranks) -> None:

@@ -27,6 +27,7 @@ from tests.test_distributed_optimizer import (
     assert_evaluations_equal_ddp,
     assert_frozen_layer_as_ddp,
     assert_nonfinite_step_refused,
+    assert_peeking_forwards_equal_ddp,
     assert_scaled_training_equals_ddp,
     assert_step_after_no_sync_only_refused,
     assert_through_the_model_equals_ddp,
@@ -37,6 +38,7 @@ from tests.test_distributed_optimizer import (
     group_added_mid_training,
     nonfinite_step_refused,
     params_changed_after_step,
+    peeking_forwards,
     read_through_the_model,
     resumed_through_torch_dcp,
     scaled_training,
@@ -818,7 +820,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     import torch
 
     import collective_ops as co
-    from tests.models import build
+    from tests.models import PEEKING, build
 
     def mlp() -> torch.nn.Module:
         return build("mlp")
@@ -873,6 +875,9 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     checks["frozen_layer"] = functools.partial(frozen_layer_in_params, rank, shard=True)
     checks["no_sync_only"] = functools.partial(step_after_no_sync_only, rank, mlp, sharded_adamw)
     checks["changed_params"] = functools.partial(params_changed_after_step, rank, mlp, sharded_adamw)
+    for name in PEEKING:  # forwards reading parameters of modules before those run, all-gathers landing late
+        for opt_kind in ("sgd", "adamw"):
+            checks[f"peeking_{name}_{opt_kind}"] = functools.partial(peeking_forwards, rank, name, opt_kind, shard=True)
     # no clip: sharded, p.grad is not for other code
     # opt.gather_gradients() between backward and step all-gathers the averaged gradients: torch's clips after it
     checks["through_the_model"] = functools.partial(
@@ -1213,6 +1218,12 @@ def test_replanned_buckets_move_the_sharded_state(two_ranks) -> None:
 
 def test_evaluation_between_steps_sees_updated_weights(two_ranks) -> None:
     assert_evaluations_equal_ddp(two_ranks, "sharded, ")
+
+
+def test_a_forward_reading_parameters_before_their_module_runs_reads_them_updated(two_ranks) -> None:
+    """As unsharded, with the all-gathers of updated parameters landing late: a forward reading a parameter
+    before its module runs waits for its all-gather (rank 0's lone evaluations too, issuing no collective)."""
+    assert_peeking_forwards_equal_ddp(two_ranks, "sharded, ")
 
 
 def test_a_closure_is_called_once_and_its_loss_returned_as_torch_optimizers_do(two_ranks) -> None:

@@ -11,11 +11,13 @@ hyperparameters in force at ``step()``: the same arithmetic as DDP + that optimi
 
 Everything that reads parameters or optimizer state sees them fully updated: the end of
 every forward (parameters it did not use), ``state_dict``, ``synchronize()``,
-``clip_grad_norm_``, the wrapped model's ``state_dict`` and its inner module's. A module whose forward reads
-another module's parameters (``MultiheadAttention`` reads ``out_proj.weight`` without calling
-``out_proj``) is handled when it did so in the first forward, from which each module's reads
-are learnt; one that starts doing so later must call ``synchronize()`` first, or autograd
-reports the in-place update (a loud error, never a silent stale read).
+``clip_grad_norm_``, the wrapped model's ``state_dict`` and its inner module's. A forward that
+reads another module's parameters before that module runs (``MultiheadAttention`` reads
+``out_proj.weight`` without calling ``out_proj``; ``h + self.head.bias.sum()`` in a parent's
+forward) waits for their update at the read: while updates are owed, a torch function mode
+(:class:`_OwedReads`) sees each torch function's parameter arguments, finishes an owed bucket
+before the function reads it, and records the reading module, whose pre-hook finishes that bucket
+from then on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
+from torch.overrides import TorchFunctionMode
 
 from .. import runtime
 from ..bucketing.alignment import StepMisalignedError
@@ -168,11 +171,20 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         # of submodules whose forward never runs (MultiheadAttention reads out_proj.weight itself).
         self._ran: set[nn.Module] | None = set()
         self._needs: dict[nn.Module, list[int]] = {}
-        before_forward = _HookOf(self._before_forward_of)
+        # Reads the learnt needs miss (a parent's forward reading a child's bias before the child runs, a read
+        # only some forwards make) wait at the read itself: the modules in their forward, innermost last, and
+        # the torch function mode that watches the owed parameters while they run.
+        self._readers: list[nn.Module] = []
+        self._reads = _OwedReads(self)
+        before_forward, after_forward = _HookOf(self._before_forward_of), _HookOf(self._after_forward_of)
         # First among each module's pre-hooks: those already there compute from the parameters too (the classic
         # torch.nn.utils.weight_norm / spectral_norm derive the weight from them there).
         self._hooks = [
             module.register_forward_pre_hook(before_forward, prepend=True) for module in model.module.modules()
+        ]
+        # always_call: a forward that raises leaves no module behind, nor the mode on torch's stack
+        self._hooks += [
+            module.register_forward_hook(after_forward, always_call=True) for module in model.module.modules()
         ]
         self._hooks.append(model.module.register_forward_hook(_HookOf(self._after_forward)))
         # on the wrapper: runs before its buffer broadcast
@@ -562,18 +574,81 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         timeline = self._timeline if self._times_forward() else None
         if timeline is not None and module is self.model.module:
             timeline.forward_started(follows_backward=self.in_flight)
-        if not (self.in_flight or timeline is not None):
-            return
-        manager = self.model.manager
+        if self.in_flight or timeline is not None:
+            indices = self._reads_of(module)
+            if timeline is not None:
+                timeline.needed(indices)
+            if self.in_flight and _is_compiled(module) and module is not self.model.module:
+                # A compiled submodule in an eager forward: no wait can sit inside its graph (and no torch function
+                # mode sees its reads), so every owed write lands first, as before a compiled model's forward.
+                indices = list(range(len(self._index)))
+            if self.in_flight:
+                self._finish_reads(indices, type(module).__name__)
+        self._enter_reads(module)
+
+    def _reads_of(self, module: nn.Module) -> list[int]:
+        """The parameters (indices into the model's list) ``module``'s forward reads: learnt in the first forward
+        and from reads caught since; a module not seen then reads at least its own."""
         indices = self._needs.get(module)
-        if indices is None:  # not seen in the first forward: at least its own parameters
+        if indices is None:
             indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
-        if timeline is not None:
-            timeline.needed(indices)
-        if self.in_flight:
-            location = manager.plan.location
-            buckets = sorted({location[i][0] for i in indices})  # plan order, as every rank
-            self._finish(buckets, type(module).__name__)
+        return indices
+
+    def _finish_reads(self, indices: list[int], module: str) -> None:
+        """Before a forward reads these parameters: their buckets finished, their owed updates applied."""
+        location = self.model.manager.plan.location
+        self._finish(sorted({location[i][0] for i in indices}), module)  # plan order, as every rank
+
+    # -- reads the learnt needs miss ------------------------------------------------------------------
+    def _owed_writes(self) -> list[int]:
+        """The buckets whose parameters this step still writes (sharded: also those whose all-gather is not
+        waited for): a forward reading them now would read the step's old values."""
+        return self._owed_buckets()
+
+    def _write_owed(self, bucket: int) -> bool:
+        """``bucket`` is among :meth:`_owed_writes` (without listing them: asked once per parameter read)."""
+        return self._pending is not None and bucket in self._pending.buckets
+
+    def _enter_reads(self, module: nn.Module) -> None:
+        """``module``'s forward starts (its own reads finished): the innermost reader from now on. The outermost
+        forward that starts while writes are still owed watches every torch function until it returns
+        (:class:`_OwedReads`)."""
+        if self._readers:
+            self._readers.append(module)
+            return
+        owed = self._owed_writes() if self.in_flight else None
+        if not owed:
+            # Nothing owed (overlap=False, after synchronize(), a model compiled inside the wrapper, whose
+            # pre-hook finished every bucket): no mode, nor any cost per torch function. Writes never become
+            # owed during a forward, so none of its modules' forwards needs watching either.
+            return
+        self._readers.append(module)
+        self._reads.watch({id(p): self._index[id(p)] for b in owed for p in self._bucket_members(b)})
+
+    def _after_forward_of(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Every module's forward hook (always called, also where the forward raised): the reader left."""
+        if torch.compiler.is_compiling() or not self._readers:
+            return
+        while self._readers:
+            if self._readers.pop() is module:
+                break
+        if not self._readers:
+            self._reads.unwatch()
+
+    def read_owed(self, param: torch.Tensor) -> None:
+        """A torch function is about to read ``param`` while its bucket's write may be owed (:class:`_OwedReads`):
+        finished first, where still owed, and the innermost module in its forward noted as reading it, so that
+        its pre-hook finishes that bucket from the next forward on."""
+        index = self._index[id(param)]
+        bucket = self.model.manager.plan.location[index][0]
+        if not self._write_owed(bucket):
+            return
+        reader = self._readers[-1] if self._readers else None
+        self._finish_reads([index], type(reader).__name__ if reader is not None else "")
+        if reader is not None:
+            needs = self._needs.setdefault(reader, list(self._reads_of(reader)))
+            if index not in needs:
+                needs.append(index)
 
     def _forward_starts(self, model: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
@@ -678,7 +753,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 current = stack.pop()
                 indices += [self._index[id(p)] for p in current.parameters(recurse=False) if id(p) in self._index]
                 stack += [child for child in current.children() if child not in ran]
-            self._needs[owner] = indices
+            caught = [i for i in self._needs.get(owner, ()) if i not in indices]  # reads caught in this forward
+            self._needs[owner] = indices + caught
 
     @torch.no_grad()
     def _finish(self, buckets: list[int], module: str = "") -> None:
@@ -690,7 +766,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         Lightning validates, made the state a first update creates, a momentum buffer, an inference tensor
         that the next training step could not update in place) and out of autocast (an update through a
         matmul, as Shampoo-like preconditioners compute, ran in bf16 under a bf16 forward: silently off DDP's)."""
-        with torch.inference_mode(False), _without_autocast(self.model.engine.device.type):
+        # (unwatched: the update's own reads of the parameters are not a forward's)
+        with torch.inference_mode(False), _without_autocast(self.model.engine.device.type), self._reads.paused():
             self._finish_buckets(buckets, module)
 
     def _finish_buckets(self, buckets: list[int], module: str) -> None:
@@ -1070,6 +1147,12 @@ def _is_mindspore(model: Any) -> bool:
     return _framework_of(model) == "mindspore" or type(model).__module__ == "collective_ops.adapters.mindspore"
 
 
+def _is_compiled(module: nn.Module) -> bool:
+    """``module`` is ``torch.compile``'s wrapper of a module (looked up: nobody compiled where dynamo is not imported)."""
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    return compiled is not None and isinstance(module, compiled)
+
+
 def _needs_closure(optimizer_class: type) -> bool:
     """True for a class whose step() requires a closure (LBFGS)."""
     try:
@@ -1113,6 +1196,62 @@ def _refuse_group_mutation(name: str, changed: list[tuple[int, str, Any, Any]]) 
 
 
 _MISSING = object()
+
+
+class _OwedReads(TorchFunctionMode):
+    """While a forward runs with parameter writes owed: every torch function (Tensor methods, ``.data``, indexing
+    and ``torch.nn.functional`` included) whose arguments hold a parameter still owed its write has that write
+    finished first (:meth:`DistributedOptimizer.read_owed`), so it never reads the step's old value.
+
+    Each parameter costs one check per forward: it leaves :attr:`owed` at its first read, finished or found
+    finished already; once none is left, each function pays one falsy test."""
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        super().__init__()
+        self._optimizer = weakref.ref(optimizer)  # (the optimizer holds the mode)
+        self.owed: dict[int, int] = {}  # id(parameter) -> index, of those not yet read in this forward
+        self._watching = False
+
+    def watch(self, owed: dict[int, int]) -> None:
+        self.owed = owed
+        if not self._watching:
+            self._watching = True
+            self.__enter__()
+
+    def unwatch(self) -> None:
+        self.owed = {}
+        if self._watching:
+            self._watching = False
+            self.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def paused(self) -> Any:
+        """The optimizer's own work (finishing buckets, applying updates) reads the parameters unwatched."""
+        owed, self.owed = self.owed, {}
+        try:
+            yield
+        finally:
+            self.owed = owed
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        # (traced by torch.compile, a graph reads nothing owed: a compiled submodule's pre-hook finished every write)
+        if self.owed and not torch.compiler.is_compiling():
+            self._check(args)
+            if kwargs:
+                self._check(kwargs.values())
+        return func(*args, **kwargs)
+
+    def _check(self, values: Any) -> None:
+        for value in values:
+            if isinstance(value, (list, tuple)):  # torch.cat([...]), torch.stack, foreach lists
+                self._check(value)
+            elif id(value) in self.owed:  # (only live parameters are keys: an id match is the parameter)
+                del self.owed[id(value)]
+                optimizer = self._optimizer()
+                if optimizer is not None:
+                    optimizer.read_owed(value)
 
 
 class _HookOf:

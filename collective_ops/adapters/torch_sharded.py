@@ -504,6 +504,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         )
 
     def _wait_gather(self, bucket: int, module: str = "") -> None:
+        with self._reads.paused():  # (its own reads of the parameters are not a forward's)
+            self._wait_gather_unwatched(bucket, module)
+
+    def _wait_gather_unwatched(self, bucket: int, module: str) -> None:
         self._check_params_untouched([bucket])
         handle = self._gathers.pop(bucket, None)
         if handle is None:
@@ -520,31 +524,16 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if tracer is not None and module:
             tracer("forward wait", bucket, self.model.manager.steps_synced, start, end, module)
 
-    def _before_forward_of(self, module: nn.Module, args: Any) -> None:
-        """Forward pre-hook: the buckets holding the parameters this module reads are gathered first."""
-        if torch.compiler.is_compiling():
-            return  # inside a compiled graph: every all-gather was finished before it (compiled_forward_starts)
-        if self._ran is not None:
-            self._ran.add(module)
-        timing = self._times_forward()
-        if timing and module is self.model.module:
-            self._timeline.forward_started(follows_backward=self.in_flight)
-        if not (self.in_flight or timing):
-            return
-        indices = self._needs.get(module)
-        if indices is None:
-            indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
-        if timing:
-            self._timeline.needed(indices)
-        if not self.in_flight:
-            return
+    def _finish_reads(self, indices: list[int], module: str) -> None:
+        """Before a forward reads these parameters: their buckets updated and all-gathered. Every all-gather was
+        launched in step() on every rank (overlap), so this waits for this rank's own: a forward on one rank
+        (an evaluation on rank 0) issues no collective here."""
         manager = self.model.manager
         location = manager.plan.location
-        name = type(module).__name__
         for bucket in sorted({location[i][0] for i in indices}, key=self._gather_order.index):
             if bucket in self._gather_order[self._next_gather :] or manager.deferred_pending:
-                self._advance(block=True, until=bucket, module=name)
-            self._wait_gather(bucket, name)
+                self._advance(block=True, until=bucket, module=module)
+            self._wait_gather(bucket, module)
 
     def _times_forward(self) -> bool:
         """Until the online bucket-size tune (bucket_size_mb="auto") has run: its simulated sharded step's input."""
@@ -909,6 +898,11 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if self._steps_applied == self._reduction():
             owed |= set(self._gather_order[self._next_gather :])
         return sorted(owed)
+
+    def _write_owed(self, bucket: int) -> bool:
+        if super()._write_owed(bucket) or bucket in self._gathers:
+            return True
+        return self._steps_applied == self._reduction() and bucket in self._gather_order[self._next_gather :]
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """Weights were loaded into ``module``: the fp32 masters of its own parameters follow them (its
