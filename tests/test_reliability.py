@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import collective_ops as co
-from tests.harness import free_port, run_faulty_ranks, run_ranks
+from tests.harness import free_port, run_faulty_ranks, run_rank_processes, run_ranks
 
 STALL_ENV = {"COLLECTIVE_OPS_STALL_TIMEOUT": "3"}
 
@@ -405,3 +405,58 @@ def test_shutdown_leaves_a_process_group_the_user_created(monkeypatch) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# Ranks as processes of their own (tests/fault_worker.py), stopped or killed with a signal, and every process's
+# exit timed: a rank that diagnosed a stall must not sit in Gloo's teardown until the group's 10-minute timeout.
+STALL_S = 5
+
+
+def _fault_ranks(fault: str, fault_rank: int) -> list[dict]:
+    port = str(free_port())
+    common = {"MASTER_PORT": port, "WORLD_SIZE": "2", "COLLECTIVE_OPS_STALL_TIMEOUT": str(STALL_S)}
+    common |= {"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "60", "FAULT": fault, "FAULT_RANK": str(fault_rank)}
+    return run_rank_processes([{**common, "RANK": str(r)} for r in range(2)], timeout=STALL_S + 30 + 60)
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_rank_is_named_and_its_peer_exits_within_seconds(stopped: int) -> None:
+    """SIGSTOP on one rank mid-training. Stopped rank 0 also stops the rendezvous store it hosts, where the
+    peer's stall diagnosis reads the ranks' progress: that read had no limit (a hang, nothing raised in 175 s).
+    After the StallError the peer's exit joined Gloo's worker, still inside the allreduce, for 10 minutes."""
+    results = _fault_ranks("stop", stopped)
+    peer = results[1 - stopped]
+    fault_at = results[stopped]["fault_at"]
+    assert fault_at is not None, results[stopped]["output"]
+    assert peer["error"] and peer["error"].startswith("StallError"), peer["output"]
+    assert f"Ranks not taking part: [{stopped}]" in peer["error"], peer["error"]
+    if stopped == 0:
+        assert "the rendezvous store, hosted by rank 0, did not answer" in peer["error"], peer["error"]
+        assert "look at that process" in peer["error"]
+    assert peer["exited_after"] is not None, "the rank that reported the stall did not exit"
+    assert peer["exited_after"] - fault_at < STALL_S + 30, (peer["exited_after"], fault_at)
+    assert peer["returncode"] == 1, peer["output"]  # the StallError's, not a crash in teardown
+
+
+@pytest.mark.parametrize("worlds", [(2, 3), (3, 2)])
+def test_ranks_started_with_different_world_sizes_are_named_at_the_rendezvous(worlds: tuple[int, int]) -> None:
+    """Rank 0 with WORLD_SIZE=2 and rank 1 with 3 (or the other way round): both waited past 180 s before."""
+    common = {"MASTER_PORT": str(free_port()), "COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "20", "FAULT_SCENARIO": "init"}
+    env = [{**common, "RANK": str(r), "WORLD_SIZE": str(worlds[r])} for r in range(2)]
+    results = run_rank_processes(env, timeout=20 + 30)
+    for out in results:
+        assert out["exited_after"] is not None and out["exited_after"] < 20 + 15, out
+        assert out["error"] and re.search(r"rank \d was started with WORLD_SIZE=\d, but rank \d with", out["error"])
+        assert "WORLD_SIZE=2" in out["error"] and "WORLD_SIZE=3" in out["error"], out["error"]
+        assert "start every rank with the same WORLD_SIZE" in out["error"]
+
+
+def test_a_rank_given_twice_is_named_at_the_rendezvous() -> None:
+    common = {"MASTER_PORT": str(free_port()), "COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "20", "FAULT_SCENARIO": "init"}
+    env = [{**common, "RANK": str(r), "WORLD_SIZE": "3"} for r in (0, 1, 1)]
+    results = run_rank_processes(env, timeout=20 + 30)
+    for out in results:
+        assert out["exited_after"] is not None and out["exited_after"] < 20 + 15, out
+        assert out["error"], out["output"]
+        assert "two processes were started as rank 1 (of 3)" in out["error"], out["error"]
+        assert "distinct RANK in 0..2" in out["error"]

@@ -835,7 +835,16 @@ class BucketManager:
         # peers stalled on the same bucket time out within moments of each other; a short timeout asks for a
         # prompt answer, so the wait for their reports is a quarter of it, at most 2 s
         grace_s = min(2.0, self.stall_timeout_s / 4) if self.stall_timeout_s else 2.0
-        peers: dict[int, dict | None] = exchange(self._progress(bucket_index), grace_s) if exchange else {}
+        mark_stalled = getattr(self.engine, "mark_stalled", None)
+        if mark_stalled is not None:  # its groups cannot be destroyed now: the process must still exit
+            mark_stalled()
+        store_note = ""
+        try:
+            peers: dict[int, dict | None] = exchange(self._progress(bucket_index), grace_s) if exchange else {}
+        except TimeoutError as exc:  # the store's host is stopped: it is the rank not taking part
+            store_rank = getattr(self.engine, "store_rank", None)
+            peers = {} if store_rank in (None, rank) else {store_rank: None}
+            store_note = f"\n  {exc}"
         lines = []
         mine = self.steps_synced
         for peer, info in sorted(peers.items()):
@@ -857,6 +866,7 @@ class BucketManager:
             + "Every rank must run the same number of backward passes, and with data-dependent branches "
             "pass find_unused_parameters=True. Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
             + ("\n" + "\n".join(lines) if lines else "")
+            + store_note
         )
 
     def _rebuild(self, observed: list[int]) -> None:
