@@ -460,3 +460,60 @@ def test_a_rank_given_twice_is_named_at_the_rendezvous() -> None:
         assert out["error"], out["output"]
         assert "two processes were started as rank 1 (of 3)" in out["error"], out["error"]
         assert "distinct RANK in 0..2" in out["error"]
+
+
+def settings_that_differ(rank: int, world: int) -> dict:
+    """DistributedOptimizers built differently on the two ranks, and a model still on the meta device."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    def build_optimizer(model, **settings) -> str | None:
+        try:
+            co.DistributedOptimizer(model, **settings)
+        except co.consistency.OptimizerMismatchError as exc:
+            return str(exc)
+        return None
+
+    model = co.wrap(build("mlp"))
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    sgd = torch.optim.SGD
+    out = {
+        "shard": build_optimizer(model, optimizer_class=sgd, lr=0.1, shard=rank == 1),
+        "lr": build_optimizer(model, optimizer_class=sgd, lr=0.1 * (rank + 1)),
+        "class": build_optimizer(model, optimizer_class=torch.optim.Adam if rank else sgd, lr=0.1),
+        "group": build_optimizer(
+            model, optimizer_class=sgd, lr=0.1, params=[{"params": first, "lr": 0.5 + rank}, {"params": second}]
+        ),
+        "given": build_optimizer(model, optimizer_class=torch.optim.SGD(model.parameters(), lr=0.1, momentum=rank)),
+    }
+    optimizer = co.DistributedOptimizer(model, sgd, lr=0.1)  # alike: trains
+    x, y = rank_batch(MLP, 0, rank)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    optimizer.synchronize()
+    with torch.device("meta"):
+        on_meta = build("mlp")
+    try:
+        co.wrap(on_meta)
+        out["meta"] = None
+    except ValueError as exc:
+        out["meta"] = str(exc)
+    return out
+
+
+def test_optimizer_settings_that_differ_across_ranks_are_named() -> None:
+    """Before, a different lr or class trained apart silently, and shard=True on one rank blocked it in
+    dist.new_group while its peer's StallError blamed it for skipping a backward."""
+    for out in run_ranks(2, settings_that_differ, timeout=60):
+        for case in ("shard", "lr", "class", "group", "given"):
+            assert out[case] and out[case].startswith("the DistributedOptimizer is not built alike"), (case, out)
+            assert "rank 0 has" in out[case] and "where rank 1 has" in out[case], out[case]
+        assert "optimizer 'shard' (value False) where rank 1 has optimizer 'shard' (value True)" in out["shard"]
+        assert "(value 0.1) where rank 1 has optimizer 'lr' (value 0.2)" in out["lr"], out["lr"]
+        assert "torch.optim.sgd.SGD" in out["class"] and "torch.optim.adam.Adam" in out["class"], out["class"]
+        assert "param group '0' (lr 0.5" in out["group"] and "param group '0' (lr 1.5" in out["group"]
+        assert "momentum 0" in out["given"] and "momentum 1" in out["given"], out["given"]
+        assert out["meta"] and "parameter 'net.0.weight' is on the meta device" in out["meta"], out["meta"]
+        assert "materialise the model first (model.to_empty(device=...)" in out["meta"]
