@@ -140,11 +140,14 @@ def run_faulty_ranks(world_size: int, fn: Callable, *args: Any, timeout: float =
     return {r: out.get(r, ("missing", None)) for r in range(world_size)}
 
 
-def run_rank_processes(env_by_rank: list[dict], timeout: float, module: str = "tests.fault_worker") -> list[dict]:
+def run_rank_processes(
+    env_by_rank: list[dict], timeout: float, module: str = "tests.fault_worker", prefixes: list[list[str]] | None = None
+) -> list[dict]:
     """``python -m module`` once per entry of ``env_by_rank`` (its RANK etc. on top of this environment), each
     a process of its own, so that when each exits can be timed: a rank stopped or hung is never waited for
     past ``timeout`` seconds, and every process is killed afterwards (SIGKILL ends a stopped one too).
 
+    ``prefixes``: each rank's command runs after its prefix (e.g. ``ip netns exec NS``).
     Per rank: ``returncode`` (None: still running at the end), ``exited_after`` (seconds since the start, None
     if it was still running), ``fault_at`` / ``error`` (its ``FAULT_AT`` / ``ERROR`` lines), and its output.
     """
@@ -159,9 +162,8 @@ def run_rank_processes(env_by_rank: list[dict], timeout: float, module: str = "t
             out = open(os.path.join(folder, f"{index}.out"), "w+")  # noqa: SIM115 (closed below)
             outputs.append(out)
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", **extra}
-            procs.append(
-                subprocess.Popen([sys.executable, "-m", module], stdout=out, stderr=subprocess.STDOUT, env=env)
-            )
+            argv = [*(prefixes[index] if prefixes else []), sys.executable, "-m", module]
+            procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env))
         exited: dict[int, float] = {}
         while len(exited) < len(procs) and time.time() - start < timeout:
             for index, proc in enumerate(procs):

@@ -42,6 +42,10 @@ class StoreUnansweredError(TimeoutError):
     """The rendezvous store did not answer in time: the rank hosting it is stopped."""
 
 
+class StoreGoneError(ConnectionError):
+    """The rendezvous store refused a read or write: the rank hosting it is gone."""
+
+
 def _nonzero_rows(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The rows of the ``rows`` x ``cols`` table at the start of ``buffer`` that hold a non-zero (NaN != 0: sent).
 
@@ -461,7 +465,7 @@ class TorchEngine(Engine):
             raise StoreUnansweredError(
                 f"the rendezvous store, hosted by {self.store_host}, did not answer within "
                 f"{2 * grace_s + STORE_DEADLINE_S:g} s: {self.store_host} is stopped or frozen, not exited (a "
-                "SIGSTOP, a debugger, swapping); look at that process"
+                "SIGSTOP, a debugger, swapping), or the network to it is down; look at that process and its host"
             ) from None
 
     def _exchange_on(self, store: Any, mine: dict, grace_s: float) -> dict[int, dict | None]:
@@ -480,8 +484,12 @@ class TorchEngine(Engine):
                     peers[peer] = json.loads(store.get(key)) if store.check([key]) else None
             _time.sleep(grace_s)  # peers that timed out a little later still read this rank's report
             store.delete_key(own_key)  # a later stall must not read this one's report
-        except Exception:  # a dead store: the stall is still reported, without the peers' view
-            return {}
+        except Exception as exc:  # a dead store: the stall is still reported, naming the store's host
+            raise StoreGoneError(
+                f"the rendezvous store, hosted by {self.store_host}, is gone ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}): {self.store_host} exited or crashed "
+                "(its own log says why)"
+            ) from exc
         return peers
 
     def mark_stalled(self) -> None:
