@@ -86,6 +86,9 @@ def _summarise(fault: str, rank: int, results: list[dict], bound: float, namespa
     must_exit = [r for r in range(2) if not (fault == "stop" and r == rank)]
     row["left_behind"] = [r for r in must_exit if row[f"rank{r}_exit_s"] is None or row[f"rank{r}_exit_s"] > bound]
     row["fault_injected"] = fault_at is not None
+    # each other rank's first line names the faulty one ("[1]": "Ranks not taking part: [1]", "... answering: [1]")
+    others = [r for r in range(2) if r != rank]
+    row["names_rank"] = all(f"[{rank}]" in (row[f"rank{r}_error"] or "") for r in others)
     if fault_at is None:  # the run never reached the fault: keep what it printed
         row["output_tail"] = [out["output"][-2000:] for out in results]
     return row
@@ -107,10 +110,16 @@ def _machine() -> dict:
     }
 
 
+def _short(text: str, limit: int = 150) -> str:
+    """The start of an error's first line (the rank it names comes first; the JSON keeps the whole line)."""
+    return text if len(text) <= limit else text[:limit].rstrip() + " ..."
+
+
 def table(rows: list[dict]) -> str:
     lines = [
-        "| fault | on rank | rank 0 prints (first line) | rank 1 prints (first line) | exit after the fault, rank 0 / rank 1 (s) | left behind |",
-        "|---|---|---|---|---|---|",
+        "| fault | on rank | rank 0 prints (first line) | rank 1 prints (first line) | names the rank | "
+        "exit after the fault, rank 0 / rank 1 (s) | left behind |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         shown = []
@@ -118,7 +127,7 @@ def table(rows: list[dict]) -> str:
             if row["fault"] in ("stop", "kill") and r == row["rank"]:
                 shown.append(f"({'stopped' if row['fault'] == 'stop' else 'killed'})")
             else:
-                shown.append(f"`{row[f'rank{r}_error']}`" if row[f"rank{r}_error"] else "(nothing)")
+                shown.append(f"`{_short(row[f'rank{r}_error'])}`" if row[f"rank{r}_error"] else "(nothing)")
         exits = " / ".join(
             "killed by the harness"
             if row["fault"] == "stop" and r == row["rank"]
@@ -130,7 +139,8 @@ def table(rows: list[dict]) -> str:
         left = ", ".join(f"rank {r}" for r in row["left_behind"]) or "nothing"
         if row.get("namespaces_left"):
             left += f"; namespaces {row['namespaces_left']}"
-        lines.append(f"| {row['fault']} | {row['rank']} | {shown[0]} | {shown[1]} | {exits} | {left} |")
+        named = "yes" if row.get("names_rank") else "no"
+        lines.append(f"| {row['fault']} | {row['rank']} | {shown[0]} | {shown[1]} | {named} | {exits} | {left} |")
     return "\n".join(lines)
 
 
@@ -139,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall", type=float, default=10.0, help="COLLECTIVE_OPS_STALL_TIMEOUT of the ranks (s)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--table", metavar="JSON", help="only print the table of a results file")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as saved:
+            print(table(json.load(saved)["rows"]))
+        return 0
     faults = [f for f in args.faults.split(",") if f]
     if "partition" in faults:
         try:

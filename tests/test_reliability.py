@@ -436,6 +436,8 @@ def test_a_stopped_rank_is_named_and_its_peer_exits_within_seconds(stopped: int)
     if stopped == 0:
         assert "the rendezvous store, hosted by rank 0, did not answer" in peer["error"], peer["error"]
         assert "look at that process" in peer["error"]
+    else:
+        assert "rank 1: did not report: it is not waiting in a gradient reduction (it stopped" in peer["error"]
     assert peer["exited_after"] is not None, "the rank that reported the stall did not exit"
     assert peer["exited_after"] - fault_at < STALL_S + 30, (peer["exited_after"], fault_at)
     assert peer["returncode"] == 1, peer["output"]  # the StallError's, not a crash in teardown
