@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         except LinkUnavailable as exc:
             print(f"partition rows skipped: {exc}", file=sys.stderr)
             faults.remove("partition")
+    machine = _machine()  # (the commit measured: taken before the rows)
     rows = []
     for fault in faults:
         for rank in (0, 1):
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as out:
-        json.dump({"machine": _machine(), "stall_timeout_s": args.stall, "rows": rows}, out, indent=1)
+        json.dump({"machine": machine, "stall_timeout_s": args.stall, "rows": rows}, out, indent=1)
     print(table(rows))
     return 1 if any(row["left_behind"] or row.get("namespaces_left") for row in rows) else 0
 
