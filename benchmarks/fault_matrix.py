@@ -80,6 +80,7 @@ def _summarise(fault: str, rank: int, results: list[dict], bound: float, namespa
     for r, out in enumerate(results):
         exited = out["exited_after"]
         row[f"rank{r}_error"] = (out["error"] or "").splitlines()[0] if out["error"] else None
+        row[f"rank{r}_error_text"] = out["error"]
         row[f"rank{r}_exit_s"] = None if exited is None or fault_at is None else round(exited - fault_at, 1)
         row[f"rank{r}_returncode"] = out["returncode"]
     # the faulty rank of a stop cannot exit; every other process must be gone within the bound
