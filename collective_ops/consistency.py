@@ -41,8 +41,23 @@ def options_entry(options: dict[str, Any]) -> Entry:
     return ("wrap options", "wrap", shown)
 
 
-def check_same_on_all_ranks(local: Sequence[Entry], allgather_bytes: Callable[[bytes], list[bytes]]) -> None:
-    """Raise :class:`ModelMismatchError` on every rank unless all ranks' ``local`` agree."""
+class OptimizerMismatchError(ModelMismatchError):
+    """A DistributedOptimizer's settings are not the same on every rank."""
+
+
+MODEL_ADVICE = (
+    "the model is not the same on every rank; build it identically everywhere (same layers, order, "
+    "shapes, dtypes and requires_grad, and the same wrap options) before wrapping"
+)
+
+
+def check_same_on_all_ranks(
+    local: Sequence[Entry],
+    allgather_bytes: Callable[[bytes], list[bytes]],
+    error: type[ModelMismatchError] = ModelMismatchError,
+    advice: str = MODEL_ADVICE,
+) -> None:
+    """Raise ``error`` (``advice``, then each difference) on every rank unless all ranks' ``local`` agree."""
     gathered = [json.loads(blob) for blob in allgather_bytes(encode_signature(local))]
     reference = gathered[0]
     problems = []
@@ -62,7 +77,4 @@ def check_same_on_all_ranks(local: Sequence[Entry], allgather_bytes: Callable[[b
             what = f"rank 0 has {_describe(theirs)} where rank {rank} has {_describe(ours)}"
         problems.append(f"  - entry {position}: {what}")
     if problems:
-        raise ModelMismatchError(
-            "the model is not the same on every rank; build it identically everywhere (same layers, order, "
-            "shapes, dtypes and requires_grad, and the same wrap options) before wrapping:\n" + "\n".join(problems)
-        )
+        raise error(advice + ":\n" + "\n".join(problems))

@@ -189,8 +189,17 @@ def _init_torch(
             # The rendezvous gets a deadline of its own, far shorter than the collectives' timeout: a rank
             # whose peers never come, or whose MASTER_PORT is someone else's server, fails within it.
             # TCPStore's own timeout does not cover a server that accepts and never answers: bounded here.
+            # The master does not wait for world_size clients itself: _agree_on_world waits for every rank, and
+            # names a rank started with another WORLD_SIZE (or a RANK given twice) instead of waiting for it.
             store = call_with_deadline(
-                lambda: dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=rendezvous),
+                lambda: _agree_on_world(
+                    dist.TCPStore(
+                        addr, port, world_size, is_master=rank == 0, timeout=rendezvous, wait_for_workers=False
+                    ),
+                    rank,
+                    world_size,
+                    rendezvous.total_seconds(),
+                ),
                 rendezvous.total_seconds() + 5,
                 f"the rendezvous at {addr}:{port}",
             )
@@ -198,9 +207,54 @@ def _init_torch(
     except Exception as exc:
         raise RuntimeError(_rendezvous_hint(exc, addr, port, rank, world_size, rendezvous)) from exc
     _engines["torch"] = TorchEngine(backend, device)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _engines["torch"].store_host, _engines["torch"].store_rank = f"torchrun's agent at {addr}:{port}", None
     atexit.register(_leave_at_exit)
     logger.info("collective_ops: rank %d/%d joined via %s on %s (%s)", rank, world_size, backend, device, env.launcher)
     return _remember("torch", DistContext("torch", backend, rank, world_size, local_rank, str(device), env.launcher))
+
+
+_ARRIVED_KEY = "collective_ops/rendezvous/arrived"
+
+
+def _agree_on_world(store: Any, rank: int, world_size: int, timeout_s: float) -> Any:
+    """``store`` once all ``world_size`` ranks arrived on it, each with this WORLD_SIZE and a RANK of its own.
+
+    Each rank records (rank, world size) under its arrival number; every rank reads every record, so a
+    mismatch is an error on each rank that sees it, at once, rather than a wait for a rank that never comes.
+    """
+    arrival = store.add(_ARRIVED_KEY, 1)
+    store.set(f"{_ARRIVED_KEY}/{arrival}", f"{rank} {world_size}")
+    deadline = time.monotonic() + timeout_s
+    seen: dict[int, tuple[int, int]] = {}  # arrival number -> (rank, world size)
+    while True:
+        arrived = store.add(_ARRIVED_KEY, 0)
+        for number in range(len(seen) + 1, arrived + 1):
+            if store.check([f"{_ARRIVED_KEY}/{number}"]):  # (set just after its add)
+                other_rank, other_world = (int(v) for v in store.get(f"{_ARRIVED_KEY}/{number}").split())
+                _check_peer(rank, world_size, {r for r, _ in seen.values()}, other_rank, other_world)
+                seen[number] = (other_rank, other_world)
+            else:
+                break
+        if len(seen) >= world_size:
+            return store
+        if time.monotonic() > deadline:
+            ranks = sorted(r for r, _ in seen.values())
+            raise TimeoutError(f"timed out after {timeout_s:g} s: {len(seen)} of {world_size} ranks arrived {ranks}")
+        time.sleep(0.02)
+
+
+def _check_peer(rank: int, world_size: int, ranks_seen: set[int], other_rank: int, other_world: int) -> None:
+    if other_world != world_size:
+        raise ValueError(
+            f"rank {other_rank} was started with WORLD_SIZE={other_world}, but rank {rank} with "
+            f"WORLD_SIZE={world_size}; start every rank with the same WORLD_SIZE (and a distinct RANK in 0..N-1)"
+        )
+    if other_rank in ranks_seen:
+        raise ValueError(
+            f"two processes were started as rank {other_rank} (of {world_size}); give each process a distinct RANK "
+            f"in 0..{world_size - 1}"
+        )
 
 
 def _rendezvous_hint(
@@ -314,7 +368,12 @@ def _leave_at_exit() -> None:
     hold it up. (Each rank's trace file is written by the tracer's own exit hook.)
     """
     engine = _engines.get("torch")
-    if engine is None or not getattr(engine, "owns_group", False):
+    if engine is None:
+        return
+    if getattr(engine, "stalled", False):  # a collective never ended: nothing to finish, no group to destroy
+        engine.shutdown(EXIT_FINISH_TIMEOUT_S)
+        return
+    if not getattr(engine, "owns_group", False):
         return
     _finish_in_flight(EXIT_FINISH_TIMEOUT_S)
     import torch.distributed as dist
@@ -426,14 +485,19 @@ def shutdown(timeout: float | None = None) -> None:
     timeout = stall_timeout_from_env() if timeout is None else timeout
     started = time.monotonic()
     # Half the time for work left in flight (a DistributedOptimizer's last step), the rest for the groups.
-    errors: list[BaseException] = _finish_in_flight(None if timeout is None else timeout / 2) if _engines else []
+    # After a stall (an engine's ``stalled``) the work in flight never ends, and the groups are left behind.
+    stalled = any(getattr(engine, "stalled", False) for engine in _engines.values())
+    errors: list[BaseException] = []
+    if _engines and not stalled:
+        errors = _finish_in_flight(None if timeout is None else timeout / 2)
+    _in_flight_finishers.clear()
     if timeout is not None:
         timeout = max(timeout - (time.monotonic() - started), 0.1)
     engines = list(_engines.values())
     _engines.clear()
     _contexts.clear()
     _engine_by_type.clear()
-    if tracing.get_tracer() is not None and engines:
+    if tracing.get_tracer() is not None and engines and not stalled:
         try:  # collective: merges all ranks' events on rank 0 (each rank's own file is written at exit otherwise)
             call_with_deadline(
                 lambda: tracing.flush(engines[0]), timeout, "merging the communication trace (is a peer rank gone?)"

@@ -17,6 +17,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -307,3 +308,57 @@ def _by_name(names: list, found: dict) -> dict:
         else:
             entries[name] = (status, value)
     return entries
+
+
+def run_rank_processes(
+    env_by_rank: list[dict], timeout: float, module: str = "tests.fault_worker", prefixes: list[list[str]] | None = None
+) -> list[dict]:
+    """``python -m module`` once per entry of ``env_by_rank`` (its RANK etc. on top of this environment), each
+    a process of its own, so that when each exits can be timed: a rank stopped or hung is never waited for
+    past ``timeout`` seconds, and every process is killed afterwards (SIGKILL ends a stopped one too).
+
+    ``prefixes``: each rank's command runs after its prefix (e.g. ``ip netns exec NS``).
+    Per rank: ``returncode`` (None: still running at the end), ``exited_after`` (seconds since the start, None
+    if it was still running), ``fault_at`` / ``error`` (its ``FAULT_AT`` / ``ERROR`` lines), and its output.
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="fault-ranks-") as folder:
+        procs, outputs = [], []
+        for index, extra in enumerate(env_by_rank):
+            out = open(os.path.join(folder, f"{index}.out"), "w+")  # noqa: SIM115 (closed below)
+            outputs.append(out)
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", **extra}
+            argv = [*(prefixes[index] if prefixes else []), sys.executable, "-m", module]
+            procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env))
+        exited: dict[int, float] = {}
+        while len(exited) < len(procs) and time.time() - start < timeout:
+            for index, proc in enumerate(procs):
+                if index not in exited and proc.poll() is not None:
+                    exited[index] = time.time() - start
+            time.sleep(0.05)
+        results = []
+        for index, (proc, out) in enumerate(zip(procs, outputs)):
+            returncode = proc.poll()
+            if returncode is None:
+                proc.kill()
+                proc.wait()
+            out.seek(0)
+            text = out.read()
+            out.close()
+            lines = text.splitlines()
+            fault_at = [float(line.split()[1]) - start for line in lines if line.startswith("FAULT_AT ")]
+            errors = [json.loads(line[len("ERROR ") :]) for line in lines if line.startswith("ERROR ")]
+            results.append(
+                {
+                    "returncode": returncode,
+                    "exited_after": exited.get(index),
+                    "fault_at": fault_at[0] if fault_at else None,
+                    "error": errors[0] if errors else None,
+                    "output": text,
+                }
+            )
+    return results

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import collective_ops as co
-from tests.harness import free_port, run_faulty_ranks, run_ranks
+from tests.harness import free_port, run_faulty_ranks, run_rank_processes, run_ranks
 
 STALL_ENV = {"COLLECTIVE_OPS_STALL_TIMEOUT": "3"}
 
@@ -225,6 +225,7 @@ def test_a_killed_rank_ends_its_peers_with_a_clear_error() -> None:
     assert status == "ok" and out["error"], results
     assert out["error"].startswith(("CommunicationError", "StallError")), out["error"]
     assert "rank 0 waited for bucket" in out["error"]
+    assert "(ranks gone or not answering: [1])" in out["error"] or "Ranks not taking part: [1]" in out["error"]
     assert out["seconds"] < 3 + 2 + 5
     assert results[1][0] == "missing"  # it was killed
 
@@ -353,12 +354,14 @@ class _DeadStore:
 def test_a_stall_is_reported_even_when_the_store_is_dead(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     from collective_ops.bucketing.manager import StallError
+    from collective_ops.comm.torch_engine import StoreGoneError
 
     try:
         co.init("gloo", rank=0, world_size=1)
         engine = co.runtime.get_engine("torch")
         monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: _DeadStore())
-        assert engine.exchange_progress({"step": 0}, grace_s=0.01) == {}
+        with pytest.raises(StoreGoneError, match=r"the rendezvous store, hosted by rank 0, is gone \(RuntimeError"):
+            engine.exchange_progress({"step": 0}, grace_s=0.01)
         from tests.models import build
 
         model = co.wrap(build("mlp"))
@@ -405,3 +408,117 @@ def test_shutdown_leaves_a_process_group_the_user_created(monkeypatch) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# Ranks as processes of their own (tests/fault_worker.py), stopped or killed with a signal, and every process's
+# exit timed: a rank that diagnosed a stall must not sit in Gloo's teardown until the group's 10-minute timeout.
+STALL_S = 5
+
+
+def _fault_ranks(fault: str, fault_rank: int) -> list[dict]:
+    port = str(free_port())
+    common = {"MASTER_PORT": port, "WORLD_SIZE": "2", "COLLECTIVE_OPS_STALL_TIMEOUT": str(STALL_S)}
+    common |= {"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "60", "FAULT": fault, "FAULT_RANK": str(fault_rank)}
+    return run_rank_processes([{**common, "RANK": str(r)} for r in range(2)], timeout=STALL_S + 30 + 60)
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_rank_is_named_and_its_peer_exits_within_seconds(stopped: int) -> None:
+    """SIGSTOP on one rank mid-training. Stopped rank 0 also stops the rendezvous store it hosts, where the
+    peer's stall diagnosis reads the ranks' progress: that read had no limit (a hang, nothing raised in 175 s).
+    After the StallError the peer's exit joined Gloo's worker, still inside the allreduce, for 10 minutes."""
+    results = _fault_ranks("stop", stopped)
+    peer = results[1 - stopped]
+    fault_at = results[stopped]["fault_at"]
+    assert fault_at is not None, results[stopped]["output"]
+    assert peer["error"] and peer["error"].startswith("StallError"), peer["output"]
+    assert f"Ranks not taking part: [{stopped}]" in peer["error"], peer["error"]
+    if stopped == 0:
+        assert "the rendezvous store, hosted by rank 0, did not answer" in peer["error"], peer["error"]
+        assert "look at that process" in peer["error"]
+    else:
+        assert "rank 1: did not report: it is not waiting in a gradient reduction (it stopped" in peer["error"]
+    assert peer["exited_after"] is not None, "the rank that reported the stall did not exit"
+    assert peer["exited_after"] - fault_at < STALL_S + 30, (peer["exited_after"], fault_at)
+    assert peer["returncode"] == 1, peer["output"]  # the StallError's, not a crash in teardown
+
+
+@pytest.mark.parametrize("worlds", [(2, 3), (3, 2)])
+def test_ranks_started_with_different_world_sizes_are_named_at_the_rendezvous(worlds: tuple[int, int]) -> None:
+    """Rank 0 with WORLD_SIZE=2 and rank 1 with 3 (or the other way round): both waited past 180 s before."""
+    common = {"MASTER_PORT": str(free_port()), "COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "20", "FAULT_SCENARIO": "init"}
+    env = [{**common, "RANK": str(r), "WORLD_SIZE": str(worlds[r])} for r in range(2)]
+    results = run_rank_processes(env, timeout=20 + 30)
+    for out in results:
+        assert out["exited_after"] is not None and out["exited_after"] < 20 + 15, out
+        assert out["error"] and re.search(r"rank \d was started with WORLD_SIZE=\d, but rank \d with", out["error"])
+        assert "WORLD_SIZE=2" in out["error"] and "WORLD_SIZE=3" in out["error"], out["error"]
+        assert "start every rank with the same WORLD_SIZE" in out["error"]
+
+
+def test_a_rank_given_twice_is_named_at_the_rendezvous() -> None:
+    common = {"MASTER_PORT": str(free_port()), "COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "20", "FAULT_SCENARIO": "init"}
+    env = [{**common, "RANK": str(r), "WORLD_SIZE": "3"} for r in (0, 1, 1)]
+    results = run_rank_processes(env, timeout=20 + 30)
+    for out in results:
+        assert out["exited_after"] is not None and out["exited_after"] < 20 + 15, out
+        assert out["error"], out["output"]
+        assert "two processes were started as rank 1 (of 3)" in out["error"], out["error"]
+        assert "distinct RANK in 0..2" in out["error"]
+
+
+def settings_that_differ(rank: int, world: int) -> dict:
+    """DistributedOptimizers built differently on the two ranks, and a model still on the meta device."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    def build_optimizer(model, **settings) -> str | None:
+        try:
+            co.DistributedOptimizer(model, **settings)
+        except co.consistency.OptimizerMismatchError as exc:
+            return str(exc)
+        return None
+
+    model = co.wrap(build("mlp"))
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    sgd = torch.optim.SGD
+    out = {
+        "shard": build_optimizer(model, optimizer_class=sgd, lr=0.1, shard=rank == 1),
+        "lr": build_optimizer(model, optimizer_class=sgd, lr=0.1 * (rank + 1)),
+        "class": build_optimizer(model, optimizer_class=torch.optim.Adam if rank else sgd, lr=0.1),
+        "group": build_optimizer(
+            model, optimizer_class=sgd, lr=0.1, params=[{"params": first, "lr": 0.5 + rank}, {"params": second}]
+        ),
+        "given": build_optimizer(model, optimizer_class=torch.optim.SGD(model.parameters(), lr=0.1, momentum=rank)),
+    }
+    optimizer = co.DistributedOptimizer(model, sgd, lr=0.1)  # alike: trains
+    x, y = rank_batch(MLP, 0, rank)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    optimizer.synchronize()
+    with torch.device("meta"):
+        on_meta = build("mlp")
+    try:
+        co.wrap(on_meta)
+        out["meta"] = None
+    except ValueError as exc:
+        out["meta"] = str(exc)
+    return out
+
+
+def test_optimizer_settings_that_differ_across_ranks_are_named() -> None:
+    """Before, a different lr or class trained apart silently, and shard=True on one rank blocked it in
+    dist.new_group while its peer's StallError blamed it for skipping a backward."""
+    for out in run_ranks(2, settings_that_differ, timeout=60):
+        for case in ("shard", "lr", "class", "group", "given"):
+            assert out[case] and out[case].startswith("the DistributedOptimizer is not built alike"), (case, out)
+            assert "rank 0 has" in out[case] and "where rank 1 has" in out[case], out[case]
+        assert "optimizer 'shard' (value False) where rank 1 has optimizer 'shard' (value True)" in out["shard"]
+        assert "(value 0.1) where rank 1 has optimizer 'lr' (value 0.2)" in out["lr"], out["lr"]
+        assert "torch.optim.sgd.SGD" in out["class"] and "torch.optim.adam.Adam" in out["class"], out["class"]
+        assert "param group '0' (lr 0.5" in out["group"] and "param group '0' (lr 1.5" in out["group"]
+        assert "momentum 0" in out["given"] and "momentum 1" in out["given"], out["given"]
+        assert out["meta"] and "parameter 'net.0.weight' is on the meta device" in out["meta"], out["meta"]
+        assert "materialise the model first (model.to_empty(device=...)" in out["meta"]

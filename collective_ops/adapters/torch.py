@@ -1124,6 +1124,11 @@ def _record_lookups(tables: dict[str, nn.Module], reduction: RowSparseReduction)
 def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
     """Sparse gradients and parameters on several devices: refused before anything is communicated."""
     for name, p in named:
+        if p.is_meta:  # its gradients would land in the meta buckets planned for it, never averaged
+            raise ValueError(
+                f"parameter {name!r} is on the meta device (no storage); materialise the model first "
+                "(model.to_empty(device=...), then initialise it, e.g. each module's reset_parameters()), then wrap it"
+            )
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError(f"parameter {name!r} is sparse; collective_ops reduces dense gradients only")
     for module_name, sub in module.named_modules():

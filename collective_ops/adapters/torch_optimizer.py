@@ -54,6 +54,7 @@ from ..bucketing.schedule import (
     step_bound,
 )
 from ..bucketing.updates import PendingUpdates
+from ..consistency import OptimizerMismatchError, check_same_on_all_ranks
 from . import _framework_of
 from .torch import DistributedDataParallel
 from .torch_inplace import InPlaceGuard
@@ -102,6 +103,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             from .mindspore_optimizer import DistributedOptimizer as MindSporeDistributedOptimizer
 
             return MindSporeDistributedOptimizer(*args, shard=shard, **kwargs)
+        if args and isinstance(args[0], DistributedDataParallel):  # before any group is made (shard=True makes some)
+            _check_settings_agree(args[0], args[1:], shard, kwargs)
         if shard and cls is DistributedOptimizer:
             from .torch_sharded import ShardedDistributedOptimizer
 
@@ -1140,6 +1143,57 @@ def _broadcast_orders(engine: Any, orders: list[tuple[int, ...]]) -> list[tuple[
     flat = engine.broadcast_ints(mine if len(mine) == sum(lengths) else [0] * sum(lengths))
     starts = [sum(lengths[:k]) for k in range(len(lengths))]
     return [tuple(flat[start : start + length]) for start, length in zip(starts, lengths)]
+
+
+OPTIMIZER_ADVICE = (
+    "the DistributedOptimizer is not built alike on every rank; give every rank the same optimizer class, "
+    "param groups and settings (lr, ..., shard, schedule, overlap) and wrap the model with the same compression, "
+    "or the ranks update their replicas apart (or wait in collectives their peers never issue)"
+)
+
+
+def _check_settings_agree(model: DistributedDataParallel, args: tuple, shard: bool, kwargs: dict) -> None:
+    """Every rank's optimizer class, param groups' settings, shard, schedule, overlap and compression must agree
+    (one small all-gather); else each rank raises ``OptimizerMismatchError`` naming the first difference."""
+    if model.engine.world_size == 1:
+        return
+    settings = {"shard": shard, "compression": model.compression, **kwargs}
+    optimizer = args[0] if args else settings.pop("optimizer_class", None)
+    given = given_optimizers(optimizer)
+    entries: list[tuple] = [("optimizer", "class", {"value": _class_names(optimizer, given)})]
+    if args[1:]:
+        entries.append(("optimizer", "positional settings", {"value": _plain(args[1:])}))
+    params = settings.pop("params", None)
+    entries += [("optimizer", key, {"value": _plain(value)}) for key, value in sorted(settings.items())]
+    if given is not None:
+        groups = [group for o in given for group in o.param_groups]
+    else:  # (a generator of parameters is left unread: __init__ reads it)
+        groups = [g for g in params if isinstance(g, dict)] if isinstance(params, (list, tuple)) else []
+    for index, group in enumerate(groups):
+        shown = {key: _plain(value) for key, value in sorted(group.items()) if key != "params"}
+        entries.append(("param group", str(index), {**shown, "parameters": len(list(group["params"]))}))
+    check_same_on_all_ranks(entries, model.engine.allgather_bytes, OptimizerMismatchError, OPTIMIZER_ADVICE)
+
+
+def _class_names(optimizer: Any, given: tuple | None) -> list[str]:
+    classes = [type(o) for o in given] if given is not None else [optimizer]
+    return [f"{getattr(c, '__module__', '')}.{getattr(c, '__qualname__', type(c).__name__)}" for c in classes]
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON that is the same on every rank for the same setting (no addresses, no pickles)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.numel() <= 16 else f"tensor{tuple(value.shape)}"
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__name__)
+    text = repr(value)
+    return type(value).__name__ if " at 0x" in text else text
 
 
 def _is_mindspore(model: Any) -> bool:

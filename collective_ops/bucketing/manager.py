@@ -827,15 +827,17 @@ class BucketManager:
                     f"{where}: finishing it raised {type(exc).__name__}: {exc}. This is not a communication "
                     "failure: the bucket's comm hook or its completion callback failed (see the chained error)."
                 )
+            peers, store_note = self._peer_view(bucket_index)
+            missing = [p for p, info in peers.items() if info is None]
+            named = f" (ranks gone or not answering: {missing})" if missing else ""
             return CommunicationError(
-                f"{where}, and its collective failed: {exc}. A peer rank probably exited or crashed "
-                "(its own log says why), or the network between ranks failed."
+                f"{where}, and its collective failed{named}. A peer rank probably exited or crashed "
+                f"(its own log says why), or the network between ranks failed. The transport said: {exc}{store_note}"
             )
-        exchange = getattr(self.engine, "exchange_progress", None)
-        # peers stalled on the same bucket time out within moments of each other; a short timeout asks for a
-        # prompt answer, so the wait for their reports is a quarter of it, at most 2 s
-        grace_s = min(2.0, self.stall_timeout_s / 4) if self.stall_timeout_s else 2.0
-        peers: dict[int, dict | None] = exchange(self._progress(bucket_index), grace_s) if exchange else {}
+        mark_stalled = getattr(self.engine, "mark_stalled", None)
+        if mark_stalled is not None:  # its groups cannot be destroyed now: the process must still exit
+            mark_stalled()
+        peers, store_note = self._peer_view(bucket_index)
         lines = []
         mine = self.steps_synced
         for peer, info in sorted(peers.items()):
@@ -857,7 +859,25 @@ class BucketManager:
             + "Every rank must run the same number of backward passes, and with data-dependent branches "
             "pass find_unused_parameters=True. Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
             + ("\n" + "\n".join(lines) if lines else "")
+            + store_note
         )
+
+    def _peer_view(self, bucket_index: int) -> tuple[dict[int, dict | None], str]:
+        """Every peer's progress as it reported it on the side channel (None: no report), and a note where the
+        side channel's host did not answer (then it is the rank named as not taking part)."""
+        exchange = getattr(self.engine, "exchange_progress", None)
+        if exchange is None:
+            return {}, ""
+        # peers stalled on the same bucket time out within moments of each other; a short timeout asks for a
+        # prompt answer, so the wait for their reports is a quarter of it, at most 2 s
+        grace_s = min(2.0, self.stall_timeout_s / 4) if self.stall_timeout_s else 2.0
+        try:
+            return exchange(self._progress(bucket_index), grace_s), ""
+        except (TimeoutError, ConnectionError) as exc:  # the store's host is stopped or gone
+            store_rank = getattr(self.engine, "store_rank", None)
+            if store_rank is None or store_rank == self.engine.rank:
+                return {}, f"\n  {exc}"
+            return {store_rank: None}, f"\n  {exc}"
 
     def _rebuild(self, observed: list[int]) -> None:
         """Replan from rank 0's observed ready order."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,17 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # 186: benchmarks/shard_collectives.py --link 1gbit --mib 21.3).
 _GLOO_SHARD_PIECE_BYTES = 1 << 20
 _REDUCE_SCATTER_TAG, _ALL_GATHER_TAG = 0x5253, 0x4147  # point-to-point tags of the sharded collectives
+# How long the rendezvous store may take to answer a stall diagnosis's reads, beyond its waits for the peers.
+STORE_DEADLINE_S = 5.0
+_ABANDONED: list = []  # process groups left behind after a stall (TorchEngine.mark_stalled)
+
+
+class StoreUnansweredError(TimeoutError):
+    """The rendezvous store did not answer in time: the rank hosting it is stopped."""
+
+
+class StoreGoneError(ConnectionError):
+    """The rendezvous store refused a read or write: the rank hosting it is gone."""
 
 
 def _nonzero_rows(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -92,6 +104,10 @@ class TorchEngine(Engine):
         # gradient hook, where dist.get_world_size()'s lookups add up.
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
+        self.stalled = False  # a collective never completed (mark_stalled): its groups cannot be destroyed
+        # who serves the rendezvous store (the side channel of stall diagnosis), named when it does not answer
+        self.store_host = "rank 0"
+        self.store_rank: int | None = 0  # None where a launcher's agent hosts it
 
     @property
     def rank(self) -> int:
@@ -199,7 +215,11 @@ class TorchEngine(Engine):
         dist.barrier()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Destroy the process group if this library created it (an adopted one stays the user's)."""
+        """Destroy the process group if this library created it (an adopted one stays the user's); after a
+        stall, leave the groups behind (``mark_stalled``)."""
+        if self.stalled:
+            self._abandon_groups(min(timeout or 2.0, 2.0))
+            return
         if self.owns_group and dist.is_initialized():
             call_with_deadline(dist.destroy_process_group, timeout, "destroying the process group")
 
@@ -427,15 +447,31 @@ class TorchEngine(Engine):
         """Publish this rank's progress on the rendezvous store and read the peers' (None: no report).
 
         Only used once a wait has timed out: the store is a side channel that works while
-        the collectives are stuck. Values are JSON, never pickles.
+        the collectives are stuck. Values are JSON, never pickles. Bounded: where the store does
+        not answer within STORE_DEADLINE_S beyond the two grace periods (its host is stopped, not
+        gone: a TCPStore read has no limit of its own then), ``StoreUnansweredError`` names the host.
         """
-        import json
-        import time as _time
-
         try:
             store = dist.distributed_c10d._get_default_store()
         except Exception:  # no store (a user-made group without one): no peer view
             return {}
+        try:
+            return call_with_deadline(
+                lambda: self._exchange_on(store, mine, grace_s),
+                2 * grace_s + STORE_DEADLINE_S,
+                "reading the peers' progress from the rendezvous store",
+            )
+        except TimeoutError:
+            raise StoreUnansweredError(
+                f"the rendezvous store, hosted by {self.store_host}, did not answer within "
+                f"{2 * grace_s + STORE_DEADLINE_S:g} s: {self.store_host} is stopped or frozen, not exited (a "
+                "SIGSTOP, a debugger, swapping), or the network to it is down; look at that process and its host"
+            ) from None
+
+    def _exchange_on(self, store: Any, mine: dict, grace_s: float) -> dict[int, dict | None]:
+        import json
+        import time as _time
+
         prefix = "collective_ops/progress/"
         own_key = f"{prefix}{self.rank}"
         peers: dict[int, dict | None] = {}
@@ -448,9 +484,33 @@ class TorchEngine(Engine):
                     peers[peer] = json.loads(store.get(key)) if store.check([key]) else None
             _time.sleep(grace_s)  # peers that timed out a little later still read this rank's report
             store.delete_key(own_key)  # a later stall must not read this one's report
-        except Exception:  # a dead store: the stall is still reported, without the peers' view
-            return {}
+        except Exception as exc:  # a dead store: the stall is still reported, naming the store's host
+            raise StoreGoneError(
+                f"the rendezvous store, hosted by {self.store_host}, is gone ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}): {self.store_host} exited or crashed "
+                "(its own log says why)"
+            ) from exc
         return peers
+
+    def mark_stalled(self) -> None:
+        """A collective of this engine's groups never completed: at shutdown or exit its groups are left behind.
+
+        Destroying a Gloo group joins its worker threads, and the worker still inside the stalled collective
+        returns only at the group's timeout (10 minutes by default; ``abort()`` does not end it on Gloo):
+        the process could not exit before. The groups are kept alive instead, so their threads end with it.
+        """
+        self.stalled = True
+
+    def _abandon_groups(self, timeout: float | None) -> None:
+        """Every process group made in this process, held for good (never destroyed), then unregistered."""
+        import ctypes
+
+        for group in list(dist.distributed_c10d._world.pg_map):
+            _ABANDONED.append(group)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # survives the interpreter's teardown too
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                call_with_deadline(dist.destroy_process_group, timeout, "unregistering the stalled process group")
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Small metadata (e.g. JSON model signatures) from every rank. Bytes, never pickles."""

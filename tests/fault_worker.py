@@ -1,0 +1,78 @@
+"""One rank as a process of its own, for fault tests that time when every process has exited.
+
+``python -m tests.fault_worker`` with RANK, WORLD_SIZE, MASTER_PORT set, and:
+FAULT_SCENARIO  ``train`` (default: a wrapped MLP and a DistributedOptimizer, FAULT_STEPS steps) or
+                ``init`` (only the rendezvous);
+FAULT           ``stop`` (SIGSTOP), ``kill`` (SIGKILL), ``raise`` (an exception in the loop) or
+                ``partition`` (runs FAULT_COMMAND, e.g. taking the link down), on rank FAULT_RANK
+                before the backward of step FAULT_STEP; unset: no fault.
+Prints ``FAULT_AT <unix time>`` just before the fault and ``ERROR <json text>`` for the error a rank
+raises (then re-raised: the process exits as a client script would).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _inject(fault: str) -> None:
+    print(f"FAULT_AT {time.time():.3f}", flush=True)
+    if fault == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == "raise":
+        raise RuntimeError("injected failure in the training loop")
+    elif fault == "partition":
+        subprocess.run(os.environ["FAULT_COMMAND"], shell=True, check=True)
+    else:
+        raise ValueError(f"unknown FAULT={fault!r}")
+
+
+def _train(rank: int) -> None:
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    torch.manual_seed(0)
+    model = co.wrap(build("mlp"), bucket_size_mb=0.001)
+    optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    fault, fault_rank, fault_step = os.environ.get("FAULT"), int(os.environ.get("FAULT_RANK", "0")), None
+    if fault:
+        fault_step = int(os.environ.get("FAULT_STEP", "2"))
+    for step in range(int(os.environ.get("FAULT_STEPS", "5"))):
+        x, y = rank_batch(MLP, step, rank)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == fault_step and rank == fault_rank:
+            _inject(fault)
+        loss.backward()
+        optimizer.step()
+    optimizer.synchronize()
+    co.shutdown()
+
+
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    try:
+        import collective_ops as co
+
+        co.init("gloo")
+        if os.environ.get("FAULT_SCENARIO", "train") == "train":
+            _train(rank)
+        else:
+            co.shutdown()
+    except Exception as exc:
+        print("ERROR " + json.dumps(f"{type(exc).__name__}: {exc}"), flush=True)
+        raise
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
