@@ -362,26 +362,21 @@ class TorchEngine(Engine):
 
         Gloo's reduce-scatter moves the whole buffer (emulated 1gbit link, 4 MiB: 32.9 ms, as much
         as an allreduce's 34.6 ms; benchmarks/shard_collectives.py), so on Gloo each shard is sent to
-        its owner ((N-1)/N of the buffer, as a reduce-scatter should: 17.5 ms there): one all-to-all
-        where the shard is a single piece, else point-to-point in pieces of at most 1 MiB per rank
-        (see _send_pieces), then summed here in rank order. The other ranks' copies of this rank's shard
-        arrive in a receive buffer made for this call ((N-1) shards; the whole buffer for a one-piece
-        all-to-all) and freed once summed: none is kept between steps. Other backends reduce-scatter in place.
+        its owner ((N-1)/N of the buffer, as a reduce-scatter should: 17.5 ms there), point-to-point in
+        pieces of at most 1 MiB per rank (see _send_pieces), then summed here in rank order. The other ranks'
+        copies of this rank's shard arrive in a receive buffer of (N-1) shards made for this call and freed
+        once summed: none is kept between steps (an all-to-all, one call for a one-piece shard, needs one as
+        large as the whole buffer). Other backends reduce-scatter in place.
         """
         shard = self.shard_of(buffer)
         if self.backend != "gloo":
             work = _reduce_scatter_single(shard, buffer, op=dist.ReduceOp.SUM, async_op=True)
             return finish(ThenHandle(work, lambda: shard), async_op)
         numel, world, rank = shard.numel(), self._world_size, self._rank
-        if len(self._shard_chunks(buffer)) == 1:  # one call: a few calls' latency saved on small buckets
-            received = torch.empty_like(buffer)
-            works = [dist.all_to_all_single(received, buffer, async_op=True)]
-            parts = [shard if r == rank else received.narrow(0, r * numel, numel) for r in range(world)]
-        else:
-            received = torch.empty((world - 1) * numel, dtype=buffer.dtype, device=buffer.device)
-            works = self._send_pieces(buffer, received, _REDUCE_SCATTER_TAG, owner_sends=False, group=None)
-            slots = iter(received.split(numel))
-            parts = [shard if r == rank else next(slots) for r in range(world)]
+        received = torch.empty((world - 1) * numel, dtype=buffer.dtype, device=buffer.device)
+        works = self._send_pieces(buffer, received, _REDUCE_SCATTER_TAG, owner_sends=False, group=None)
+        slots = iter(received.split(numel))
+        parts = [shard if r == rank else next(slots) for r in range(world)]
         # ThenHandle drops the works and this closure once waited: the receive buffer goes with them
         return finish(ThenHandle(_Works(works), lambda: _sum_in_rank_order(parts, rank)), async_op)
 
