@@ -1146,13 +1146,20 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         return state
 
     def _gather_bucket_state(self, bucket: int, key: str, shard_numel: int) -> torch.Tensor:
+        """Every rank's values of ``key`` in ``bucket``, flat as the bucket lies (zeros where a piece has none).
+
+        Gathered in place (the engine's all-gather of shards: on Gloo point-to-point in 1 MiB pieces), so the
+        bucket's values exist once: Gloo's own all-gather copied them once more, +68 MiB of peak RSS in a replan
+        of transformer-5m at 2 ranks."""
+        engine = self.model.engine
         dtype = _master_dtype(self._layout.plan.buckets[bucket].dtype)  # the layout being read (a replan: the old)
-        local = torch.zeros(shard_numel, dtype=dtype, device=self._param_buffers[bucket].device)
+        flat = torch.zeros(shard_numel * engine.world_size, dtype=dtype, device=self._param_buffers[bucket].device)
+        local = engine.shard_of(flat)
         for piece, tensor in self._bucket_pieces[bucket]:
             value = tensor.detach() if key == MASTER_KEY else self._optimizer.state.get(tensor, {}).get(key)
             if value is not None:
                 local.narrow(0, piece.shard_offset, piece.numel).copy_(value.reshape(-1))
-        return self.model.engine.allgather(local)
+        return engine.all_gather_shard(flat)
 
 
 def _refuse_non_elementwise(optimizer_class: Any, assume_elementwise: bool) -> None:
