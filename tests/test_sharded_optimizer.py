@@ -1575,7 +1575,7 @@ def test_no_rank_holds_more_live_tensor_bytes_than_ddp_with_zero(memory_and_traf
     Deterministic byte counts. Per rank the two are level within a few KiB: ours splits the state exactly in
     half (a few 4-byte ``step`` tensors more, one per piece), ZeRO by whole parameters, one rank a little above
     half, one below; so the most any rank holds is compared. (DDP's own bucket copy of the gradients lives in
-    C++, out of this count: in the process ours holds that much less, as peak RSS shows.)"""
+    C++, out of this count.)"""
     most = {key: max(out["live_bytes"][key] for out in memory_and_traffic) for key in ("sharded", "ddp_zero")}
     assert most["sharded"] <= most["ddp_zero"], [out["live_bytes"] for out in memory_and_traffic]
     assert most["sharded"] > 0

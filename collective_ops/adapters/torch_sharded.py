@@ -960,6 +960,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._pieces, self._bucket_pieces = [], []
         self._lay_out(plan)
         self._install_slices(slices, settings)
+        _return_freed_memory()
 
     def _add_group(self, group: dict[str, Any]) -> None:
         """The shards laid out again with the new group's pieces, the state gathered and resharded (a collective)."""
@@ -1160,6 +1161,21 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             if value is not None:
                 local.narrow(0, piece.shard_offset, piece.numel).copy_(value.reshape(-1))
         return engine.all_gather_shard(flat)
+
+
+def _return_freed_memory() -> None:
+    """Hand the host memory a relayout freed back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    The old buffers and the gathered state, freed, stay in the C heap's free lists, which the next backward's
+    allocations, of other sizes, do not fill: transformer-5m at 2 ranks, 3 steps with ``bucket_size_mb="auto"``
+    (a replan at the second), peak RSS 512 MiB untrimmed, 497 trimmed (one run each)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
 
 
 def _refuse_non_elementwise(optimizer_class: Any, assume_elementwise: bool) -> None:
