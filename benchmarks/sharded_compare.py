@@ -4,13 +4,17 @@
     python benchmarks/sharded_compare.py --world 3
     python benchmarks/sharded_compare.py --link 1gbit         # emulated 2-node link
     python benchmarks/sharded_compare.py --checkpoint         # also a torch.distributed.checkpoint save
+    python benchmarks/sharded_compare.py --memory-only --world 3   # memory alone, no step times
 
 In the same processes, alternating in blocks of steps (the order reversed every round), with
 AdamW everywhere: torch DDP (25 MiB buckets) + AdamW; DDP + ``ZeroRedundancyOptimizer(AdamW)``;
 ``wrap(bucket_size_mb="auto")`` (or ``--bucket-size-mb``) + ``DistributedOptimizer`` (unsharded); the same with
 ``shard=True``. Memory per rank: the bytes of the optimizer's state tensors and fp32 master
-copies, counted after the steps (max over ranks), and the process's peak RSS measured in a
-separate run of each setup alone (``--memory``). ``--checkpoint``: ``shard=True`` saved with
+copies, counted after the steps (max over ranks); with ``--memory`` (or ``--memory-only``, which skips the
+step times) each setup also trains alone in fresh processes for 3 steps: the bytes of every live tensor's
+storage it holds then (tests.reference.live_tensor_bytes, net of what was live before it was built: parameters,
+gradients, buckets, optimizer state, receive buffers; what torch keeps in C++ alone, as DDP's bucket copy of the
+gradients, is not seen) and the process's peak RSS, max over ranks. ``--checkpoint``: ``shard=True`` saved with
 torch.distributed.checkpoint (``get_state_dict`` + ``dcp.save``) as a full state dict and as DCP's default
 sharded one, each in a run of its own: the optimizer-state bytes the state dict holds on a rank, the growth of
 the process's peak RSS across the save, and its seconds (max over ranks).
@@ -87,6 +91,11 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     import collective_ops as co
     from collective_ops.runtime import get_engine
 
+    if args.memory_only:
+        if rank == 0:
+            queue.put({})
+        return
+
     torch.set_num_threads(1)
     co.init("gloo", rank=rank, world_size=world, master_port=port)
     engine = get_engine("torch")
@@ -118,24 +127,29 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def memory_rank(rank: int, world: int, port: int, args, label: str, queue) -> None:
-    """One setup alone for a few steps: the process's peak RSS (max over ranks)."""
+    """One setup alone for 3 steps: (live tensor MiB it holds, peak RSS MiB, RSS MiB before it was built), each
+    the max over ranks."""
     import collective_ops as co
     from collective_ops.runtime import get_engine
+    from tests.reference import live_tensor_bytes
 
     torch.set_num_threads(1)
     co.init("gloo", rank=rank, world_size=world, master_port=port)
     name = args.models[0]
     batches = _batches(name, rank)
+    before_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = live_tensor_bytes()
     model, optimizer = build_setup(label, name, args.bucket_size_mb, args.row_sparse_embeddings == "auto")
-    for i in range(4):
+    for i in range(3):
         one_step(model, optimizer, batches[i % len(batches)])
     getattr(optimizer, "synchronize", lambda: None)()
+    live = (live_tensor_bytes() - before) / 2**20
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    peak = get_engine("torch").reduce_floats([peak_mib], "max")[0]
+    worst = get_engine("torch").reduce_floats([live, peak_mib, before_rss], "max")
     co.barrier()
     co.shutdown()
     if rank == 0:
-        queue.put(peak)
+        queue.put(worst)
 
 
 def checkpoint_rank(rank: int, world: int, port: int, args, full: bool, queue) -> None:
@@ -206,7 +220,10 @@ def main(argv=None) -> int:
         help="collective_ops' embedding gradients sent by rows (auto, the default) or densely (off: every setup "
         "then moves the same bytes, the comparison the sharded goal assumes)",
     )
-    parser.add_argument("--memory", action="store_true", help="also measure each setup's peak RSS alone")
+    parser.add_argument(
+        "--memory", action="store_true", help="also measure each setup's live tensor bytes and peak RSS alone"
+    )
+    parser.add_argument("--memory-only", action="store_true", help="only --memory (no step times)")
     parser.add_argument(
         "--checkpoint", action="store_true", help="also save shard=True through torch.distributed.checkpoint"
     )
@@ -216,12 +233,11 @@ def main(argv=None) -> int:
     if isinstance(outcome, int):
         return outcome
     args, results = outcome
-    peaks = {label: spawn(memory_rank, args.world, args, label) for label in SETUPS} if args.memory else {}
+    measure = args.memory or args.memory_only
+    peaks = {label: spawn(memory_rank, args.world, args, label) for label in SETUPS} if measure else {}
     saves = {full: spawn(checkpoint_rank, args.world, args, full) for full in (True, False)} if args.checkpoint else {}
-    print(
-        f"# sharded_compare: {args.world} Gloo ranks, {where()}, AdamW; median step, {args.rounds} rounds x "
-        f"{args.block} steps alternating ({time.monotonic() - started:.0f} s)"
-    )
+    timed = "" if args.memory_only else f"; median step, {args.rounds} rounds x {args.block} steps alternating"
+    print(f"# sharded_compare: {args.world} Gloo ranks, {where()}, AdamW{timed} ({time.monotonic() - started:.0f} s)")
     for name, r in results.items():
         ms, memory = r["median_step_ms"], r["state_bytes"]
         unsharded, zero = ms[SETUPS[2]], ms[SETUPS[1]]
@@ -232,7 +248,7 @@ def main(argv=None) -> int:
         )
         print(f"    {'setup':<46} {'step':>9}  {'/unsharded':>10}  {'/DDP+ZeRO':>9}  {'state/rank':>10}  peak RSS")
         for key in SETUPS:
-            peak = f"{peaks[key]:.0f} MiB" if key in peaks else "-"
+            peak = f"{peaks[key][1]:.0f} MiB" if key in peaks else "-"
             print(
                 f"    {key:<46} {ms[key]:>6.1f} ms  {ms[key] / unsharded:>9.3f}x  {ms[key] / zero:>8.3f}x  "
                 f"{memory[key] / 2**20:>7.2f} MiB  {peak}"
@@ -245,6 +261,14 @@ def main(argv=None) -> int:
             )
         share = memory[SETUPS[3]] / memory[SETUPS[2]]
         print(f"    sharded state / unsharded state: {share:.3f} (1/{args.world} = {1 / args.world:.3f})")
+    if peaks:
+        print(
+            f"  {args.models[0]}, each setup alone for 3 steps ({args.world} ranks, bucket size {args.bucket_size_mb}, "
+            f"row-sparse embeddings {args.row_sparse_embeddings}), max over ranks:"
+        )
+        print(f"    {'setup':<46} {'live tensors':>12}  {'peak RSS':>9}  {'RSS before setup':>16}")
+        for key, (live, peak, before) in peaks.items():
+            print(f"    {key:<46} {live:>8.1f} MiB  {peak:>5.0f} MiB  {before:>12.0f} MiB")
     for full, (held, grown, seconds) in saves.items():
         kind = "full_state_dict=True " if full else "sharded (DCP's default)"
         print(

@@ -126,3 +126,151 @@ def remove_shared_folder(path: str) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def live_storages() -> dict:
+    """Every torch storage reachable from a live tensor (gc's objects, autograd's ``.grad``, optimizer state all
+    included), by address: {data_ptr: bytes}. Views share their base's storage, counted once at its full size."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        try:
+            if not issubclass(type(obj), torch.Tensor) or obj.is_meta:  # (type(): isinstance reads __class__, which
+                continue  # a deprecated module's stand-in warns on)
+            tensors = [obj] if obj.grad is None else [obj, obj.grad]
+        except Exception:  # a half-built or foreign object gc still lists
+            continue
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr():
+                storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    return storages
+
+
+def live_tensor_bytes(baseline: dict | None = None) -> int:
+    """Bytes of every live torch storage (:func:`live_storages`), less those already live in ``baseline`` (a
+    :func:`live_storages` taken before the setup measured)."""
+    storages = live_storages()
+    return sum(size for ptr, size in storages.items() if baseline is None or ptr not in baseline)
+
+
+class EngineTraffic:
+    """The bytes this rank sends and receives through a TorchEngine, by the engine method that moved them (the
+    collective kind) and the torch.distributed call under it: ``counts[(kind, call, "sent" | "received")]``.
+
+    The engine module's ``dist`` and its gather / scatter aliases are replaced by counting ones, and the engine's
+    methods named in ``KINDS`` note themselves while they run, so an engine method that moves more than it
+    should (a reduce-scatter done as an allreduce) shows under its own name. ``allreduce`` counts its tensor's
+    bytes as sent and received (what Gloo's algorithm moves depends on the world size). A context manager.
+    """
+
+    KINDS = (
+        "reduce_scatter_shard",
+        "all_gather_shard",
+        "allreduce",
+        "allreduce_rows",
+        "rows_union",
+        "broadcast",
+        "allgather",
+        "reduce_scatter",
+        "reduce_floats",
+        "allgather_bytes",
+        "broadcast_ints",
+    )
+
+    def __init__(self, engine) -> None:
+        from collections import Counter
+
+        self.engine = engine
+        self.counts: Counter = Counter()
+        self._kinds: list[str] = []
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def by_kind(self, direction: str = "sent") -> dict:
+        """{kind: bytes} in ``direction``."""
+        totals: dict = {}
+        for (kind, _call, way), size in self.counts.items():
+            if way == direction:
+                totals[kind] = totals.get(kind, 0) + size
+        return totals
+
+    def _note(self, call: str, sent: int, received: int) -> None:
+        kind = self._kinds[-1] if self._kinds else "other"
+        self.counts[(kind, call, "sent")] += sent
+        self.counts[(kind, call, "received")] += received
+
+    def __enter__(self) -> EngineTraffic:
+        from collective_ops.comm import torch_engine as module
+
+        self._module = module
+        self._saved = {name: getattr(module, name) for name in ("dist", "_all_gather_single", "_reduce_scatter_single")}
+        world, note = self.engine.world_size, self._note
+        dist = self._saved["dist"]
+
+        def all_gather(out, tensor, *args, **kwargs):
+            note("all_gather", tensor.nbytes * (world - 1), out.nbytes - tensor.nbytes)
+            return self._saved["_all_gather_single"](out, tensor, *args, **kwargs)
+
+        def reduce_scatter(out, tensor, *args, **kwargs):
+            note("reduce_scatter", tensor.nbytes - out.nbytes, tensor.nbytes - out.nbytes)
+            return self._saved["_reduce_scatter_single"](out, tensor, *args, **kwargs)
+
+        class CountingDist:
+            def __getattr__(self, name):
+                return getattr(dist, name)
+
+            @staticmethod
+            def all_reduce(tensor, *args, **kwargs):
+                note("all_reduce", tensor.nbytes, tensor.nbytes)
+                return dist.all_reduce(tensor, *args, **kwargs)
+
+            @staticmethod
+            def broadcast(tensor, *args, **kwargs):
+                note("broadcast", tensor.nbytes, tensor.nbytes)
+                return dist.broadcast(tensor, *args, **kwargs)
+
+            @staticmethod
+            def all_to_all_single(out, tensor, *args, **kwargs):
+                note("all_to_all", tensor.nbytes * (world - 1) // world, out.nbytes * (world - 1) // world)
+                return dist.all_to_all_single(out, tensor, *args, **kwargs)
+
+            @staticmethod
+            def isend(tensor, *args, **kwargs):
+                note("send", tensor.nbytes, 0)
+                return dist.isend(tensor, *args, **kwargs)
+
+            @staticmethod
+            def irecv(tensor, *args, **kwargs):
+                note("recv", 0, tensor.nbytes)
+                return dist.irecv(tensor, *args, **kwargs)
+
+        module.dist, module._all_gather_single, module._reduce_scatter_single = (
+            CountingDist(),
+            all_gather,
+            reduce_scatter,
+        )
+        for kind in self.KINDS:
+            setattr(self.engine, kind, self._noting(kind, getattr(self.engine, kind)))
+        return self
+
+    def _noting(self, kind: str, method):
+        def noted(*args, **kwargs):
+            self._kinds.append(kind)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._kinds.pop()
+
+        return noted
+
+    def __exit__(self, *exc) -> None:
+        for name, value in self._saved.items():
+            setattr(self._module, name, value)
+        for kind in self.KINDS:
+            self.engine.__dict__.pop(kind, None)

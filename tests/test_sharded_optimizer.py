@@ -1570,3 +1570,124 @@ def test_checkpoint_of_two_ranks_loads_at_three_ranks(two_ranks, checkpoint) -> 
             reference, sharded = out[case]
             for key in reference:
                 np.testing.assert_allclose(sharded[key], reference[key], rtol=1e-5, atol=atol, err_msg=f"{case} {key}")
+
+
+def _wide_mlp():
+    """8 MiB of fp32 parameters; with 3 MiB buckets one bucket's shard (2 MiB) is sent in 1 MiB pieces, the others'
+    in one call. Every bucket's numel is even: no padding at 2 ranks."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(512, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 512),
+    )
+
+
+def _wide_batches(rank: int, steps: int) -> list:
+    import torch
+
+    gen = torch.Generator().manual_seed(rank)
+    return [(torch.randn(8, 512, generator=gen), torch.randint(0, 512, (8,), generator=gen)) for _ in range(steps)]
+
+
+def _wide_step(model, optimizer, batch) -> None:
+    import torch
+
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _live_bytes_after_steps(rank: int, setup, steps: int = 3) -> int:
+    """The bytes of live tensors ``setup()`` (a model and its optimizer) holds after ``steps`` steps (net of before)."""
+    from tests.reference import live_tensor_bytes
+
+    batches = _wide_batches(rank, steps)
+    before = live_tensor_bytes()
+    model, optimizer = setup()
+    for batch in batches:
+        _wide_step(model, optimizer, batch)
+    getattr(optimizer, "synchronize", lambda: None)()
+    held = live_tensor_bytes() - before
+    del model, optimizer
+    return held
+
+
+def memory_and_traffic_checks(rank: int, world: int) -> dict:
+    """Live tensor bytes after 3 steps of DDP + ZeroRedundancyOptimizer(AdamW) and of shard=True in the same process;
+    then the bytes shard=True sends and receives per step at the engine, by collective kind."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import collective_ops as co
+    from tests.reference import EngineTraffic
+
+    def ddp_zero():
+        ddp = torch.nn.parallel.DistributedDataParallel(_wide_mlp())
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+
+    def sharded():
+        model = co.wrap(_wide_mlp(), bucket_size_mb=3)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, shard=True)
+
+    out = {"live_bytes": {"ddp_zero": _live_bytes_after_steps(rank, ddp_zero)}}
+    out["live_bytes"]["sharded"] = _live_bytes_after_steps(rank, sharded)
+    model, optimizer = sharded()
+    batches = _wide_batches(rank, 5)
+    for batch in batches[:2]:  # (the first step is allreduced, as DDP's, before the buckets are rebuilt)
+        _wide_step(model, optimizer, batch)
+    out["buckets"] = [(b.padded_numel, b.shard_numel) for b in optimizer._layout.buckets]
+    out["steps"] = []
+    with EngineTraffic(model.engine) as traffic:
+        for batch in batches[2:]:
+            traffic.reset()
+            _wide_step(model, optimizer, batch)
+            out["steps"].append(dict(traffic.counts))
+    optimizer.synchronize()
+    return out
+
+
+@pytest.fixture(scope="module")
+def memory_and_traffic() -> list[dict]:
+    return run_ranks(2, memory_and_traffic_checks, timeout=200)
+
+
+def test_no_rank_holds_more_live_tensor_bytes_than_ddp_with_zero(memory_and_traffic) -> None:
+    """Every live tensor's storage counted (parameters, gradient buckets, optimizer state, receive buffers) after 3
+    AdamW steps: shard=True keeps nothing whole beyond DDP + ZeroRedundancyOptimizer's full parameters and gradients.
+
+    Deterministic byte counts. Per rank the two are level within a few KiB: ours splits the state exactly in
+    half (a few 4-byte ``step`` tensors more, one per piece), ZeRO by whole parameters, one rank a little above
+    half, one below; so the most any rank holds is compared. (DDP's own bucket copy of the gradients lives in
+    C++, out of this count.)"""
+    most = {key: max(out["live_bytes"][key] for out in memory_and_traffic) for key in ("sharded", "ddp_zero")}
+    assert most["sharded"] <= most["ddp_zero"], [out["live_bytes"] for out in memory_and_traffic]
+    assert most["sharded"] > 0
+
+
+def test_each_step_reduce_scatters_shards_and_all_gathers_them_never_allreduces_a_bucket(memory_and_traffic) -> None:
+    """Per step, at the engine: each bucket reduce-scattered ((N-1)/N of it sent and received), each shard
+    all-gathered (sent to the N-1 peers, theirs received), and nothing allreduced but the small per-step checks."""
+    world, itemsize = 2, 4
+    for rank, out in enumerate(memory_and_traffic):
+        buckets = out["buckets"]
+        scatter = sum(padded - shard for padded, shard in buckets) * itemsize
+        gather = sum(shard for _, shard in buckets) * (world - 1) * itemsize
+        smallest = min(padded for padded, _ in buckets) * itemsize
+        for step, counts in enumerate(out["steps"]):
+            kinds = {}
+            for (kind, call, way), size in counts.items():
+                kinds.setdefault((kind, way), {})[call] = size
+            what = f"rank {rank}, step {step + 3}: {kinds}"
+            assert sum(kinds.get(("reduce_scatter_shard", "sent"), {}).values()) == scatter, what
+            assert sum(kinds.get(("reduce_scatter_shard", "received"), {}).values()) == scatter, what
+            assert sum(kinds.get(("all_gather_shard", "sent"), {}).values()) == gather, what
+            assert sum(kinds.get(("all_gather_shard", "received"), {}).values()) == gather, what
+            allreduced = sum(size for (_, call, way), size in counts.items() if call == "all_reduce" and way == "sent")
+            assert allreduced < smallest, what  # no bucket (nor a shard of one) allreduced

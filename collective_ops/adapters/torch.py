@@ -296,6 +296,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             for p, old_view, new_view in zip(self._params, old, self._views):
                 if p.grad is not None and p.grad.data_ptr() == old_view.data_ptr():
                     p.grad = new_view  # the manager already moved the values
+        del old  # (the old gradient buffers go before the optimizer lays its own out anew)
         logger.info("collective_ops: new bucket plan:\n%s", plan.describe())  # rebuild or set_bucket_size
         if self.optimizer is not None:
             self.optimizer.on_plan_change(plan)

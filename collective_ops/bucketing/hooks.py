@@ -172,11 +172,6 @@ def reduce_scatter_hook(wire_dtype: str | None = None, keep: Callable[[int, Any]
     ``keep(bucket_index, shard)`` instead of being written back.
     """
 
-    scratch: dict[int, Any] = {}  # bucket -> a receive buffer for the engine, kept between steps
-
-    def scratch_for(ctx: BucketContext, buffer: Any) -> Any:
-        return _kept(scratch, ctx, ctx.engine.describe(buffer))
-
     def hook(ctx: BucketContext) -> Handle:
         engine = ctx.engine
         factor = allreduce_prescale(engine, ctx.reduce_op, ctx.divisor)
@@ -187,20 +182,27 @@ def reduce_scatter_hook(wire_dtype: str | None = None, keep: Callable[[int, Any]
                     return handle
             if factor is not None and not ctx.prescaled:
                 engine.scale_(ctx.buffer, factor)
-            return engine.reduce_scatter_shard(ctx.buffer, async_op=True, scratch=scratch_for(ctx, ctx.buffer))
+            return engine.reduce_scatter_shard(ctx.buffer, async_op=True)
         if keep is None:
             raise ValueError("reduce_scatter_hook with a wire dtype needs keep= to receive the reduced shard")
-        wire = engine.cast(ctx.buffer, wire_dtype)
+        wire = engine.cast(ctx.buffer, wire_dtype)  # (freed with the handle: only its reduced shard is kept)
         if factor is not None and not ctx.prescaled:
             engine.scale_(wire, factor)
-        handle = engine.reduce_scatter_shard(wire, async_op=True, scratch=scratch_for(ctx, wire))
-        return ThenHandle(handle, lambda: keep(ctx.bucket.index, engine.shard_of(wire)))
+        handle = engine.reduce_scatter_shard(wire, async_op=True)
+        return ThenHandle(handle, lambda: keep(ctx.bucket.index, _copy(engine, engine.shard_of(wire))))
 
     hook.__name__ = f"reduce_scatter_hook_{wire_dtype or 'native'}"
     if wire_dtype is not None:  # what each element costs on the wire (the step's byte count)
         hook.wire_itemsize = WIRE_ITEMSIZE[wire_dtype]
     hook.reduces_rows = wire_dtype is None  # a row-sparse table's rows in its own dtype (BucketManager.row_sparse)
     return hook
+
+
+def _copy(engine: BucketEngine, tensor: Any) -> Any:
+    """A copy of ``tensor`` (a view of a shard: kept as it is, it would keep the whole buffer alive)."""
+    copy = engine.zeros(*engine.describe(tensor))
+    engine.copy_(copy, tensor)
+    return copy
 
 
 COMPRESSIONS = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}

@@ -92,9 +92,9 @@ class BucketEngine(Protocol):
     def shard_of(self, buffer: Any) -> Any:
         """This rank's equal, contiguous part of ``buffer`` (a view)."""
 
-    def reduce_scatter_shard(self, buffer: Any, async_op: bool = False, scratch: Any = None) -> Handle | None:
-        """Sum ``buffer`` over ranks into this rank's shard of it (the rest is left undefined);
-        ``scratch``, a buffer like it that the engine may use, saves an allocation per call."""
+    def reduce_scatter_shard(self, buffer: Any, async_op: bool = False) -> Handle | None:
+        """Sum ``buffer`` over ranks into this rank's shard of it (the rest is left undefined); whatever it
+        receives into is freed once the handle is waited for (sharded data parallel keeps no full-size copy)."""
 
     def all_gather_shard(self, buffer: Any, async_op: bool = False, group: Any = None) -> Handle | None:
         """Every rank's shard of ``buffer`` into ``buffer`` on every rank (over ``group``: default, all)."""
@@ -216,6 +216,7 @@ class ThenHandle:
     def wait(self, timeout: float | None = None) -> Any:
         if self._handle is not None:
             wait_with_timeout(self._handle, timeout)
+            self._handle = None  # done: what it holds (a collective's buffers) is freed with it
         if self._then is not None:
             then, self._then = self._then, None
             self._result = then()

@@ -914,6 +914,7 @@ class BucketManager:
             bucket_index, slot = new_plan.location[index]
             segment = self.engine.segment(old_buffer, old_offset, numel)
             self.engine.write(new_buffers[bucket_index], new_plan.buckets[bucket_index].offsets[slot], segment)
+        del old_segments, segment  # the old buffers are freed before on_rebuild (a sharded optimizer's relayout)
         self._set_plan(new_plan)
         self.buffers = new_buffers
         self._reset_iteration()

@@ -56,16 +56,15 @@ def _nonzero_rows(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return table.amax(dim=1).ne(0).logical_or_(table.amin(dim=1).ne(0))
 
 
-def _sum_in_rank_order(received: torch.Tensor, shard: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """``shard`` (this rank's part, in place) plus the other ranks' parts of it in ``received``, summed left to right
-    in rank order, as Gloo's allreduce sums (bit-equal at 2 ranks, where a + b == b + a)."""
-    parts = [shard if r == rank else received.narrow(0, r * shard.numel(), shard.numel()) for r in range(world_size)]
+def _sum_in_rank_order(parts: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """Every rank's copy of this rank's shard (``parts[rank]``, the shard itself, written in place) summed left to
+    right in rank order, as Gloo's allreduce sums (bit-equal at 2 ranks, where a + b == b + a)."""
+    shard = parts[rank]
     if rank <= 1:  # p0 + p1 in place (addition commutes), then the rest in order
         for part in parts[1 - rank : 2 - rank] + parts[2:]:  # (at 1 rank: nothing to add)
             shard.add_(part)
         return shard
-    total = received.narrow(0, rank * shard.numel(), shard.numel())  # unused by the exchange: the running sum
-    torch.add(parts[0], parts[1], out=total)
+    total = parts[0].add_(parts[1])  # rank 0's received copy, no longer needed, holds the running sum
     for part in parts[2:]:
         total.add_(part)
     return shard.copy_(total)
@@ -378,27 +377,28 @@ class TorchEngine(Engine):
 
         return ThenHandle(work, unpack)
 
-    def reduce_scatter_shard(self, buffer: torch.Tensor, async_op: bool = False, scratch: Any = None) -> Any:
+    def reduce_scatter_shard(self, buffer: torch.Tensor, async_op: bool = False) -> Any:
         """The sum of every rank's ``buffer`` into this rank's shard of it (``buffer``'s other shards unchanged).
 
         Gloo's reduce-scatter moves the whole buffer (emulated 1gbit link, 4 MiB: 32.9 ms, as much
         as an allreduce's 34.6 ms; benchmarks/shard_collectives.py), so on Gloo each shard is sent to
-        its owner ((N-1)/N of the buffer, as a reduce-scatter should: 17.5 ms there): one all-to-all
-        where the shard is a single piece, else point-to-point in pieces of at most 1 MiB per rank
-        (see _send_pieces), received into ``scratch`` (a tensor like ``buffer``) where given, then
-        summed here in rank order. Other backends reduce-scatter in place.
+        its owner ((N-1)/N of the buffer, as a reduce-scatter should: 17.5 ms there), point-to-point in
+        pieces of at most 1 MiB per rank (see _send_pieces), then summed here in rank order. The other ranks'
+        copies of this rank's shard arrive in a receive buffer of (N-1) shards made for this call and freed
+        once summed: none is kept between steps (an all-to-all, one call for a one-piece shard, needs one as
+        large as the whole buffer). Other backends reduce-scatter in place.
         """
         shard = self.shard_of(buffer)
         if self.backend != "gloo":
             work = _reduce_scatter_single(shard, buffer, op=dist.ReduceOp.SUM, async_op=True)
             return finish(ThenHandle(work, lambda: shard), async_op)
-        received = torch.empty_like(buffer) if scratch is None else scratch
-        if len(self._shard_chunks(buffer)) == 1:  # one call: a few calls' latency saved on small buckets
-            works = [dist.all_to_all_single(received, buffer, async_op=True)]
-        else:
-            works = self._send_pieces(buffer, received, _REDUCE_SCATTER_TAG, owner_sends=False, group=None)
-        summed = ThenHandle(_Works(works), lambda: _sum_in_rank_order(received, shard, self._rank, self._world_size))
-        return finish(summed, async_op)
+        numel, world, rank = shard.numel(), self._world_size, self._rank
+        received = torch.empty((world - 1) * numel, dtype=buffer.dtype, device=buffer.device)
+        works = self._send_pieces(buffer, received, _REDUCE_SCATTER_TAG, owner_sends=False, group=None)
+        slots = iter(received.split(numel))
+        parts = [shard if r == rank else next(slots) for r in range(world)]
+        # ThenHandle drops the works and this closure once waited: the receive buffer goes with them
+        return finish(ThenHandle(_Works(works), lambda: _sum_in_rank_order(parts, rank)), async_op)
 
     def all_gather_shard(self, buffer: torch.Tensor, async_op: bool = False, group: Any = None) -> Any:
         """Every rank's shard of ``buffer`` into ``buffer`` (on Gloo point-to-point in pieces of at most 1 MiB per rank)."""
@@ -414,8 +414,8 @@ class TorchEngine(Engine):
 
         ``owner_sends`` (all-gather): this rank's shard of ``source`` goes to every other rank, whose
         shard arrives in its place in ``target``; else (reduce-scatter) each other rank's shard of
-        ``source`` goes to it, and each other rank's copy of this rank's shard arrives in that rank's
-        place in ``target``. Against Gloo's list all-to-all / all-gather in the same pieces, no copies into and
+        ``source`` goes to it, and each other rank's copy of this rank's shard arrives in ``target``, which
+        holds (N-1) shards: the other ranks' copies in rank order. Against Gloo's list all-to-all / all-gather in the same pieces, no copies into and
         out of lists: 21.3 MiB on loopback, reduce-scatter / all-gather 7.5 / 8.6 ms (6.4 / 7.4 ms of CPU)
         against 19.5 / 13.1 (18.2 / 10.9); on the emulated 1gbit link 93.0 / 95.7 against 91.4 / 92.6 ms
         (benchmarks/shard_collectives.py). Every rank posts the same pieces in the same order, and Gloo
@@ -428,8 +428,9 @@ class TorchEngine(Engine):
                 if peer == self._rank:
                     continue
                 sent = source.narrow(0, (self._rank if owner_sends else peer) * shard + start, length)
+                slot = peer if owner_sends else peer - (peer > self._rank)  # (the reduce-scatter's has no own slot)
                 works.append(dist.isend(sent, dst=peer, group=group, tag=tag))
-                works.append(dist.irecv(target.narrow(0, peer * shard + start, length), src=peer, group=group, tag=tag))
+                works.append(dist.irecv(target.narrow(0, slot * shard + start, length), src=peer, group=group, tag=tag))
         return works
 
     def _shard_chunks(self, buffer: torch.Tensor) -> list[tuple[int, int]]:
