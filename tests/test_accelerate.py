@@ -4,39 +4,20 @@ bf16 autocast, bit for bit; and a transformers Trainer (a tiny GPT-2 from a conf
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
-from tests.integrations import optional_package
+from tests.integrations import ROOT, optional_package, run_torchrun
 
 optional_package("accelerate", "accelerate")
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 300
-
 
 def _torchrun(script: str, out: Path, *args: str) -> dict[int, dict]:
     out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-    ]
-    command += [str(ROOT / "tests" / "integrations" / script), "--out", str(out), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"{script} {' '.join(args)} failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
+    run_torchrun(ROOT / "tests" / "integrations" / script, "--out", str(out), *args)
     return {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
 
 

@@ -4,37 +4,20 @@ checkpoint. co.wrap and co.DistributedOptimizer each print the weight checksum t
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.integrations import ROOT, run_torchrun
 
 
 def _nanogpt(tmp_path: Path, *flags: str) -> tuple[list[str], list[str]]:
     """The example's evaluation lines and each rank's checksum line."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-    ]
-    command += [str(ROOT / "examples" / "nanogpt_style.py"), "--out-dir", str(tmp_path), *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"nanogpt_style.py {' '.join(flags)} failed:\n{done.stderr[-4000:]}"
-    evaluations = re.findall(r"step \d+: val loss \S+", done.stdout)
-    checksums = sorted(re.findall(r"rank \d: weight checksum \S+", done.stdout))
-    assert len(checksums) == 2 and evaluations, done.stdout
+    stdout = run_torchrun(ROOT / "examples" / "nanogpt_style.py", "--out-dir", str(tmp_path), *flags)
+    evaluations = re.findall(r"step \d+: val loss \S+", stdout)
+    checksums = sorted(re.findall(r"rank \d: weight checksum \S+", stdout))
+    assert len(checksums) == 2 and evaluations, stdout
     return evaluations, checksums
 
 

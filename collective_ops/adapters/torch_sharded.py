@@ -1030,18 +1030,24 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             if index in scalars
             for piece in pieces
         }
-        for bucket, shards in enumerate(self._layout.buckets):
+        for bucket, key, flat in self._gathered_bucket_states(keys):
+            for _, tensor in self._bucket_pieces[bucket]:
+                inner_state.get(tensor, {}).pop(key, None)  # (a master stays: the piece is the parameter's)
             spec = plan.buckets[bucket]
-            for key in keys:
-                if key == MASTER_KEY and getattr(torch, spec.dtype) not in LOW_PRECISION:
-                    continue  # fp32 parameters are their own masters
-                flat = self._gather_bucket_state(bucket, key, shards.shard_numel)
-                for _, tensor in self._bucket_pieces[bucket]:
-                    inner_state.get(tensor, {}).pop(key, None)  # (a master stays: the piece is the parameter's)
-                for index, offset in zip(spec.param_indices, spec.offsets):
-                    for piece in moved.get(index, []) if index in scalars else []:
-                        slices[piece][key] = flat.narrow(0, offset + piece.param_start, piece.numel).clone()
+            for index, offset in zip(spec.param_indices, spec.offsets):
+                for piece in moved.get(index, []) if index in scalars else []:
+                    slices[piece][key] = flat.narrow(0, offset + piece.param_start, piece.numel).clone()
         return slices
+
+    def _gathered_bucket_states(self, keys: list[str]) -> Any:
+        """Each bucket's whole flat value of each per-element key, gathered from every rank's shard (collectives,
+        in the same order on every rank), one at a time: (bucket, key, flat)."""
+        plan = self._layout.plan
+        for bucket, shards in enumerate(self._layout.buckets):
+            for key in keys:
+                if key == MASTER_KEY and getattr(torch, plan.buckets[bucket].dtype) not in LOW_PRECISION:
+                    continue  # fp32 parameters are their own masters
+                yield bucket, key, self._gather_bucket_state(bucket, key, shards.shard_numel)
 
     def _wait_for_every_rank(self, call: str) -> None:
         """Return once every rank has come to ``call`` (which gathers the full state); raise ``StallError``
@@ -1071,19 +1077,15 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         (default: where the state is)."""
         plan = self._layout.plan
         full, keys = self._gathered_scalars(device)
-        for bucket, shards in enumerate(self._layout.buckets):
+        for bucket, key, flat in self._gathered_bucket_states(keys):
+            if not keep:
+                continue
+            flat = flat if device is None else flat.to(device)
             spec = plan.buckets[bucket]
-            for key in keys:
-                if key == MASTER_KEY and getattr(torch, spec.dtype) not in LOW_PRECISION:
-                    continue  # fp32 parameters are their own masters
-                flat = self._gather_bucket_state(bucket, key, shards.shard_numel)
-                if not keep:
-                    continue
-                flat = flat if device is None else flat.to(device)
-                for index, offset in zip(spec.param_indices, spec.offsets):
-                    if index in full:
-                        p = self.model._params[index]
-                        full[index][key] = _unflat_like(flat.narrow(0, offset, p.numel()), p)
+            for index, offset in zip(spec.param_indices, spec.offsets):
+                if index in full:
+                    p = self.model._params[index]
+                    full[index][key] = _unflat_like(flat.narrow(0, offset, p.numel()), p)
         return full if keep else {}
 
     def _gathered_scalars(self, device: torch.device | None = None) -> tuple[dict[int, dict[str, Any]], list[str]]:
