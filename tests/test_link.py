@@ -57,6 +57,21 @@ def test_node_environment_and_command_templates() -> None:
     assert strip_link_option(["--world", "2", "--link", "1gbit", "--x", "--link=2gbit"]) == ["--world", "2", "--x"]
 
 
+def test_a_command_with_braces_of_its_own_is_passed_on_as_written() -> None:
+    """Only the link's placeholders are filled: str.format raised KeyError on any other brace."""
+    link = Link.new("10gbit")
+    command = ["python", "-c", "d = {'a': 1}; print(f'{d} {{x}}')", "--rank={node_rank}", "${HOME}", "{}", "{ifname"]
+    assert link.fill(command, 0) == [
+        "python",
+        "-c",
+        "d = {'a': 1}; print(f'{d} {{x}}')",
+        "--rank=0",
+        "${HOME}",
+        "{}",
+        "{ifname",
+    ]
+
+
 @pytest.mark.parametrize("failing_step", [0, 3, 9, None])
 def test_the_link_is_always_torn_down(failing_step) -> None:
     """A failure while building it, or in the nodes' command, still deletes both namespaces."""
