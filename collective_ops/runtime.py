@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import tracing
+from .environment import check_environment
 from .launch import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
@@ -102,6 +103,7 @@ def init(
     returns the same context. ``trace`` (default: ``COLLECTIVE_OPS_TRACE``) starts the
     communication trace (see :mod:`collective_ops.tracing`).
     """
+    check_environment()  # every variable the library reads, before any of them is used
     context = _init(backend, rank, world_size, device_id, timeout, master_addr, master_port, algorithm, framework)
     if tracing.enabled_by_env() if trace is None else trace:
         tracing.start(get_engine(context.framework))
@@ -177,6 +179,8 @@ def _init_torch(
     device = _bind_device(torch, backend, device_id)
     addr = master_addr or env.master_addr or DEFAULT_MASTER_ADDR
     port = master_port or env.master_port or DEFAULT_MASTER_PORT
+    if not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"master_port={port!r} is not a TCP port: a whole number in 1..65535")
     rendezvous = rendezvous_timeout_from_env() if timeout is None else min(timeout, rendezvous_timeout_from_env())
     timeout = timeout or DEFAULT_TIMEOUT
     try:

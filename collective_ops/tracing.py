@@ -224,7 +224,11 @@ def start(engine: Any, path: Path | None = None) -> Tracer:
     global _tracer
     if _tracer is not None:
         return _tracer
-    max_events = int(os.environ.get("COLLECTIVE_OPS_TRACE_MAX_EVENTS", "200000"))
+    raw = os.environ.get("COLLECTIVE_OPS_TRACE_MAX_EVENTS", "").strip() or "200000"
+    try:
+        max_events = int(raw)
+    except ValueError:
+        raise ValueError(f"COLLECTIVE_OPS_TRACE_MAX_EVENTS={raw!r} is not a whole number of events >= 1") from None
     tracer = Tracer(engine.rank, engine.world_size, path or trace_path_from_env(), max_events)
     tracer.anchor(engine.barrier)
     _tracer = tracer
