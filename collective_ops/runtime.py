@@ -9,9 +9,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import importlib.util
 import logging
 import os
+import socket
 import time
 import warnings
 import weakref
@@ -193,7 +195,7 @@ def _init_torch(
             # whose peers never come, or whose MASTER_PORT is someone else's server, fails within it.
             # TCPStore's own timeout does not cover a server that accepts and never answers: bounded here.
             store = call_with_deadline(
-                lambda: dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=rendezvous),
+                lambda: _tcp_store(addr, port, world_size, rank == 0, rendezvous),
                 rendezvous.total_seconds() + 5,
                 f"the rendezvous at {addr}:{port}",
             )
@@ -204,6 +206,43 @@ def _init_torch(
     atexit.register(_leave_at_exit)
     logger.info("collective_ops: rank %d/%d joined via %s on %s (%s)", rank, world_size, backend, device, env.launcher)
     return _remember("torch", DistContext("torch", backend, rank, world_size, local_rank, str(device), env.launcher))
+
+
+def _tcp_store(addr: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store; rank 0's listens on ``addr`` only (torch's own server listens on every interface,
+    so with MASTER_ADDR=127.0.0.1 any host that reached this machine could read and write the store)."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    fd = _listen_on(addr, port).detach()  # the store owns the descriptor from here (and closes it)
+    try:
+        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, master_listen_fd=fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+def _listen_on(addr: str, port: int) -> socket.socket:
+    """A listening socket bound to ``addr``:``port`` (the first address ``addr`` resolves to, which is also the
+    first a connecting rank tries)."""
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server: no TIME_WAIT wait
+        listener.bind(where)
+        listener.listen(1024)
+    except OSError as exc:
+        listener.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise OSError(
+                exc.errno,
+                f"MASTER_ADDR {addr} is not an address of this machine: rank 0 hosts the rendezvous and listens on "
+                "MASTER_ADDR only, so set it (on every rank) to an address of rank 0's machine that the other ranks reach",
+            ) from None
+        raise
+    return listener
 
 
 def _rendezvous_hint(
