@@ -178,6 +178,7 @@ def _init_torch(
 
     if algorithm:
         os.environ["HCCL_ALGO" if backend == "hccl" else "NCCL_ALGO"] = algorithm
+    _import_before_the_group_exists()
     device = _bind_device(torch, backend, device_id)
     addr = master_addr or env.master_addr or DEFAULT_MASTER_ADDR
     port = master_port or env.master_port or DEFAULT_MASTER_PORT
@@ -206,6 +207,22 @@ def _init_torch(
     atexit.register(_leave_at_exit)
     logger.info("collective_ops: rank %d/%d joined via %s on %s (%s)", rank, world_size, backend, device, env.launcher)
     return _remember("torch", DistContext("torch", backend, rank, world_size, local_rank, str(device), env.launcher))
+
+
+def _import_before_the_group_exists() -> None:
+    """Import torch.distributed.nn.functional while there is no default group.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated at import: imported
+    after the group exists (torch imports it with the first optimizer, through torch._dynamo), it
+    holds the default group forever, so ``destroy_process_group()`` could not free it and its Gloo
+    threads lived on into the interpreter's teardown, where a rank could abort after a clean
+    shutdown ("terminate called without an active exception"). Imported first, the defaults are
+    None (the default group, whichever is live at the call).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        import torch.distributed.nn.functional  # noqa: F401
 
 
 def _tcp_store(addr: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> Any:
