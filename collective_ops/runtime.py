@@ -232,13 +232,10 @@ def _tcp_store(addr: str, port: int, world_size: int, is_master: bool, timeout: 
 
     if not is_master:
         return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    fd = _listen_on(addr, port).detach()  # the store owns the descriptor from here (and closes it)
-    try:
-        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, master_listen_fd=fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        raise
+    # The store owns the descriptor from here and closes it, also when it fails (closing it here as well
+    # could close a descriptor another thread has been given the number of since).
+    fd = _listen_on(addr, port).detach()
+    return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, master_listen_fd=fd)
 
 
 def _listen_on(addr: str, port: int) -> socket.socket:
