@@ -39,6 +39,7 @@ ENV_LINK, ENV_NODE_RANK, ENV_NNODES = "COLLECTIVE_OPS_LINK", "COLLECTIVE_OPS_NOD
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _BITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_PLACEHOLDER = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|ifname)\}")
 
 
 class LinkUnavailable(RuntimeError):
@@ -127,6 +128,8 @@ class Link:
         return env
 
     def fill(self, template: Sequence[str], node: int) -> list[str]:
+        """``template`` with the known ``{placeholders}`` filled in; any other text, braces included (a
+        ``python -c "d = {'a': 1}"`` or a shell ``${VAR}``), is passed on as written."""
         fields = {
             "node_rank": node,
             "nnodes": NODES,
@@ -134,7 +137,7 @@ class Link:
             "master_port": MASTER_PORT,
             "ifname": self.ifname(node),
         }
-        return [part.format(**fields) for part in template]
+        return [_PLACEHOLDER.sub(lambda m: str(fields[m.group(1)]), part) for part in template]
 
 
 def _run_checked(argv: list[str]) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import importlib.util
 import logging
 import os
+import socket
 import time
 import warnings
 import weakref
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import tracing
+from .environment import check_environment
 from .launch import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
@@ -102,6 +105,7 @@ def init(
     returns the same context. ``trace`` (default: ``COLLECTIVE_OPS_TRACE``) starts the
     communication trace (see :mod:`collective_ops.tracing`).
     """
+    check_environment()  # every variable the library reads, before any of them is used
     context = _init(backend, rank, world_size, device_id, timeout, master_addr, master_port, algorithm, framework)
     if tracing.enabled_by_env() if trace is None else trace:
         tracing.start(get_engine(context.framework))
@@ -175,9 +179,12 @@ def _init_torch(
 
     if algorithm:
         os.environ["HCCL_ALGO" if backend == "hccl" else "NCCL_ALGO"] = algorithm
+    _import_before_the_group_exists()
     device = _bind_device(torch, backend, device_id)
     addr = master_addr or env.master_addr or DEFAULT_MASTER_ADDR
     port = master_port or env.master_port or DEFAULT_MASTER_PORT
+    if not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"master_port={port!r} is not a TCP port: a whole number in 1..65535")
     rendezvous = rendezvous_timeout_from_env() if timeout is None else min(timeout, rendezvous_timeout_from_env())
     timeout = timeout or DEFAULT_TIMEOUT
     try:
@@ -193,9 +200,7 @@ def _init_torch(
             # names a rank started with another WORLD_SIZE (or a RANK given twice) instead of waiting for it.
             store = call_with_deadline(
                 lambda: _agree_on_world(
-                    dist.TCPStore(
-                        addr, port, world_size, is_master=rank == 0, timeout=rendezvous, wait_for_workers=False
-                    ),
+                    _tcp_store(addr, port, world_size, rank == 0, rendezvous),
                     rank,
                     world_size,
                     rendezvous.total_seconds(),
@@ -255,6 +260,59 @@ def _check_peer(rank: int, world_size: int, ranks_seen: set[int], other_rank: in
             f"two processes were started as rank {other_rank} (of {world_size}); give each process a distinct RANK "
             f"in 0..{world_size - 1}"
         )
+
+
+def _import_before_the_group_exists() -> None:
+    """Import torch.distributed.nn.functional while there is no default group.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated at import: imported
+    after the group exists (torch imports it with the first optimizer, through torch._dynamo), it
+    holds the default group forever, so ``destroy_process_group()`` could not free it and its Gloo
+    threads lived on into the interpreter's teardown, where a rank could abort after a clean
+    shutdown ("terminate called without an active exception"). Imported first, the defaults are
+    None (the default group, whichever is live at the call).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        import torch.distributed.nn.functional  # noqa: F401
+
+
+def _tcp_store(addr: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store; rank 0's listens on ``addr`` only (torch's own server listens on every interface,
+    so with MASTER_ADDR=127.0.0.1 any host that reached this machine could read and write the store)."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    # The store owns the descriptor from here and closes it, also when it fails (closing it here as well
+    # could close a descriptor another thread has been given the number of since).
+    fd = _listen_on(addr, port).detach()
+    # (wait_for_workers=False: _agree_on_world waits for every rank itself, and names one that disagrees)
+    return dist.TCPStore(
+        addr, port, world_size, is_master=True, timeout=timeout, master_listen_fd=fd, wait_for_workers=False
+    )
+
+
+def _listen_on(addr: str, port: int) -> socket.socket:
+    """A listening socket bound to ``addr``:``port`` (the first address ``addr`` resolves to, which is also the
+    first a connecting rank tries)."""
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server: no TIME_WAIT wait
+        listener.bind(where)
+        listener.listen(1024)
+    except OSError as exc:
+        listener.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise OSError(
+                exc.errno,
+                f"MASTER_ADDR {addr} is not an address of this machine: rank 0 hosts the rendezvous and listens on "
+                "MASTER_ADDR only, so set it (on every rank) to an address of rank 0's machine that the other ranks reach",
+            ) from None
+        raise
+    return listener
 
 
 def _rendezvous_hint(

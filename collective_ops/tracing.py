@@ -17,8 +17,10 @@ rank that exits without it writes its own ``<file>.rank<N>.json``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import tempfile
 import threading
 import time
 from collections import deque
@@ -188,19 +190,25 @@ def write_trace(path: Path, events: list[dict], world_size: int) -> Path:
     """Write a trace file without following a symlink at ``path`` (a new file, renamed into place)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, 0o644)
-    with os.fdopen(fd, "w") as f:
-        json.dump(
-            {
-                "traceEvents": events,
-                "displayTimeUnit": "ms",
-                "otherData": {"generator": "collective-ops", "world_size": world_size},
-            },
-            f,
-        )
-    os.replace(tmp, path)  # replaces a symlink itself, never what it points to
+    # A name nobody can guess or hold beforehand (mkstemp: O_EXCL, a fresh random name until one is free), in
+    # the target's folder so that the rename is atomic. A fixed name let anyone who made it first stop the write.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide rank 0's trace from the user's other accounts and tools
+        with os.fdopen(fd, "w") as f:
+            json.dump(
+                {
+                    "traceEvents": events,
+                    "displayTimeUnit": "ms",
+                    "otherData": {"generator": "collective-ops", "world_size": world_size},
+                },
+                f,
+            )
+        os.replace(tmp, path)  # replaces a symlink itself, never what it points to
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 
@@ -216,7 +224,11 @@ def start(engine: Any, path: Path | None = None) -> Tracer:
     global _tracer
     if _tracer is not None:
         return _tracer
-    max_events = int(os.environ.get("COLLECTIVE_OPS_TRACE_MAX_EVENTS", "200000"))
+    raw = os.environ.get("COLLECTIVE_OPS_TRACE_MAX_EVENTS", "").strip() or "200000"
+    try:
+        max_events = int(raw)
+    except ValueError:
+        raise ValueError(f"COLLECTIVE_OPS_TRACE_MAX_EVENTS={raw!r} is not a whole number of events >= 1") from None
     tracer = Tracer(engine.rank, engine.world_size, path or trace_path_from_env(), max_events)
     tracer.anchor(engine.barrier)
     _tracer = tracer

@@ -57,6 +57,21 @@ def test_node_environment_and_command_templates() -> None:
     assert strip_link_option(["--world", "2", "--link", "1gbit", "--x", "--link=2gbit"]) == ["--world", "2", "--x"]
 
 
+def test_a_command_with_braces_of_its_own_is_passed_on_as_written() -> None:
+    """Only the link's placeholders are filled: str.format raised KeyError on any other brace."""
+    link = Link.new("10gbit")
+    command = ["python", "-c", "d = {'a': 1}; print(f'{d} {{x}}')", "--rank={node_rank}", "${HOME}", "{}", "{ifname"]
+    assert link.fill(command, 0) == [
+        "python",
+        "-c",
+        "d = {'a': 1}; print(f'{d} {{x}}')",
+        "--rank=0",
+        "${HOME}",
+        "{}",
+        "{ifname",
+    ]
+
+
 @pytest.mark.parametrize("failing_step", [0, 3, 9, None])
 def test_the_link_is_always_torn_down(failing_step) -> None:
     """A failure while building it, or in the nodes' command, still deletes both namespaces."""
@@ -144,6 +159,67 @@ def test_a_real_two_node_run_over_a_10gbit_link_launched_as_a_rank_loop() -> Non
     assert "link ok 10gbit colk" in result.stdout
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert after == before, "the link's namespaces must be gone"
+
+
+STORE_HOLDER = """
+import sys, collective_ops as co
+co.init("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT from the environment
+print("ready", flush=True)
+sys.stdin.readline()  # the store stays up until the test has knocked
+co.shutdown()
+"""
+KNOCK = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()
+    print("connected")
+except OSError as exc:
+    print("refused", exc)
+"""
+
+
+def _knock(link: Link, node: int, addr: str, port: int) -> str:
+    argv = ["ip", "netns", "exec", link.netns(node), sys.executable, "-c", KNOCK, addr, str(port)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+def test_the_rendezvous_store_listens_on_master_addr_only() -> None:
+    """With MASTER_ADDR=127.0.0.1, nothing from another network namespace reaches rank 0's store (torch's own
+    server listened on every interface: a client there read num_keys() and wrote a key)."""
+    reason = _namespaces_allowed()
+    if reason:
+        pytest.skip(reason)
+    link, port, ranks = Link.new("10gbit"), 29500, []
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env.update({"MASTER_PORT": str(port), "COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "30"})
+    try:
+        for argv in link.setup_commands():
+            subprocess.run(argv, check=True, capture_output=True)
+        for rank in range(2):  # both ranks on node 0, as a single-machine run
+            ranks.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", link.netns(0), sys.executable, "-c", STORE_HOLDER],
+                    env={**env, "RANK": str(rank), "DEVICE_ID": str(rank)},
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        assert [rank.stdout.readline().strip() for rank in ranks] == ["ready", "ready"]
+        assert _knock(link, 0, "127.0.0.1", port) == "connected"  # the store is up: the knocks below mean something
+        assert _knock(link, 1, link.master_addr, port).startswith("refused")  # the other node
+        assert _knock(link, 0, link.master_addr, port).startswith("refused")  # node 0's own outward address
+        for rank in ranks:
+            rank.stdin.write("\n")
+            rank.stdin.flush()
+        assert [rank.wait(timeout=60) for rank in ranks] == [0, 0]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+        for argv in link.teardown_commands():
+            subprocess.run(argv, capture_output=True)
 
 
 def _others_can_enter(path: Path) -> bool:

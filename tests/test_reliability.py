@@ -294,6 +294,42 @@ def test_a_rank_whose_rendezvous_port_is_another_programs_fails_in_bounded_time(
         co.init("gloo", rank=0, world_size=1, master_port=free_port())
 
 
+# Each variable the library reads, with a value it does not take, and what the error says it takes. Before,
+# these failed later and elsewhere: a comm hook error at the first backward (a stall timeout of nan/inf), a
+# wait with no limit (a negative one), a raw ValueError/OverflowError (rendezvous nan/inf), int()'s own message
+# (max events), "not every rank arrived within 120 s" (a port out of range).
+BAD_ENVIRONMENT = [
+    ("COLLECTIVE_OPS_STALL_TIMEOUT", "nan", "seconds >= 0"),
+    ("COLLECTIVE_OPS_STALL_TIMEOUT", "inf", "seconds >= 0"),
+    ("COLLECTIVE_OPS_STALL_TIMEOUT", "-1", "seconds >= 0"),
+    ("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT", "nan", "seconds > 0"),
+    ("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT", "inf", "seconds > 0"),
+    ("COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT", "0", "seconds > 0"),
+    ("COLLECTIVE_OPS_TRACE_MAX_EVENTS", "abc", "whole number of events >= 1"),
+    ("COLLECTIVE_OPS_TRACE_MAX_EVENTS", "0", "whole number of events >= 1"),
+    ("COLLECTIVE_OPS_TRACE", "maybe", "a switch"),
+    ("COLLECTIVE_OPS_CHECK_SHAPES", "yes please", "0 or 1"),
+    ("COLLECTIVE_OPS_BACKEND", "mpi2", "a backend"),
+    ("MASTER_PORT", "99999", "1..65535"),
+    ("MASTER_PORT", "-1", "1..65535"),
+    ("WORLD_SIZE", "0", "whole number >= 1"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "takes"), BAD_ENVIRONMENT)
+def test_a_bad_environment_variable_is_named_at_init(monkeypatch, name: str, value: str, takes: str) -> None:
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("COLLECTIVE_OPS_TRACE_MAX_EVENTS", "1000")  # (the tracer, if a case turns it on, is small)
+    monkeypatch.setenv(name, value)
+    try:
+        with pytest.raises(ValueError, match=rf"{name}={value!r} is not .*{re.escape(takes)}"):
+            co.init("gloo", rank=0, world_size=1, trace=name == "COLLECTIVE_OPS_TRACE_MAX_EVENTS")
+    finally:
+        monkeypatch.delenv(name)
+        co.shutdown()
+    assert not co.is_initialized()
+
+
 def test_no_hooks_or_buffers_outlive_a_deleted_wrapper(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     from tests.models import build

@@ -235,11 +235,12 @@ def test_shutdown_finishes_work_in_flight_and_joins_the_groups_it_made() -> None
     """A Gloo work still running, or still held by Gloo's worker, when the interpreter finalizes is freed on
     that worker, which then needs the GIL and aborts the process ("terminate called without an active
     exception"): 1 to 6 runs in 50 of a 2-rank DistributedOptimizer script did, before shutdown() finished
-    the last step's work and let go of the library's own groups (0 of 160 after; the README-style script
-    with only the default group: 1 of 80, the default group's own workers, which torch keeps)."""
+    the last step's work and let go of the library's own groups (0 of 160 after), and the README's script
+    about 1 rank run in 80 while torch kept the default group alive after destroy_process_group()."""
     for out in run_ranks(2, shutdown_with_work_in_flight, clean_exit=False):
         assert out["before"]["in_flight"] and not out["after"]["in_flight"], out
         assert out["groups_left"] == [False, False, False, False], out
-        # default, masks', all-gathers', checkpoint arrivals' and buffers' groups: two workers each; only the
-        # default group's stay
-        assert out["before"]["threads"] == 10 and out["after"]["threads"] == 2, out
+        # default, masks', all-gathers', checkpoint arrivals' and buffers' groups: two workers each; none stays.
+        # The default group's stayed (torch.distributed.nn.functional, imported with the first optimizer, held
+        # it in its functions' default arguments): its threads met the interpreter's teardown
+        assert out["before"]["threads"] == 10 and out["after"]["threads"] == 0, out

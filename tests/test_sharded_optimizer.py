@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -359,6 +360,67 @@ def _dcp_full_state_dicts(rank: int, steps: int = 3) -> dict:
     out["full_loaded"] = _state_arrays(optimizer.state_dict())
     remove_shared_folder(path)
     return out
+
+
+def _state_without_pickles(rank: int) -> dict:
+    """``opt.state_dict()`` and DCP's ``get_state_dict()`` (sharded and full) of a sharded AdamW over a bf16 model
+    with a 0-d parameter (its state and fp32 master go whole with ``step``), with every collective of
+    torch.distributed that unpickles what peers send made to raise: what was refused (None: nothing), and the
+    states taken so, beside the same taken with those collectives allowed (arrays)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import collective_ops as co
+    from tests.models import build
+
+    def arrays(state: dict) -> dict:
+        return {f"{i}/{k}": v.detach().float().numpy().copy() for i, entry in state.items() for k, v in entry.items()}
+
+    def taken() -> dict:
+        sharded = get_state_dict(model, optimizer)[1]["state"]  # its scalars: step, the 0-d parameter's state
+        full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))[1]["state"]
+        scalars = {
+            name: {k: v for k, v in entry.items() if not hasattr(v, "local_shards")} for name, entry in sharded.items()
+        }
+        kinds = {
+            "state_dict": arrays(optimizer.state_dict()["state"]),
+            "full": arrays(full),
+            "sharded": arrays(scalars),
+        }
+        return {f"{kind} {key}": value for kind, values in kinds.items() for key, value in values.items()}
+
+    model = co.wrap(build("scaled-mlp").to(torch.bfloat16), **BUCKET)
+    optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard=True)
+    _bf16_trained(rank, model, optimizer, steps=2)
+    allowed = taken()
+    refused: list[str] = []
+    pickling = (
+        "all_gather_object",
+        "gather_object",
+        "broadcast_object_list",
+        "scatter_object_list",
+        "send_object_list",
+    )
+    originals = {name: getattr(dist, name) for name in pickling}
+
+    def refuse(name: str):
+        def call(*args, **kwargs):
+            refused.append(name)
+            raise RuntimeError(f"dist.{name} unpickles what peers send")
+
+        return call
+
+    try:
+        for name in pickling:
+            setattr(dist, name, refuse(name))
+        forbidden = taken()
+    except RuntimeError as exc:  # (on every rank alike: no rank is left waiting)
+        forbidden = str(exc)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"refused": refused, "allowed": allowed, "forbidden": forbidden}
 
 
 def _dcp_resumed_layouts(rank: int, steps: int = 3, more: int = 2) -> dict:
@@ -915,6 +977,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     checks["dcp_resumed"] = functools.partial(resumed_through_torch_dcp, rank, shard=True)
     checks["dcp_layouts"] = functools.partial(_dcp_resumed_layouts, rank)
     checks["dcp_full"] = functools.partial(_dcp_full_state_dicts, rank)
+    checks["no_pickles"] = functools.partial(_state_without_pickles, rank)
     checks["consolidated"] = functools.partial(_consolidated, rank)
     checks["zero_checkpoints"] = functools.partial(_zero_checkpoints, rank)
     checks[("errors", "assumed")] = functools.partial(_refused_sharded, rank)
@@ -1495,6 +1558,15 @@ def test_torch_dcp_full_state_dicts_and_async_save(two_ranks) -> None:
         assert_identical(out["full_loaded"], out["taken"], f"full state dict loaded in memory, rank {rank}")
 
 
+def test_state_dicts_take_nothing_unpickled_from_peers(two_ranks) -> None:
+    """opt.state_dict() and DCP's get_state_dict() exchanged step and 0-d parameters' state with
+    dist.all_gather_object (an unpickle of each peer's bytes); they are JSON in uint8 tensors now."""
+    for rank, out in enumerate(result["no_pickles"] for result in two_ranks):
+        assert out["refused"] == [], f"rank {rank} called {out['refused']}"
+        assert isinstance(out["forbidden"], dict), f"rank {rank}: {out['forbidden']}"
+        assert_identical(out["forbidden"], out["allowed"], f"state dicts without pickling collectives, rank {rank}")
+
+
 def test_consolidate_state_dict_gathers_the_state_onto_one_rank_in_host_memory(two_ranks) -> None:
     """torch's ZeroRedundancyOptimizer idiom: consolidate_state_dict(to=1) on every rank, then state_dict() on
     rank 1 alone, with no collective, gives the full state (host memory); rank 0 gets an error that says where it
@@ -1691,3 +1763,25 @@ def test_each_step_reduce_scatters_shards_and_all_gathers_them_never_allreduces_
             assert sum(kinds.get(("all_gather_shard", "received"), {}).values()) == gather, what
             allreduced = sum(size for (_, call, way), size in counts.items() if call == "all_reduce" and way == "sent")
             assert allreduced < smallest, what  # no bucket (nor a shard of one) allreduced
+
+
+def test_state_values_cross_as_json_bit_for_bit_and_other_objects_are_refused() -> None:
+    import torch
+
+    from collective_ops.adapters._state_json import decode, encode
+
+    values = {
+        3: {"step": torch.tensor(7.0), "exp_avg": torch.tensor([1e-30, -0.0, float("nan")], dtype=torch.bfloat16)},
+        5: {"z": torch.tensor([1 + 2j]), "flag": True, "n": None, "lr": float("inf"), "betas": (0.9, 0.99)},
+        7: {"empty": torch.empty(0, 4, dtype=torch.float16), "ints": torch.arange(6, dtype=torch.int64).view(2, 3)},
+    }
+    back = decode(json.loads(json.dumps(encode(values))), torch.device("cpu"))
+    assert back.keys() == values.keys() and back[5]["betas"] == (0.9, 0.99) and back[5]["lr"] == float("inf")
+    for index, entry in values.items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                got = back[index][key]
+                assert got.dtype == value.dtype and got.shape == value.shape, key
+                assert got.view(-1).view(torch.uint8).tolist() == value.reshape(-1).view(torch.uint8).tolist(), key
+    with pytest.raises(TypeError, match="builtins.set cannot be exchanged.*nothing is pickled"):
+        encode({"odd": {1, 2}})

@@ -258,6 +258,25 @@ def test_trace_writer_never_follows_a_symlink(tmp_path: Path) -> None:
     assert not link.is_symlink() and json.loads(link.read_text())["traceEvents"][0]["pid"] == 0
 
 
+@pytest.mark.parametrize("planted", ["file", "symlink"])
+def test_a_temporary_name_taken_beforehand_neither_stops_the_trace_nor_is_followed(tmp_path: Path, planted) -> None:
+    """The temporary file had a fixed name (``.comm_trace.json.<pid>.tmp``): anyone who made it first made the
+    write raise (shutdown() failed, the trace was lost) or, as a symlink, pointed it elsewhere."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    taken = tmp_path / f".comm_trace.json.{os.getpid()}.tmp"
+    if planted == "file":
+        taken.write_text("someone else's")
+    else:
+        os.symlink(victim, taken)
+    target = tmp_path / "comm_trace.json"
+    write_trace(target, [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "rank 0"}}], 1)
+    assert json.loads(target.read_text())["traceEvents"][0]["pid"] == 0
+    assert victim.read_text() == "precious"
+    assert taken.is_symlink() if planted == "symlink" else taken.read_text() == "someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([taken.name, "comm_trace.json", "victim.txt"])
+
+
 def test_analysis_by_hand() -> None:
     # two ranks, one bucket, one step: rank 1 launches 3 ms after rank 0
     def bucket(pid, ts, dur, exposed):

@@ -37,6 +37,7 @@ from ..bucketing.plan import BucketPlan
 from ..bucketing.schedule import OrderPrediction, simulate_sharded
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..bucketing.updates import PendingUpdates
+from . import _state_json
 from ._options import names_text
 from .torch import DistributedDataParallel, called_by_torch_dcp, view_like
 from .torch_inplace import InPlaceGuard
@@ -1100,8 +1101,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 scalars[piece.param_index] = self._scalar_state(piece, tensor, state)
         if any(_is_master(pc, t, self._param_buffers) for pc, t in self._pieces):
             keys.add(MASTER_KEY)
-        gathered: list[Any] = [None] * self.model.engine.world_size
-        dist.all_gather_object(gathered, (scalars, sorted(keys)))
+        gathered = _state_json.allgather(self.model.engine, (scalars, sorted(keys)))  # JSON: nothing unpickled
         state: dict[int, dict[str, Any]] = {}
         for rank_scalars, _ in gathered:
             state.update({index: _moved(dict(values), device) for index, values in rank_scalars.items()})

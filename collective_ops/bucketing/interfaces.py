@@ -8,6 +8,7 @@ implements :class:`BucketEngine`; the core only ever calls these methods, which 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -167,7 +168,7 @@ def wait_with_timeout(handle: Any, timeout: float | None) -> Any:
 
 
 def env_seconds(name: str, default: float | None) -> float | None:
-    """Seconds from environment variable ``name``: ``default`` when unset, None for 0 or less (no limit)."""
+    """Seconds from environment variable ``name``: ``default`` when unset, None for 0 (no limit)."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
@@ -175,7 +176,9 @@ def env_seconds(name: str, default: float | None) -> float | None:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a number of seconds") from None
-    return None if seconds <= 0 else seconds
+    if not math.isfinite(seconds) or seconds < 0:  # nan/inf broke the waits later; a negative one meant "forever"
+        raise ValueError(f"{name}={value!r} is not a number of seconds >= 0 (0: no limit)")
+    return None if seconds == 0 else seconds
 
 
 def call_with_deadline(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
