@@ -1123,7 +1123,15 @@ def _record_lookups(tables: dict[str, nn.Module], reduction: RowSparseReduction)
 
 
 def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Sparse gradients and parameters on several devices: refused before anything is communicated."""
+    """Sparse gradients, parameters on several devices or on the meta device: refused before anything is
+    communicated (several devices first: a model half on meta is one to move, not to materialise)."""
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's trainable parameters live on {len(devices)} devices ({', '.join(devices)}); collective_ops "
+            "reduces one device per process (autograd runs one hook thread per device). Move the model to one "
+            "device, and launch one process per device (torchrun --nproc-per-node)."
+        )
     for name, p in named:
         if p.is_meta:  # its gradients would land in the meta buckets planned for it, never averaged
             raise ValueError(
@@ -1139,13 +1147,6 @@ def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]
                 "collective_ops reduces dense gradients only. Build it with sparse=False (collective_ops then sends "
                 "only the rows the ranks looked up: row_sparse_embeddings), or freeze it (requires_grad=False)."
             )
-    devices = sorted({str(p.device) for _, p in named})
-    if len(devices) > 1:
-        raise ValueError(
-            f"the model's trainable parameters live on {len(devices)} devices ({', '.join(devices)}); collective_ops "
-            "reduces one device per process (autograd runs one hook thread per device). Move the model to one "
-            "device, and launch one process per device (torchrun --nproc-per-node)."
-        )
 
 
 @torch._disable_dynamo
