@@ -123,7 +123,10 @@ class CollectiveOpsStrategy(DDPStrategy):
         groups = [
             {key: value for key, value in group.items() if key != "initial_lr"} for group in optimizer.param_groups
         ]
-        sharded = co.DistributedOptimizer(self.model, type(optimizer), params=groups, shard=True, **optimizer.defaults)
+        # (defaults may hold more than the constructor takes: AdamW's decoupled_weight_decay; the groups hold them all)
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        settings = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+        sharded = co.DistributedOptimizer(self.model, type(optimizer), params=groups, shard=True, **settings)
         for config in self.lr_scheduler_configs:
             if config.scheduler.optimizer is optimizer:
                 config.scheduler.optimizer = sharded

@@ -8,12 +8,13 @@ What nanoGPT's ``train.py`` does is kept as it writes it: gradient accumulation 
 ``model.require_backward_grad_sync`` on the last micro-step, ``model.module`` for the raw model, clipping with
 ``torch.nn.utils.clip_grad_norm_``, evaluation on the master process only, and checkpoints of the raw model and
 the optimizer from the master. The data is a synthetic token stream (no download). The last line printed is a
-checksum of the weights: the same under ``--ddp`` and without it.
+hash of the weights' bytes: the same under ``--ddp`` and without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 
@@ -116,8 +117,8 @@ def main() -> None:
             checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": iter_num}
             torch.save(checkpoint, os.path.join(args.out_dir, "ckpt.pt"))
     weights = model.state_dict()  # (finishes any update a DistributedOptimizer still owes)
-    checksum = sum(float(t.double().abs().sum()) for t in weights.values())
-    print(f"rank {ctx.rank}: weight checksum {checksum!r}")
+    digest = hashlib.sha1(b"".join(t.detach().contiguous().numpy().tobytes() for t in weights.values()))
+    print(f"rank {ctx.rank}: weight checksum {digest.hexdigest()}", flush=True)
     dist.barrier()
     co.shutdown()
 

@@ -125,12 +125,30 @@ def feature_checks(rank: int, world: int) -> dict:
         optimizer.step()
         return snapshot(model.module)
 
-    # no_sync accumulation, in view and copy mode, against DDP's no_sync (no warning: the last backward reduces)
+    def accumulate_then_closure(model) -> dict:  # Lightning's order: the last micro-batch's backward in the closure
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = rank_batch(MLP, 0, rank)
+        with model.no_sync():
+            loss_fn(model(x), y).backward()
+
+        def closure() -> torch.Tensor:
+            x, y = rank_batch(MLP, 1, rank)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        return snapshot(model.module)
+
+    # no_sync accumulation, in view and copy mode, against DDP's no_sync (no warning: the last backward reduces,
+    # also inside a closure given to step())
     out["no_sync_ddp"] = accumulate(torch.nn.parallel.DistributedDataParallel(build("mlp")))
+    out["closure_ddp"] = accumulate_then_closure(torch.nn.parallel.DistributedDataParallel(build("mlp")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out["no_sync_view"] = accumulate(co.wrap(build("mlp"), bucket_size_mb=0.01))
         out["no_sync_copy"] = accumulate(co.wrap(build("mlp"), bucket_size_mb=0.01, gradient_as_bucket_view=False))
+        out["closure_ours"] = accumulate_then_closure(co.wrap(build("mlp"), bucket_size_mb=0.01))
     out["no_sync_warnings"] = [str(w.message) for w in caught]
 
     # every backward under no_sync (the last one too): the step trains on gradients never averaged, warned once
@@ -539,6 +557,7 @@ def test_adapter_features(world: int) -> None:
 
     for out in results:
         assert_identical(out["no_sync_view"], out["no_sync_ddp"], "no_sync (view) vs DDP")
+        assert_identical(out["closure_ours"], out["closure_ddp"], "no_sync, then the reducing backward in a closure")
         assert_identical(out["no_sync_copy"], out["no_sync_ddp"], "no_sync (copy) vs DDP")
         assert not [w for w in out["no_sync_warnings"] if "no_sync()" in w], out["no_sync_warnings"]
         for name in ("fp16", "allreduce", "late"):

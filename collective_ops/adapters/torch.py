@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import runtime, tracing
 from ..bucketing import (
@@ -1198,13 +1198,28 @@ _STEP_WATCH: Any = None  # torch's global optimizer step pre-hook, registered at
 def _watch_optimizer_steps() -> None:
     global _STEP_WATCH
     if _STEP_WATCH is None:
-        _STEP_WATCH = register_optimizer_step_pre_hook(_before_any_optimizer_step)
+        _STEP_WATCH = (
+            register_optimizer_step_pre_hook(_before_any_optimizer_step),
+            register_optimizer_step_post_hook(_after_any_optimizer_step),
+        )
 
 
 def _before_any_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """torch's global step pre-hook: what a wrapped model owes an optimizer about to step its parameters."""
     _finish_for_optimizer_beside(optimizer)
-    _warn_unreduced_step(optimizer)
+    if not _steps_with_closure(args, kwargs):
+        _warn_unreduced_step(optimizer)
+
+
+def _after_any_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's global step post-hook. A step given a closure (Lightning's, LBFGS's) runs the last micro-batch's
+    backward inside it, after the pre-hook: whether that backward averaged the accumulation shows only now."""
+    if _steps_with_closure(args, kwargs):
+        _warn_unreduced_step(optimizer)
+
+
+def _steps_with_closure(args: Any, kwargs: Any) -> bool:
+    return (args[0] if args else kwargs.get("closure")) is not None
 
 
 def _finish_for_optimizer_beside(optimizer: torch.optim.Optimizer) -> None:

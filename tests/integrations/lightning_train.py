@@ -44,7 +44,7 @@ class Classifier(L.LightningModule):
         self.log("val_loss", self.loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> dict:
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
