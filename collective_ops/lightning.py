@@ -109,9 +109,13 @@ class CollectiveOpsStrategy(DDPStrategy):
                 by_norm(optimizer, clip_val)
 
         def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
-            if isinstance(_unwrapped(optimizer), co.DistributedOptimizer):
-                _unwrapped(optimizer).gather_gradients()
-            by_value(optimizer, clip_val)
+            inner = _unwrapped(optimizer)
+            if not isinstance(inner, co.DistributedOptimizer):
+                return by_value(optimizer, clip_val)
+            inner.gather_gradients()
+            # over its parameters as the model holds them: reading opt.param_groups would bind the shards again
+            trained = [p for p in self.lightning_module.parameters() if id(p) in inner._trained]
+            torch.nn.utils.clip_grad_value_(trained, clip_val)
 
         plugin.clip_grad_by_norm, plugin.clip_grad_by_value = clip_grad_by_norm, clip_grad_by_value
 
