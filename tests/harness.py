@@ -43,18 +43,35 @@ def _rank_environment(extra: dict | None) -> dict:
     return {**os.environ, **(extra or {})}
 
 
+def _join_as_rank(rank: int, world_size: int, port: int, env: dict) -> Any:
+    """A forked rank's start: the parent's environment at the start, as under spawn (not the forkserver's), one
+    thread, the Gloo group joined. Returns the collective_ops module."""
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    import collective_ops
+
+    collective_ops.init("gloo", rank=rank, world_size=world_size, master_port=port, timeout=60)
+    return collective_ops
+
+
+def _start_ranks(target: Callable, world_size: int, port: int, *args: Any) -> list:
+    """``target(rank, world_size, port, *args)`` started in one forked process per rank."""
+    procs = [
+        _RANK_CONTEXT.Process(target=target, args=(r, world_size, port, *args), daemon=True) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
 def _entry(
     rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict, clean_exit: bool = True
 ) -> None:
-    os.environ.clear()  # the parent's environment at the start, as under spawn (not the forkserver's)
-    os.environ.update(env)
     try:
-        import torch
-
-        torch.set_num_threads(1)
-        import collective_ops
-
-        collective_ops.init("gloo", rank=rank, world_size=world_size, master_port=port, timeout=60)
+        collective_ops = _join_as_rank(rank, world_size, port, env)
         value = fn(rank, world_size, *args)
         pickle.dumps(value)  # a value the queue cannot send fails here, reported, not as a timeout
         if clean_exit:
@@ -74,14 +91,7 @@ def run_ranks(
     results = _RANK_CONTEXT.Queue()
     port = free_port()
     env = _rank_environment(env)
-    procs = [
-        _RANK_CONTEXT.Process(
-            target=_entry, args=(r, world_size, port, fn, args, results, env, clean_exit), daemon=True
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs = _start_ranks(_entry, world_size, port, fn, args, results, env, clean_exit)
     out: dict[int, Any] = {}
     errors: list[str] = []
     try:
@@ -171,15 +181,8 @@ def _checks_entry(
 ) -> None:
     """A rank of :func:`run_checks`: the checks from ``start`` on, each one's result sent as it ends. The first
     that raises ends this rank (its peers may be inside that check's collectives: the group is not trusted)."""
-    os.environ.clear()
-    os.environ.update(env)
     try:
-        import torch
-
-        torch.set_num_threads(1)
-        import collective_ops
-
-        collective_ops.init("gloo", rank=rank, world_size=world_size, master_port=port, timeout=60)
+        collective_ops = _join_as_rank(rank, world_size, port, env)
         checks = checks_fn(rank, world_size, *args)
         results.put((rank, "names", list(checks)))
     except BaseException:
@@ -207,14 +210,7 @@ def _check_group(
     index). Returns the checks' names and where a fresh group must go on (None: every check has run)."""
     results = _RANK_CONTEXT.Queue()
     port = free_port()
-    procs = [
-        _RANK_CONTEXT.Process(
-            target=_checks_entry, args=(r, world_size, port, checks_fn, args, results, env, start), daemon=True
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs = _start_ranks(_checks_entry, world_size, port, checks_fn, args, results, env, start)
     names: list = []
     done: set[int] = set()
     failed_at: int | None = None  # the first check that raised on some rank
