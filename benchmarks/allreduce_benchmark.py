@@ -8,7 +8,7 @@ The same as `collective-ops bench`; see collective_ops/bench.py for the definiti
 
 import sys
 
-from collective_ops.cli import main
+from collective_ops.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

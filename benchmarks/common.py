@@ -9,7 +9,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from collective_ops.link import ENV_NNODES, ENV_NODE_RANK, link_label, rate_bits, relaunch_on_link, strip_link_option
+from collective_ops.tools.link import (
+    ENV_NNODES,
+    ENV_NODE_RANK,
+    link_label,
+    rate_bits,
+    relaunch_on_link,
+    strip_link_option,
+)
 
 _spawn_calls = 0  # successive spawns of one run use successive ports (every node counts alike)
 

@@ -59,7 +59,7 @@ def render(traces: dict[str, Path], title: str, output: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from collective_ops.heatmap import load_events
+    from collective_ops.tools.heatmap import load_events
 
     fig, axes = plt.subplots(len(traces), 1, figsize=(10, 2.2 + 1.6 * len(traces)), sharex=True)
     for ax, (label, path) in zip(axes, traces.items()):

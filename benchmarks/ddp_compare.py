@@ -103,7 +103,7 @@ def one_step(model, optimizer, batch) -> float:
 
 
 def _sync(device: torch.device) -> None:
-    from collective_ops.bench import _sync as sync_device
+    from collective_ops.tools.bench import _sync as sync_device
 
     sync_device(device)
 

@@ -257,7 +257,7 @@ def accelerator_paths(device: str) -> dict:
     import torch
 
     import collective_ops as co
-    from collective_ops.bench import run_sweep
+    from collective_ops.tools.bench import run_sweep
     from tests.models import MLP, build, rank_batch
 
     out = {}
@@ -355,7 +355,7 @@ def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
 def cli_bench_row(backend: str, device: str) -> tuple[str, str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.json"
-        cmd = [sys.executable, "-m", "collective_ops.cli", "bench", "--backend", backend, "-b", "8", "-e", "64M"]
+        cmd = [sys.executable, "-m", "collective_ops.tools.cli", "bench", "--backend", backend, "-b", "8", "-e", "64M"]
         code, log = _run([*cmd, "-f", "8", "-n", "20", "--json", str(path)], 180)
         if code != 0 or not path.exists():
             return (f"collective-ops bench --backend {backend}", "FAIL", log.strip().splitlines()[-1] if log else "")

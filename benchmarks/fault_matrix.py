@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from collective_ops.link import Link, LinkUnavailable, _run_checked, check_available  # noqa: E402
+from collective_ops.tools.link import Link, LinkUnavailable, _run_checked, check_available  # noqa: E402
 from tests.harness import free_port, run_rank_processes  # noqa: E402
 
 FAULTS = ("kill", "stop", "raise", "partition")

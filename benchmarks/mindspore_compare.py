@@ -121,7 +121,7 @@ def launch(args) -> int:
         + (["--compression", args.compression] if args.compression else [])
     )
     if args.link != "none":
-        from collective_ops.link import run_on_link_or_explain
+        from collective_ops.tools.link import run_on_link_or_explain
 
         code = run_on_link_or_explain(args.link, lambda link, node: link.fill(cmd, node), log_dir=str(out), env=env)
         proc = subprocess.CompletedProcess(cmd, code, "", "")
@@ -145,7 +145,7 @@ def run(args) -> None:
     from mindspore import nn
 
     import collective_ops as co
-    from collective_ops.link import link_label
+    from collective_ops.tools.link import link_label
     from examples.train_mindspore import ConvNet
 
     ms.set_context(mode=ms.GRAPH_MODE if args.graph else ms.PYNATIVE_MODE)
@@ -216,7 +216,7 @@ def run(args) -> None:
         if args.train_cell:  # the reducer inside nn.TrainOneStepCell, where DistributedGradReducer sits
             with_loss = nn.WithLossCell(net, loss_fn)
             if wrapped is not None:
-                from collective_ops.adapters.mindspore import TrainOneStepCell
+                from collective_ops.mindspore import TrainOneStepCell
 
                 cell = TrainOneStepCell(with_loss, opt, wrapped)
             else:

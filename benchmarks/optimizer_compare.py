@@ -209,7 +209,7 @@ def _link_seconds(nbytes: int) -> float | None:
     """A 2-rank ring allreduce of ``nbytes`` over the emulated link (each direction carries ``nbytes``)."""
     import os
 
-    from collective_ops.link import ENV_LINK, rate_bits
+    from collective_ops.tools.link import ENV_LINK, rate_bits
 
     rate = os.environ.get(ENV_LINK)
     return nbytes * 8 / rate_bits(rate) if rate else None

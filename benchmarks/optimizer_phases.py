@@ -52,7 +52,7 @@ def _time_forward_waits() -> list[float]:
     """Seconds each DistributedOptimizer forward pre-hook, and each read of a parameter before its module runs,
     spends finishing buckets (and, sharded, waiting for all-gathers), appended to the list returned; patched on
     the class (the sharded one inherits both), as the hooks hold bound methods."""
-    from collective_ops.adapters.torch_optimizer import DistributedOptimizer
+    from collective_ops.torch.optim.optimizer import DistributedOptimizer
 
     waits: list[float] = []
     for name in ("_before_forward_of", "read_owed"):

@@ -47,16 +47,16 @@ def __getattr__(name: str) -> Any:
     # Loaded on first use: importing collective_ops imports no deep-learning framework.
     if name == "DistributedOptimizer":  # torch's class, which hands a MindSpore network to MindSpore's
         try:
-            from .adapters.torch_optimizer import DistributedOptimizer
+            from .torch.optim.optimizer import DistributedOptimizer
         except ModuleNotFoundError:  # MindSpore without torch
-            from .adapters.mindspore_optimizer import DistributedOptimizer
+            from .mindspore.optim import DistributedOptimizer
         return DistributedOptimizer
     raise AttributeError(f"module 'collective_ops' has no attribute {name!r}")
 
 
 def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
     """Make ``model`` data-parallel: a ``torch.nn.Module`` or a ``mindspore.nn.Cell``."""
-    from .adapters import wrap as _wrap
+    from .frameworks import wrap as _wrap
 
     return _wrap(model, bucket_size_mb=bucket_size_mb, **options)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 import collective_ops as co
 
-from .adapters.torch import DistributedDataParallel as WrappedModel
+from .torch.ddp import DistributedDataParallel as WrappedModel
 
 # Where Accelerate would not wrap a model in DDP either: nothing for collective_ops to do.
 _DATA_PARALLEL = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_NPU)

@@ -28,7 +28,7 @@ from torch import nn
 
 import collective_ops as co
 
-from .adapters.torch import DistributedDataParallel as WrappedModel
+from .torch.ddp import DistributedDataParallel as WrappedModel
 
 STRATEGY_NAME = "collective_ops"
 # DDPStrategy's own keywords (launcher, plugins, process group): everything else is wrap()'s.

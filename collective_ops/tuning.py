@@ -198,7 +198,7 @@ def measure_alpha_beta(
     Then ``alpha_queued`` from 8 async allreduces of 1 MiB launched back to back (as buckets
     are): their total time beyond ``alpha + 8 * beta * 1 MiB``, per queued collective.
     """
-    from .bench import run_sweep
+    from .tools.bench import run_sweep
 
     rows = run_sweep(
         "allreduce", list(sizes), warmup=2, iters=iters, impls=("raw",), progress=False, rounds=1, check=False
@@ -229,8 +229,8 @@ def _back_to_back_seconds(count: int, nbytes: int, repeats: int = 3) -> tuple[fl
     and the largest over ranks of this process's CPU time per second of them."""
     import torch
 
-    from .bench import _sync
     from .runtime import get_engine
+    from .tools.bench import _sync
 
     engine = get_engine("torch")
     buffers = [torch.zeros(nbytes // 4, dtype=torch.float32, device=engine.device) for _ in range(count)]

@@ -3,7 +3,7 @@
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True \\
         examples/train_mindspore_model.py --epochs 2
 
-The training network is ``collective_ops.adapters.mindspore.TrainOneStepCell``: MindSpore's
+The training network is ``collective_ops.mindspore.TrainOneStepCell``: MindSpore's
 ``nn.TrainOneStepCell`` whose gradient reducer is collective_ops' bucket reduction (hooks in
 PyNative mode, the plan compiled into the step in GRAPH mode with ``--graph``), in place of the
 ``DistributedGradReducer`` that ``Model(net, loss_fn, optimizer)`` builds in data-parallel
@@ -23,7 +23,7 @@ from mindspore import nn
 from mindspore.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint, TimeMonitor
 
 import collective_ops as co
-from collective_ops.adapters.mindspore import TrainOneStepCell, TrainOneStepWithLossScaleCell
+from collective_ops.mindspore import TrainOneStepCell, TrainOneStepWithLossScaleCell
 
 
 class ConvNet(nn.Cell):

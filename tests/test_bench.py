@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from collective_ops import bench
+from collective_ops.tools import bench
 from tests.harness import run_ranks
 
 
@@ -117,7 +117,7 @@ def test_cli_writes_table_csv_json_and_plot(tmp_path) -> None:
     assert " redop " in result.stdout
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     bad = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "bench", "-b", "lots"], capture_output=True, text=True
+        [sys.executable, "-m", "collective_ops.tools.cli", "bench", "-b", "lots"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "is not a number of bytes" in bad.stderr
 
@@ -144,7 +144,7 @@ def test_cli_mistakes_are_one_line_usage_errors(args, message) -> None:
 
     if "nccl" in args and torch.cuda.is_available():
         pytest.skip("on a GPU host --backend nccl is right")
-    result = subprocess.run([sys.executable, "-m", "collective_ops.cli", *args], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "collective_ops.tools.cli", *args], capture_output=True, text=True)
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
@@ -152,10 +152,12 @@ def test_cli_mistakes_are_one_line_usage_errors(args, message) -> None:
 def test_cli_version_and_help_texts() -> None:
     from collective_ops import __version__
 
-    version = subprocess.run([sys.executable, "-m", "collective_ops.cli", "--version"], capture_output=True, text=True)
+    version = subprocess.run(
+        [sys.executable, "-m", "collective_ops.tools.cli", "--version"], capture_output=True, text=True
+    )
     assert version.returncode == 0 and version.stdout.strip() == f"collective-ops {__version__}"
     helptext = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "bench", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "collective_ops.tools.cli", "bench", "--help"], capture_output=True, text=True
     ).stdout
     assert "powers of 1024" in helptext and "(default: 60)" in helptext and "(default: 64M)" in helptext
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective_ops.adapters.torch_optimizer import TRIAL_BLOCK_STEPS, TRIAL_CANDIDATES, TRIAL_ROUNDS
+from collective_ops.torch.optim.optimizer import TRIAL_BLOCK_STEPS, TRIAL_CANDIDATES, TRIAL_ROUNDS
 from tests.harness import run_checks, run_ranks
 from tests.reference import InTurn, assert_identical, snapshot, two_losses_per_step
 
@@ -1087,8 +1087,8 @@ def weights_whichever_order_is_kept(rank: int, world: int, steps: int = 36) -> d
     import torch
 
     import collective_ops as co
-    from collective_ops.adapters import torch_optimizer
     from collective_ops.bucketing.schedule import OrderTrial
+    from collective_ops.torch.optim import optimizer as torch_optimizer
 
     shortlist = torch_optimizer._shortlist
 
@@ -1398,7 +1398,7 @@ def launch_order_planned(rank: int) -> tuple:
 
     # the launch order planned after step 3 from rank 0's profile (schedule="auto", the default), its shortlist
     # run in turn against plan order, the fastest kept: every forward's order recorded, weights against DDP
-    from collective_ops.adapters import torch_optimizer
+    from collective_ops.torch.optim import optimizer as torch_optimizer
     from tests.models import TinyTransformer, build
 
     model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001)
@@ -1652,8 +1652,8 @@ def test_shortlisted_orders_reach_every_rank_whatever_their_lengths(two_ranks) -
 
 
 def test_the_shortlist_takes_a_chunked_order_only_where_simulated_faster() -> None:
-    from collective_ops.adapters.torch_optimizer import _shortlist
     from collective_ops.bucketing.schedule import OrderPrediction
+    from collective_ops.torch.optim.optimizer import _shortlist
 
     def predicted(order, step_s):
         return OrderPrediction(order, 0, step_s, 0.0, 0, step_s)
@@ -1840,7 +1840,7 @@ def traced_run(rank: int, world: int) -> None:
 def test_the_trace_shows_updates_and_forward_waits_and_one_schedule_for_every_rank(tmp_path) -> None:
     from collections import defaultdict
 
-    from collective_ops.heatmap import load_events
+    from collective_ops.tools.heatmap import load_events
 
     trace = tmp_path / "trace.json"
     run_ranks(2, traced_run, env={"COLLECTIVE_OPS_TRACE_FILE": str(trace)})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from collective_ops.link import Link, check_available, rate_bits, run_on_link, strip_link_option
+from collective_ops.tools.link import Link, check_available, rate_bits, run_on_link, strip_link_option
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,7 +147,7 @@ def test_a_real_two_node_run_over_a_10gbit_link_launched_as_a_rank_loop() -> Non
     result = subprocess.run(
         # the seed-style launch across machines: each node sets RANK/WORLD_SIZE/DEVICE_ID (the link sets
         # MASTER_ADDR to node 0's address and GLOO_SOCKET_IFNAME to the node's interface)
-        [sys.executable, "-m", "collective_ops.link", "--rate", "10gbit", "--", "env", "RANK={node_rank}"]
+        [sys.executable, "-m", "collective_ops.tools.link", "--rate", "10gbit", "--", "env", "RANK={node_rank}"]
         + ["WORLD_SIZE=2", "DEVICE_ID=0", sys.executable, "-c", PROBE],
         capture_output=True,
         text=True,
@@ -234,7 +234,7 @@ def test_a_machine_that_refuses_says_so_in_one_line() -> None:
     if not _others_can_enter(ROOT / "collective_ops") or not _others_can_enter(Path(sys.executable).parent):
         pytest.skip(f"{ROOT} or its Python lies in a folder other users cannot enter (mktemp -d makes such folders)")
     result = subprocess.run(
-        [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "collective_ops.link"]
+        [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "collective_ops.tools.link"]
         + ["--rate", "1gbit", "--", "true"],
         capture_output=True,
         text=True,

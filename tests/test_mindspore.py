@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from collective_ops.heatmap import analyze, load_events
+from collective_ops.tools.heatmap import analyze, load_events
 from tests.msrun_harness import requires_mindspore, run_msrun_suite
 from tests.reference import OPS, assert_identical, check_allreduce, check_gather_and_scatter
 
@@ -140,7 +140,7 @@ def test_overlap_refuses_gradients_changed_between_backward_and_reduce(world: in
 
 
 def test_benchmark_sweep_under_msrun() -> None:
-    from collective_ops.bench import OPS
+    from collective_ops.tools.bench import OPS
 
     for rows in results_of("pynative", 2, "bench"):
         for op in OPS:
@@ -220,7 +220,7 @@ def test_a_copy_of_a_gradient_passes_and_a_changed_one_does_not() -> None:
     that hands reduce() copies of what the hooks saw must not be refused."""
     import mindspore as ms
 
-    from collective_ops.adapters.mindspore import _same_values
+    from collective_ops.mindspore.data_parallel import _same_values
 
     grad = ms.Tensor(np.array([1.0, np.nan, -3.0], np.float32))
     copy = ms.Tensor(np.array([1.0, np.nan, -3.0], np.float32))
@@ -233,7 +233,7 @@ def test_the_training_cells_refuse_a_network_that_is_not_wrapped() -> None:
     import mindspore as ms
     from mindspore import nn
 
-    from collective_ops.adapters.mindspore import TrainOneStepCell, TrainOneStepWithLossScaleCell
+    from collective_ops.mindspore import TrainOneStepCell, TrainOneStepWithLossScaleCell
 
     net = nn.Dense(4, 2)
     with_loss = nn.WithLossCell(net, nn.MSELoss())

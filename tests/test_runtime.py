@@ -112,18 +112,18 @@ def test_a_broken_torch_npu_is_reported_not_hidden(tmp_path, monkeypatch) -> Non
 def test_info_command() -> None:
     env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x", "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "info"], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-m", "collective_ops.tools.cli", "info"], capture_output=True, text=True, env=env, check=True
     )
     assert "launcher      : torchrun" in result.stdout
     assert "rank/world    : 1/4" in result.stdout
     assert "backend       : gloo" in result.stdout
-    bad = subprocess.run([sys.executable, "-m", "collective_ops.cli", "nonsense"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "collective_ops.tools.cli", "nonsense"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
     # under msrun init() joins MindSpore communication: info says so, with msrun's scheduler as the rendezvous
     msrun_env = {"RANK_ID": "0", "MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "MS_SCHED_HOST": "127.0.0.1"}
     msrun_env.update(MS_SCHED_PORT="8118", PATH=env["PATH"])
     under_msrun = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "info"], capture_output=True, text=True, env=msrun_env
+        [sys.executable, "-m", "collective_ops.tools.cli", "info"], capture_output=True, text=True, env=msrun_env
     )
     import importlib.util
 
@@ -131,7 +131,9 @@ def test_info_command() -> None:
         assert "framework     : mindspore" in under_msrun.stdout and "127.0.0.1:8118" in under_msrun.stdout
     if not torch.cuda.is_available():  # an asked-for backend the machine lacks: said, and a non-zero exit
         nccl = subprocess.run(
-            [sys.executable, "-m", "collective_ops.cli", "info", "--backend", "nccl"], capture_output=True, text=True
+            [sys.executable, "-m", "collective_ops.tools.cli", "info", "--backend", "nccl"],
+            capture_output=True,
+            text=True,
         )
         assert nccl.returncode == 1 and "unavailable: backend 'nccl' needs a CUDA GPU" in nccl.stdout
 

@@ -168,7 +168,7 @@ def test_the_forward_timeline_pairs_a_backward_with_the_forward_around_it() -> N
     import time
     from types import SimpleNamespace
 
-    from collective_ops.adapters.torch_optimizer import ForwardTimeline
+    from collective_ops.torch.optim.optimizer import ForwardTimeline
 
     timeline = ForwardTimeline()
     timeline.forward_started(follows_backward=False)
@@ -207,7 +207,7 @@ def test_the_forward_timeline_profiles_the_median_of_its_recent_training_steps()
     import time
     from types import SimpleNamespace
 
-    from collective_ops.adapters.torch_optimizer import ForwardTimeline
+    from collective_ops.torch.optim.optimizer import ForwardTimeline
 
     timeline = ForwardTimeline()
     timeline.forward_started(follows_backward=False)

@@ -254,7 +254,7 @@ def _bf16_weights_loaded(rank: int, steps: int = 5, at: int = 3) -> dict:
     import torch
 
     import collective_ops as co
-    from collective_ops.adapters.torch_sharded import MASTER_KEY
+    from collective_ops.torch.optim.sharded import MASTER_KEY
     from tests.models import MLP, build, rank_batch
 
     def masters(optimizer) -> dict:
@@ -1768,7 +1768,7 @@ def test_each_step_reduce_scatters_shards_and_all_gathers_them_never_allreduces_
 def test_state_values_cross_as_json_bit_for_bit_and_other_objects_are_refused() -> None:
     import torch
 
-    from collective_ops.adapters._state_json import decode, encode
+    from collective_ops.torch.optim.state_json import decode, encode
 
     values = {
         3: {"step": torch.tensor(7.0), "exp_avg": torch.tensor([1e-30, -0.0, float("nan")], dtype=torch.bfloat16)},

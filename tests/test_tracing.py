@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective_ops.heatmap import TraceError, analyze, load_events, render
+from collective_ops.tools.heatmap import TraceError, analyze, load_events, render
 from collective_ops.tracing import write_trace
 from tests.harness import run_ranks
 
@@ -192,7 +192,16 @@ def test_bad_trace_files_are_refused_clearly(tmp_path: Path) -> None:
     assert "Traceback" not in cli.stderr
     for output, message in ((tmp_path / "x.txt", "must be a .png"), (tmp_path / "nowhere" / "x.png", "does not exist")):
         cli = subprocess.run(
-            [sys.executable, "-m", "collective_ops.cli", "heatmap", "--trace", str(truncated), "--output", str(output)],
+            [
+                sys.executable,
+                "-m",
+                "collective_ops.tools.cli",
+                "heatmap",
+                "--trace",
+                str(truncated),
+                "--output",
+                str(output),
+            ],
             capture_output=True,
             text=True,
         )
@@ -231,7 +240,7 @@ def test_the_readme_flow_without_shutdown_reaches_the_heatmap(tmp_path: Path) ->
         "comm_trace.rank1.json",
     ]
     cli = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "heatmap", "--trace", str(tmp_path / "comm_trace.json")]
+        [sys.executable, "-m", "collective_ops.tools.cli", "heatmap", "--trace", str(tmp_path / "comm_trace.json")]
         + ["--output", str(tmp_path / "heatmap.png")],
         capture_output=True,
         text=True,
@@ -240,7 +249,14 @@ def test_the_readme_flow_without_shutdown_reaches_the_heatmap(tmp_path: Path) ->
     assert (tmp_path / "heatmap.png").is_file() and "warning" not in cli.stderr
     # one rank's file alone: a warning names the missing rank
     cli = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "heatmap", "--trace", str(tmp_path / "comm_trace.rank0.json")]
+        [
+            sys.executable,
+            "-m",
+            "collective_ops.tools.cli",
+            "heatmap",
+            "--trace",
+            str(tmp_path / "comm_trace.rank0.json"),
+        ]
         + ["--output", str(tmp_path / "one.png")],
         capture_output=True,
         text=True,

@@ -301,7 +301,17 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
 
     # the saved profile projects to other world sizes (a simulation, and labelled so)
     result = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(profile_path), "--world", "8", "4096"],
+        [
+            sys.executable,
+            "-m",
+            "collective_ops.tools.cli",
+            "tune",
+            "--profile",
+            str(profile_path),
+            "--world",
+            "8",
+            "4096",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -309,7 +319,7 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
     assert result.stdout.startswith("SIMULATION") and "N=8 " in result.stdout and "N=4096" in result.stdout
     # --project needs the fitted cost saved with the profile; with it, the assumptions are printed
     result = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(profile_path), "--project"],
+        [sys.executable, "-m", "collective_ops.tools.cli", "tune", "--profile", str(profile_path), "--project"],
         capture_output=True,
         text=True,
     )
@@ -323,7 +333,7 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
     projected = tmp_path / "projected.json"
     projected.write_text(json.dumps(data))
     result = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(projected), "--project"]
+        [sys.executable, "-m", "collective_ops.tools.cli", "tune", "--profile", str(projected), "--project"]
         + ["--world", "8", "64", "512"],
         capture_output=True,
         text=True,
@@ -336,7 +346,9 @@ def test_tuner_and_auto_on_real_ranks(tmp_path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     result = subprocess.run(
-        [sys.executable, "-m", "collective_ops.cli", "tune", "--profile", str(bad)], capture_output=True, text=True
+        [sys.executable, "-m", "collective_ops.tools.cli", "tune", "--profile", str(bad)],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2 and "not a profile" in result.stderr
 

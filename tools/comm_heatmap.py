@@ -2,7 +2,7 @@
 
 import sys
 
-from collective_ops.cli import main
+from collective_ops.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["heatmap", *sys.argv[1:]]))

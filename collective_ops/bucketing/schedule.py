@@ -237,7 +237,7 @@ def step_bound(profile: StepProfile, cost: Price) -> float:
 
 
 def simulate_sharded(profile: StepProfile, reduce_s: Sequence[float], gather_s: Sequence[float]) -> OrderPrediction:
-    """The sharded step (ZeRO-1) of :mod:`collective_ops.adapters.torch_sharded`, in plan order.
+    """The sharded step (ZeRO-1) of :mod:`collective_ops.torch.optim.sharded`, in plan order.
 
     Each bucket's reduce-scatter (``reduce_s[b]`` seconds) launches once it is full, on one serial
     channel; ``step()`` returns once every one has landed (it launches every all-gather before

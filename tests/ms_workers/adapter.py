@@ -18,8 +18,8 @@ import numpy as np
 from mindspore import nn
 
 import collective_ops as co
-from collective_ops.adapters.mindspore import TrainOneStepCell
 from collective_ops.consistency import ModelMismatchError
+from collective_ops.mindspore import TrainOneStepCell
 from tests.ms_workers.nets import batch, build, loss_fn
 from tests.msrun_harness import write_result
 from tests.reference import collect_errors

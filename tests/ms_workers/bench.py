@@ -7,7 +7,7 @@ from dataclasses import asdict
 import mindspore as ms
 
 import collective_ops as co
-from collective_ops.bench import OPS, run_sweep_mindspore
+from collective_ops.tools.bench import OPS, run_sweep_mindspore
 from tests.msrun_harness import write_result
 
 ms.set_context(mode=ms.PYNATIVE_MODE)

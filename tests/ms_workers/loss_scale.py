@@ -4,7 +4,7 @@ The reference is ``nn.TrainOneStepWithLossScaleCell`` built under ``parallel_mod
 (its DistributedGradReducer, its overflow flag summed over ranks); MindSpore's CPU build has no
 float-status kernel (``NPUGetFloatStatusV2``, ``FloatStatus``), so the reference checks the reduced
 gradients with ``IsFinite`` instead, as its GPU path does with ``FloatStatus``. Ours is
-``collective_ops.adapters.mindspore.TrainOneStepWithLossScaleCell``, with hooks (PyNative,
+``collective_ops.mindspore.TrainOneStepWithLossScaleCell``, with hooks (PyNative,
 ``overlap=True``), the compiled after-backward reduction (PyNative, ``overlap=False``) and the
 in-graph reduction (GRAPH). At step ``OVERFLOW_STEP`` the last rank's batch holds an inf: every rank
 must skip that step and halve the scale, the other rank although its own gradients were finite.
@@ -19,7 +19,7 @@ import numpy as np
 from mindspore import nn, ops
 
 import collective_ops as co
-from collective_ops.adapters.mindspore import TrainOneStepWithLossScaleCell
+from collective_ops.mindspore import TrainOneStepWithLossScaleCell
 from tests.ms_workers.nets import batch, build, loss_fn
 from tests.msrun_harness import write_result
 

@@ -19,7 +19,7 @@ from mindspore import nn
 from mindspore.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint
 
 import collective_ops as co
-from collective_ops.adapters.mindspore import TrainOneStepCell
+from collective_ops.mindspore import TrainOneStepCell
 from tests.ms_workers.nets import batch, build, loss_fn
 from tests.msrun_harness import write_result
 

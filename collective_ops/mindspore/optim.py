@@ -35,7 +35,7 @@ from mindspore import Parameter, mint, nn
 from ..bucketing import allreduce_hook
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..comm.mindspore_engine import fresh_copy
-from .mindspore import DataParallel, _pynative, _refuse_misordered
+from .data_parallel import DataParallel, _pynative, _refuse_misordered
 
 logger = logging.getLogger("collective_ops")
 

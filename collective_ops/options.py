@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..bucketing import CommHook, hook_for_compression, validate_bucket_mb
-from ..ops import parse_reduce_op
+from .bucketing import CommHook, hook_for_compression, validate_bucket_mb
+from .ops import parse_reduce_op
 
 
 def resolve_options(

@@ -22,7 +22,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from ._options import names_text
+from ..options import names_text
 
 # each module of a wrapped model -> its wrapper's set of planned parameter ids (weakly held by the wrapper)
 _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

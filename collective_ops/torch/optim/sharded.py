@@ -30,20 +30,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..bucketing.hooks import allreduce_hook, reduce_scatter_hook
-from ..bucketing.interfaces import Handle, wait_with_timeout
-from ..bucketing.manager import StallError
-from ..bucketing.plan import BucketPlan
-from ..bucketing.schedule import OrderPrediction, simulate_sharded
-from ..bucketing.shard import ShardLayout, ShardPiece
-from ..bucketing.updates import PendingUpdates
-from . import _state_json
-from ._options import names_text
-from .torch import DistributedDataParallel, called_by_torch_dcp, view_like
-from .torch_inplace import InPlaceGuard
-from .torch_optimizer import DistributedOptimizer, frozen_setting
-from .torch_optimizer_set import given_optimizers
-from .torch_sharded_dcp import dcp_asks_sharded_state, is_sharded, piece_values, sharded_state_tensor
+from ...bucketing.hooks import allreduce_hook, reduce_scatter_hook
+from ...bucketing.interfaces import Handle, wait_with_timeout
+from ...bucketing.manager import StallError
+from ...bucketing.plan import BucketPlan
+from ...bucketing.schedule import OrderPrediction, simulate_sharded
+from ...bucketing.shard import ShardLayout, ShardPiece
+from ...bucketing.updates import PendingUpdates
+from ...options import names_text
+from ..ddp import DistributedDataParallel, called_by_torch_dcp, view_like
+from ..inplace import InPlaceGuard
+from . import state_json as _state_json
+from .dcp import dcp_asks_sharded_state, is_sharded, piece_values, sharded_state_tensor
+from .optimizer import DistributedOptimizer, frozen_setting
+from .optimizer_set import given_optimizers
 
 _log = logging.getLogger(__name__)
 _GATHER_NAMED = "the all-gather of updated parameters"  # how a failed all-gather is named in its error
@@ -832,7 +832,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         :meth:`consolidate_state_dict` (and until the next step or load): on the rank it gathered to, that
         state, with no collective; on the others a ``RuntimeError``. torch.distributed.checkpoint, which calls it
         on every rank, gets each rank's state whatever was consolidated: its sharded state dict (see
-        :mod:`.torch_sharded_dcp`) or, asking for ``full_state_dict=True``, the full state."""
+        :mod:`.dcp`) or, asking for ``full_state_dict=True``, the full state."""
         if self._consolidated is not None and not called_by_torch_dcp():
             to, full = self._consolidated
             if full is None:

@@ -1,4 +1,4 @@
-"""Framework adapters: one module per framework, each on the shared bucketing core."""
+"""Which framework a model belongs to, and wrap() dispatching to that framework's package."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ def _framework_of(model: Any) -> str | None:
 
 def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
     """Wrap a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` for data-parallel training."""
-    if type(model).__module__.startswith(__name__ + "."):
+    if type(model).__module__.startswith(("collective_ops.torch.", "collective_ops.mindspore.")):
         raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
     bucket_size_mb = translate_ddp_keywords(bucket_size_mb, 25.0, options)  # (DDP's names, ported code)
     framework = _framework_of(model)
     if framework == "torch":
-        from .torch import wrap as wrap_torch
+        from .torch.ddp import wrap as wrap_torch
 
         return wrap_torch(model, bucket_size_mb, **options)
     if framework == "mindspore":
-        from .mindspore import wrap as wrap_mindspore
+        from .mindspore.data_parallel import wrap as wrap_mindspore
 
         return wrap_mindspore(model, bucket_size_mb, **options)
     raise TypeError(f"wrap() takes a torch.nn.Module or a mindspore.nn.Cell, got {type(model).__name__}")

@@ -41,7 +41,7 @@ from ..bucketing import (
 from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
-from ._options import resolve_options
+from ..options import resolve_options
 
 logger = logging.getLogger("collective_ops")
 

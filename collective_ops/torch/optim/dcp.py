@@ -22,8 +22,8 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed._shard.sharding_spec.api import custom_sharding_spec_op
 
-from ..bucketing.shard import Box, ShardPiece, flat_range_boxes
-from .torch import TORCH_DCP_MODULE
+from ...bucketing.shard import Box, ShardPiece, flat_range_boxes
+from ..ddp import TORCH_DCP_MODULE
 
 # DCP's function that reads an optimizer's state_dict(): for get_state_dict()/get_optimizer_state_dict(), and
 # while set_optimizer_state_dict(..., full_state_dict=True) copies a full state over the local one (which then

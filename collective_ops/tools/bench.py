@@ -501,7 +501,7 @@ def validate(args: argparse.Namespace) -> str | None:
         if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
             return f"unknown dtype {args.dtype!r}; use e.g. float32, float16, bfloat16, int32"
     if args.backend is not None:
-        from .launch import probe_hardware, select_backend
+        from ..launch import probe_hardware, select_backend
 
         try:
             select_backend(args.backend, probe_hardware(), environ={})
@@ -558,7 +558,7 @@ def _run_on_link(args: argparse.Namespace, argv: Sequence[str]) -> int:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(world // 2)]
     torchrun += ["--node-rank", "{node_rank}", "--master-addr", "{master_addr}", "--master-port", "{master_port}"]
     return run_on_link_or_explain(
-        args.link, lambda link, node: link.fill([*torchrun, "-m", "collective_ops.cli", *rest], node)
+        args.link, lambda link, node: link.fill([*torchrun, "-m", "collective_ops.tools.cli", *rest], node)
     )
 
 

@@ -36,12 +36,12 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 from torch.overrides import TorchFunctionMode
 
-from .. import runtime
-from ..bucketing.alignment import StepMisalignedError
-from ..bucketing.hooks import allreduce_hook
-from ..bucketing.plan import MIB
-from ..bucketing.row_sparse import wire_nbytes
-from ..bucketing.schedule import (
+from ... import runtime
+from ...bucketing.alignment import StepMisalignedError
+from ...bucketing.hooks import allreduce_hook
+from ...bucketing.plan import MIB
+from ...bucketing.row_sparse import wire_nbytes
+from ...bucketing.schedule import (
     OrderPrediction,
     OrderTrial,
     Price,
@@ -53,12 +53,12 @@ from ..bucketing.schedule import (
     plan_order,
     step_bound,
 )
-from ..bucketing.updates import PendingUpdates
-from ..consistency import OptimizerMismatchError, check_same_on_all_ranks
-from . import _framework_of
-from .torch import DistributedDataParallel
-from .torch_inplace import InPlaceGuard
-from .torch_optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params
+from ...bucketing.updates import PendingUpdates
+from ...consistency import OptimizerMismatchError, check_same_on_all_ranks
+from ...frameworks import _framework_of
+from ..ddp import DistributedDataParallel
+from ..inplace import InPlaceGuard
+from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params
 
 logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
@@ -100,13 +100,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def __new__(cls, *args: Any, shard: bool = False, **kwargs: Any) -> DistributedOptimizer:
         if args and _is_mindspore(args[0]):  # a MindSpore network: MindSpore's DistributedOptimizer
-            from .mindspore_optimizer import DistributedOptimizer as MindSporeDistributedOptimizer
+            from ...mindspore.optim import DistributedOptimizer as MindSporeDistributedOptimizer
 
             return MindSporeDistributedOptimizer(*args, shard=shard, **kwargs)
         if args and isinstance(args[0], DistributedDataParallel):  # before any group is made (shard=True makes some)
             _check_settings_agree(args[0], args[1:], shard, kwargs)
         if shard and cls is DistributedOptimizer:
-            from .torch_sharded import ShardedDistributedOptimizer
+            from .sharded import ShardedDistributedOptimizer
 
             cls = ShardedDistributedOptimizer
         return super().__new__(cls)
@@ -898,7 +898,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             logger.info("collective_ops: DistributedOptimizer keeps plan order (the forward is compiled)")
         if decision != 1:
             return
-        from ..tuning import measure_alpha_beta
+        from ...tuning import measure_alpha_beta
 
         cost = measure_alpha_beta()  # a collective: every rank is here
         count = len(manager.plan.buckets)
@@ -1198,7 +1198,7 @@ def _plain(value: Any) -> Any:
 
 def _is_mindspore(model: Any) -> bool:
     """A MindSpore network, wrapped or not (its module is mindspore's or our MindSpore adapter's)."""
-    return _framework_of(model) == "mindspore" or type(model).__module__ == "collective_ops.adapters.mindspore"
+    return _framework_of(model) == "mindspore" or type(model).__module__ == "collective_ops.mindspore.data_parallel"
 
 
 def _is_compiled(module: nn.Module) -> bool:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from .launch import backend_problem, detect_launch_env, probe_hardware, select_backend
+from ..launch import backend_problem, detect_launch_env, probe_hardware, select_backend
 
 
 def _topology() -> str:
@@ -64,7 +64,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     heatmap.add_arguments(heatmap_parser)
     heatmap_parser.set_defaults(func=heatmap.run)
 
-    from . import tuning
+    from .. import tuning
 
     tune_parser = sub.add_parser(
         "tune", help="project a saved step profile to other world sizes and links (simulation) and pick bucket_size_mb"

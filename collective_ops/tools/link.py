@@ -11,7 +11,7 @@ transport is the framework's own TCP over a real rate-limited link.
 
 The host's interfaces, routes and qdiscs are never touched: the pair is created inside the
 namespaces, and deleting the namespaces (always, also on Ctrl-C or failure) removes it.
-Needs root. ``python -m collective_ops.link --rate 1gbit -- CMD ...`` runs ``CMD`` on each
+Needs root. ``python -m collective_ops.tools.link --rate 1gbit -- CMD ...`` runs ``CMD`` on each
 node with ``{node_rank}``, ``{nnodes}``, ``{master_addr}``, ``{master_port}`` and ``{ifname}``
 filled in, e.g. a ``torchrun --nnodes 2 --node-rank {node_rank} --master-addr {master_addr}``.
 """
@@ -244,7 +244,7 @@ def strip_link_option(argv: Sequence[str], option: str = "--link") -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m collective_ops.link",
+        prog="python -m collective_ops.tools.link",
         description="Run a command on each of two emulated nodes joined by a rate-limited link.",
     )
     parser.add_argument("--rate", required=True, help="tc rate of the link, e.g. 100mbit, 1gbit, 10gbit")

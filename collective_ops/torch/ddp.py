@@ -44,11 +44,11 @@ from ..bucketing import (
 from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
-from ._options import names_text, resolve_options
-from .torch_ddp_hooks import DDPCommHook, ddp_comm_hook
-from .torch_ddp_keywords import check_flags, check_process_group, input_device, inputs_to
-from .torch_inplace import InPlaceGuard
-from .torch_model_watch import PlannedParameters, watch
+from ..options import names_text, resolve_options
+from .ddp_hooks import DDPCommHook, ddp_comm_hook
+from .ddp_keywords import check_flags, check_process_group, input_device, inputs_to
+from .inplace import InPlaceGuard
+from .model_watch import PlannedParameters, watch
 
 logger = logging.getLogger("collective_ops")
 

@@ -1,0 +1,1 @@
+"""Command-line tools around the library (bench, heatmap, emulated link, cli): the library never imports them."""
