@@ -22,7 +22,7 @@ from .runtime import (
     shutdown,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 class GradientBucket(_CoreGradientBucket):
