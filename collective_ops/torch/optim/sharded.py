@@ -34,9 +34,9 @@ from ...bucketing.hooks import allreduce_hook, reduce_scatter_hook
 from ...bucketing.interfaces import Handle, wait_with_timeout
 from ...bucketing.manager import StallError
 from ...bucketing.plan import BucketPlan
-from ...bucketing.schedule import OrderPrediction, simulate_sharded
-from ...bucketing.shard import ShardLayout, ShardPiece
-from ...bucketing.updates import PendingUpdates
+from ...bucketing.shard.layout import ShardLayout, ShardPiece
+from ...bucketing.update.pending import PendingUpdates
+from ...bucketing.update.schedule import OrderPrediction, simulate_sharded
 from ...options import names_text
 from ..ddp import DistributedDataParallel, called_by_torch_dcp, view_like
 from ..inplace import InPlaceGuard
@@ -213,7 +213,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             buffer = torch.zeros(shards.padded_numel, dtype=getattr(torch, spec.dtype), device=spec.device)
             with torch.no_grad():
                 for index, offset in zip(spec.param_indices, spec.offsets):
-                    p = self.model._params[index]
+                    p = self.model.param_list[index]
                     view = view_like(p, buffer, offset)
                     view.copy_(p.detach())
                     p.data = view
@@ -256,12 +256,12 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         ``p.set_()``, a conversion of the inner module) no longer views the buffer its all-gather writes: it would
         keep its values while the optimizer trains the shard, silently. Refused at the first gradient of a
         backward, before any collective."""
-        params = self.model._params
+        params = self.model.param_list
         moved = [index for index, address in self._param_addresses.items() if params[index].data_ptr() != address]
         if not moved:
             return
         raise RuntimeError(
-            f"shard=True: the storage of {names_text([self.model._param_names[i] for i in moved], 3)} was replaced "
+            f"shard=True: the storage of {names_text([self.model.param_names[i] for i in moved], 3)} was replaced "
             "after DistributedOptimizer was built (p.data = tensor, p.set_(), or a cast or move of the inner "
             "module): the optimizer updates each parameter through its view of the shard buffers, so this one "
             "would keep its values while its shard trains. Change parameters' values in place (with "
@@ -277,7 +277,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         group_of = {id(p): g for g, params in enumerate(self._model_groups) for p in params}
         pieces: list[list[torch.Tensor]] = [[] for _ in self._model_groups]
         for piece, tensor in self._pieces:
-            group = group_of.get(id(self.model._params[piece.param_index]))
+            group = group_of.get(id(self.model.param_list[piece.param_index]))
             if group is not None:
                 pieces[group].append(tensor)
         args, kwargs = self._inner_args
@@ -353,7 +353,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         is all-gathered (blocking; every rank alike, as their loops clear gradients alike)."""
         if all(p.grad is None for p in self._model_params()):
             return  # cleared to None: nothing to apply, as torch skips None
-        zeroed = [(piece, t) for piece, t in self._pieces if self.model._params[piece.param_index].grad is not None]
+        zeroed = [(piece, t) for piece, t in self._pieces if self.model.param_list[piece.param_index].grad is not None]
         for _, tensor in zeroed:
             tensor.grad = torch.zeros_like(tensor)
         self._step_pieces(zeroed, None)
@@ -456,7 +456,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for piece, tensor in self._bucket_pieces[bucket]:
             if tensor.grad is not None:
                 continue  # bound already this step (clip_grad_norm_ scaled it)
-            if piece.param_index in manager.globally_unused and self.model._params[piece.param_index].grad is None:
+            if piece.param_index in manager.globally_unused and self.model.param_list[piece.param_index].grad is None:
                 continue  # no rank used it this step (find_unused_parameters): no gradient, no update, as torch
             grad = source.narrow(0, piece.shard_offset, piece.numel)
             tensor.grad = grad if grad.dtype == tensor.dtype else grad.to(tensor.dtype)
@@ -468,7 +468,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """What other code changes a bucket's bound gradients through: its pieces' ``.grad`` (in
         ``param_groups``) and the model's gradient buffer (each ``p.grad`` a view of it)."""
         pieces = [tensor.grad for _, tensor in self._bucket_pieces[bucket] if tensor.grad is not None]
-        return pieces + self.model._gradient_tensors(bucket)
+        return pieces + self.model.gradient_tensors(bucket)
 
     def _note_bound(self, bucket: int) -> None:
         self._bound_guard.note(bucket, self._bound_gradients(bucket))
@@ -647,7 +647,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         until a backward."""
         stepped, self._stepped_grads = self._stepped_grads, []
         return [
-            self.model._param_names[self._index[id(p)]]
+            self.model.param_names[self._index[id(p)]]
             for p, grad in stepped
             if p is not but and p.grad is grad and bool(grad.any())
         ]
@@ -786,13 +786,13 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _nonfinite_gradient_names(self) -> list[str]:
         """From the shards: each rank flags the parameters its pieces found not finite (one small allreduce)."""
-        flags = torch.zeros(len(self.model._params), dtype=torch.int32, device=self.model.engine.device)
+        flags = torch.zeros(len(self.model.param_list), dtype=torch.int32, device=self.model.engine.device)
         for piece, tensor in self._pieces:
             if tensor.grad is not None and not bool(torch.isfinite(tensor.grad).all()):
                 flags[piece.param_index] = 1
         if dist.get_world_size() > 1:
             dist.all_reduce(flags)
-        return [self.model._param_names[i] for i in flags.nonzero().flatten().tolist()]
+        return [self.model.param_names[i] for i in flags.nonzero().flatten().tolist()]
 
     def _step_by_scaler_attributes(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         raise RuntimeError(
@@ -1003,7 +1003,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _slice_state(self, state: dict[str, Any], piece: ShardPiece) -> dict[str, Any]:
         """A piece's part of a parameter's state: full values, or torch.distributed.checkpoint's sharded ones
         (taken in this layout, or filled by ``dcp.load`` for it); copies, the fp32 masters among them."""
-        p = self.model._params[piece.param_index]
+        p = self.model.param_list[piece.param_index]
         sliced = {}
         for key, value in state.items():
             if is_sharded(value):
@@ -1085,7 +1085,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             spec = plan.buckets[bucket]
             for index, offset in zip(spec.param_indices, spec.offsets):
                 if index in full:
-                    p = self.model._params[index]
+                    p = self.model.param_list[index]
                     full[index][key] = _unflat_like(flat.narrow(0, offset, p.numel()), p)
         return full if keep else {}
 
@@ -1110,7 +1110,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _scalar_state(self, piece: ShardPiece, tensor: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
         """What of a piece's state is not per element (``step``); of a 0-d parameter (one piece: CLIP's
         ``logit_scale``), all of it, shaped as the parameter, its fp32 master too."""
-        if self.model._params[piece.param_index].dim() != 0:
+        if self.model.param_list[piece.param_index].dim() != 0:
             return {k: v for k, v in state.items() if not _piecewise(v, piece)}
         whole = {k: v.reshape(()) if _piecewise(v, piece) else v for k, v in state.items()}
         if _is_master(piece, tensor, self._param_buffers):
@@ -1127,7 +1127,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         for piece, tensor in self._pieces:
             mine.setdefault(piece.param_index, []).append((piece, tensor))
         for index, values in state.items():
-            p = self.model._params[index]
+            p = self.model.param_list[index]
             if p.dim() == 0:
                 continue  # (gathered whole with the scalars)
             dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
