@@ -27,6 +27,18 @@ TRIAL_BLOCK_STEPS = 3
 TRIAL_ROUNDS = 2
 
 
+def chunk_sizes_mib(sizes: Any) -> tuple[float, ...]:
+    """``sizes`` as chunk sizes in MiB the planner weighs (``()``: whole buckets only), each positive and
+    finite; else a ValueError saying what is taken."""
+    sizes = tuple(sizes)
+    if not all(isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m < float("inf") for m in sizes):
+        raise ValueError(
+            f"chunk_candidates_mib must be chunk sizes in MiB, each positive and finite (e.g. (2, 0.5)), or () "
+            f"for whole buckets only; got {sizes!r}"
+        )
+    return tuple(float(m) for m in sizes)
+
+
 class LaunchOrderPlanner:
     """The launch order of one model's steps: planned once per bucket plan, then tried, then kept."""
 
@@ -121,6 +133,20 @@ class LaunchOrderPlanner:
         """The model's buckets were replanned: a trial of the old plan's orders ends."""
         self.trial = None
         self.defers_now = True
+
+
+def planning_due(manager: Any, joined: bool) -> bool:
+    """Whether the end of this forward plans the launch order (for a plan not yet planned): from the
+    ``SCHEDULE_AFTER_STEPS``-th synchronised step, in plan order unless the user set one, after a backward
+    that timed every bucket, and not in a joined rank's shadow steps (they run without forwards)."""
+    stats, buckets = manager.last_stats, len(manager.plan.buckets)
+    return (
+        manager.steps_synced >= SCHEDULE_AFTER_STEPS
+        and manager.launch_order == tuple(range(buckets))  # (else set by the user)
+        and len(stats.buckets) == buckets
+        and stats.backward_start is not None
+        and not joined
+    )
 
 
 def trial_step_seconds(
@@ -222,6 +248,8 @@ __all__ = [
     "TRIAL_ROUNDS",
     "LaunchOrderPlanner",
     "broadcast_orders",
+    "chunk_sizes_mib",
+    "planning_due",
     "planner_inputs",
     "ranked_orders",
     "shortlist",

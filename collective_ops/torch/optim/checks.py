@@ -1,4 +1,5 @@
-"""What a torch DistributedOptimizer refuses at construction and after each class step, with what to do.
+"""What a torch DistributedOptimizer refuses (at construction, at step(), after each class step), with what
+to do; and its parameter groups' settings, frozen at step() and compared after each class step.
 
 Every rank's settings agree (one small all-gather), the optimizer class can run bucket by bucket,
 the parameters are the wrapped model's, and a class step leaves its parameter groups' settings alone.
@@ -163,3 +164,67 @@ def as_groups(params: Any) -> list[dict[str, Any]]:
     if not isinstance(params[0], dict):
         return [{"params": params}]
     return [{**group, "params": list(group["params"])} for group in params]
+
+
+def refuse_unwrapped(model: Any, wrapper: type, shard: bool) -> None:
+    """``model`` must be made by collective_ops.wrap(); ``shard``: shard=True given to the unsharded class."""
+    if not isinstance(model, wrapper):
+        raise TypeError(
+            f"DistributedOptimizer takes a model wrapped by collective_ops.wrap(), got {type(model).__name__}; "
+            "wrap it first: model = collective_ops.wrap(model)"
+        )
+    if shard:
+        raise TypeError(
+            "this class holds the whole optimizer state; for shard=True build collective_ops.DistributedOptimizer"
+            "(model, optimizer_class, shard=True, ...), which picks the sharded class"
+        )
+
+
+def refuse_shard_options(kwargs: dict[str, Any]) -> None:
+    for option in ("grad_reduce_dtype", "assume_elementwise"):
+        if option in kwargs:
+            raise ValueError(f"{option} is an option of the sharded optimizer: pass shard=True with it")
+
+
+UNREDUCED_ACCUMULATION = (
+    "step() on gradients accumulated under model.no_sync() that no backward outside it has averaged "
+    "across ranks: each rank would train on its own data and the replicas would part. Run the last "
+    "micro-batch's backward outside no_sync() (it reduces everything accumulated), or drop them "
+    "with opt.zero_grad() and a backward outside no_sync()"
+)
+
+
+def nonfinite_gradients(bad: list[str], origin: str) -> FloatingPointError:
+    return FloatingPointError(
+        f"non-finite gradients (NaN or Inf) after reduction in {len(bad)} parameter(s): {bad[:10]}{origin}; "
+        "the step was not applied (parameters and optimizer state unchanged). Lower the learning rate, use "
+        "gradient clipping or loss scaling (torch.amp.GradScaler skips such steps), or check the data of that step."
+    )
+
+
+def given_stepped_directly(optimizer: Any) -> RuntimeError:
+    return RuntimeError(
+        f"{type(optimizer).__name__}.step() called directly: it was given to a DistributedOptimizer, whose "
+        "step() runs it bucket by bucket as the reductions land; call that one's step() instead"
+    )
+
+
+def params_changed_while_owed(names: list[str]) -> RuntimeError:
+    return RuntimeError(
+        f"parameters {names[:5]}{' ...' if len(names) > 5 else ''} were changed in place after step() "
+        "while their update was still owed: DistributedOptimizer applies each bucket's update (sharded: "
+        "its all-gather) at the next forward that reads it, so the change would be lost or updated on, "
+        "not applied after the step as with a plain optimizer. Take the parameters through the wrapped "
+        "model (model.parameters() and model.load_state_dict() finish the step first) or call "
+        "opt.synchronize() before changing them"
+    )
+
+
+def frozen_setting(value: Any) -> Any:
+    """A parameter group's setting as it is now: tensors (a tensor lr, tensor betas) copied, since LR
+    schedulers change a tensor lr in place (``fill_``)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(frozen_setting(v) for v in value)
+    return value

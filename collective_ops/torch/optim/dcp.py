@@ -145,3 +145,18 @@ def piece_values(value: ShardedTensor, p: torch.Tensor, piece: ShardPiece) -> to
 
 def is_sharded(value: Any) -> bool:
     return isinstance(value, ShardedTensor)
+
+
+class ModelParamsGroup(dict):
+    """One of the sharded optimizer's groups with the model's parameters as ``"params"``, for
+    torch.distributed.checkpoint; its other keys are written through to the group."""
+
+    def __init__(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        super().__init__(group)
+        super().__setitem__("params", list(params))
+        self._group = group
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key != "params":
+            self._group[key] = value

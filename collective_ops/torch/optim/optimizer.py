@@ -35,12 +35,14 @@ from ... import runtime
 from ...bucketing.alignment import StepMisalignedError
 from ...bucketing.hooks import allreduce_hook
 from ...bucketing.update.overlap import ForwardReads, buckets_read
-from ...bucketing.update.pending import PendingUpdates
+from ...bucketing.update.pending import PendingUpdates, groups_narrowed
 from ...bucketing.update.planner import (
     CHUNK_CANDIDATES_MIB,
     SCHEDULE_AFTER_STEPS,
     LaunchOrderPlanner,
+    chunk_sizes_mib,
     planner_inputs,
+    planning_due,
     ranked_orders,
     trial_step_seconds,
 )
@@ -48,15 +50,24 @@ from ...bucketing.update.schedule import OrderPrediction
 from ...bucketing.update.timeline import ForwardTimeline
 from ..ddp import DistributedDataParallel
 from ..inplace import InPlaceGuard
+from .amp import found_inf_here, scaler_record, unscale_
 from .checks import (
+    UNREDUCED_ACCUMULATION,
     as_groups,
     changed_settings,
+    frozen_setting,
+    given_stepped_directly,
+    nonfinite_gradients,
+    params_changed_while_owed,
     refuse_foreign_params,
     refuse_group_mutation,
+    refuse_shard_options,
     refuse_unusable,
+    refuse_unwrapped,
 )
-from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params
-from .owed_reads import HookOf, OwedReads, is_compiled, without_autocast
+from .grads import clear_grad
+from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params, watch_given
+from .owed_reads import OwedReads, hook_model, is_compiled, without_autocast
 
 logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
@@ -101,25 +112,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         schedule: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(
-                f"DistributedOptimizer takes a model wrapped by collective_ops.wrap(), got {type(model).__name__}; "
-                "wrap it first: model = collective_ops.wrap(model)"
-            )
-        if shard and not self.shards:
-            raise TypeError(
-                "this class holds the whole optimizer state; for shard=True build collective_ops.DistributedOptimizer"
-                "(model, optimizer_class, shard=True, ...), which picks the sharded class"
-            )
+        refuse_unwrapped(model, DistributedDataParallel, shard and not self.shards)
         custom_hook = model.manager.comm_hook is not allreduce_hook and not model.compression
         schedule = schedule or ("plan" if self.shards or custom_hook else "auto")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self._given = given_optimizers(optimizer_class)  # optimizers built by the user, or None for a class
         refuse_unusable(optimizer_class, self._given, args, kwargs, params)
-        for option in ("grad_reduce_dtype", "assume_elementwise"):
-            if option in kwargs:
-                raise ValueError(f"{option} is an option of the sharded optimizer: pass shard=True with it")
+        refuse_shard_options(kwargs)
         self.model = model
         self.overlap = overlap
         self.schedule = schedule
@@ -155,30 +155,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         # the torch function mode that watches the owed parameters while they run.
         self._readers: list[nn.Module] = []
         self._reads = OwedReads(self)
-        before_forward, after_forward = HookOf(self._before_forward_of), HookOf(self._after_forward_of)
-        # First among each module's pre-hooks: those already there compute from the parameters too (the classic
-        # torch.nn.utils.weight_norm / spectral_norm derive the weight from them there).
-        self._hooks = [
-            module.register_forward_pre_hook(before_forward, prepend=True) for module in model.module.modules()
-        ]
-        # always_call: a forward that raises leaves no module behind, nor the mode on torch's stack
-        self._hooks += [
-            module.register_forward_hook(after_forward, always_call=True) for module in model.module.modules()
-        ]
-        self._hooks.append(model.module.register_forward_hook(HookOf(self._after_forward)))
-        # on the wrapper: runs before its buffer broadcast
-        self._hooks.append(model.register_forward_pre_hook(HookOf(self._forward_starts)))
         self._timeline = ForwardTimeline()  # the forward's use of buckets over time (schedule="auto" plans from it)
-        # The inner module's own state_dict() (a checkpoint of model.module), and any submodule's (a backbone
-        # saved alone: model.module.encoder.state_dict()), sees every update too; loading weights into any of them
-        # (the wrapper's load_state_dict too) lands after every owed write, not under one. On every module: a
-        # submodule's state_dict()/load_state_dict() runs its own hooks only, not its parents'.
-        for module in model.module.modules():
-            self._hooks.append(module.register_state_dict_pre_hook(HookOf(self._before_state_dict)))
-            self._hooks.append(module.register_load_state_dict_pre_hook(HookOf(self._before_load)))
-            self._hooks.append(module.register_load_state_dict_post_hook(HookOf(self._after_load)))
+        self._hooks = hook_model(model, self)
         for optimizer in self._given or ():  # the user's own optimizers, read or loaded directly
-            self._watch_given(optimizer)
+            self._hooks += watch_given(optimizer, self)
 
     def _make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
@@ -188,25 +168,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self._given is not None:
             return self._given[0] if len(self._given) == 1 else OptimizerSet(self._given)
         return optimizer_class(groups, *args, **kwargs)
-
-    def _watch_given(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer given by the user: its own state_dict() sees every owed update; a state loaded into it
-        directly lands after them, and its (new) groups become this optimizer's."""
-        me = weakref.ref(self)
-
-        def before(*args: Any) -> None:
-            ours = me()
-            if ours is not None and ours.in_flight:
-                ours.synchronize()
-
-        def after(*args: Any) -> None:
-            ours = me()
-            if ours is not None:
-                ours._rebind()
-
-        self._hooks.append(optimizer.register_state_dict_pre_hook(before))
-        self._hooks.append(optimizer.register_load_state_dict_pre_hook(before))
-        self._hooks.append(optimizer.register_load_state_dict_post_hook(after))
 
     def _follow_given_groups(self) -> None:
         """A group added to a given optimizer directly (its own ``add_param_group``, as when unfreezing layers)
@@ -288,13 +249,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     @chunk_candidates_mib.setter
     def chunk_candidates_mib(self, sizes: Any) -> None:
-        sizes = tuple(sizes)
-        if not all(isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m < float("inf") for m in sizes):
-            raise ValueError(
-                f"chunk_candidates_mib must be chunk sizes in MiB, each positive and finite (e.g. (2, 0.5)), or () "
-                f"for whole buckets only; got {sizes!r}"
-            )
-        self._chunk_candidates_mib = tuple(float(m) for m in sizes)
+        self._chunk_candidates_mib = chunk_sizes_mib(sizes)
 
     @property
     def in_flight(self) -> bool:
@@ -329,12 +284,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._step_by_scaler_attributes(self.found_inf, getattr(self, "grad_scale", None))
             return
         if self.model.manager.has_unreduced_accumulation:
-            raise RuntimeError(
-                "step() on gradients accumulated under model.no_sync() that no backward outside it has averaged "
-                "across ranks: each rank would train on its own data and the replicas would part. Run the last "
-                "micro-batch's backward outside no_sync() (it reduces everything accumulated), or drop them "
-                "with opt.zero_grad() and a backward outside no_sync()"
-            )
+            raise RuntimeError(UNREDUCED_ACCUMULATION)
         start = time.perf_counter()
         self._follow_given_groups()
         for optimizer in self._given or ():  # an LR scheduler over one given: its step is taken (bucket by bucket)
@@ -361,11 +311,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not bad:
             return
         self._skip_step()
-        raise FloatingPointError(
-            f"non-finite gradients (NaN or Inf) after reduction in {len(bad)} parameter(s): {bad[:10]}{origin}; "
-            "the step was not applied (parameters and optimizer state unchanged). Lower the learning rate, use "
-            "gradient clipping or loss scaling (torch.amp.GradScaler skips such steps), or check the data of that step."
-        )
+        raise nonfinite_gradients(bad, origin)
 
     def _nonfinite_gradient_names(self) -> list[str]:
         """The parameters whose averaged gradient holds a NaN or Inf, the same on every rank."""
@@ -395,7 +341,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             owed = self._params_of(pending.buckets)
         for p in self._model_params():
             if id(p) not in owed:
-                _clear(p, set_to_none)
+                clear_grad(p, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's (unfreezing layers as training goes on): a group of the model's parameters, with settings
@@ -477,10 +423,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         that it steps on averaged gradients as under DDP. Unless it shares parameters with this optimizer, they were
         finished at the end of backward already (:meth:`backward_ended`); the other buckets keep their overlap."""
         if optimizer in (self._given or ()):
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() called directly: it was given to a DistributedOptimizer, whose "
-                "step() runs it bucket by bucket as the reductions land; call that one's step() instead"
-            )
+            raise given_stepped_directly(optimizer)
         self._finish(self._buckets_holding({id(p) for group in optimizer.param_groups for p in group["params"]}))
 
     def backward_ended(self) -> None:
@@ -501,14 +444,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def _scaled_step(self, scaler: Any) -> None:
         """``GradScaler.step(opt)``: every reduction finished (the inf check needs all gradients), the
         gradients unscaled and checked, the step skipped where one is not finite, as torch does."""
-        from torch.amp.grad_scaler import OptState
-
         self._scaler_ref = weakref.ref(scaler)  # (sharded, a rank that joins keeps stepping through it)
         self.finish_reductions()
-        state = scaler._per_optimizer_states[id(self)]
-        if state["stage"] is OptState.READY:
-            scaler.unscale_(self)  # records found_inf for scaler.update()
-        if self._found_inf_anywhere(state["found_inf_per_device"]):
+        if self._found_inf_anywhere(scaler_record(scaler, self)):
             self._skip_step()
         else:
             self.step()
@@ -525,20 +463,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._skip_step()
             return
         if grad_scale is not None:
-            inv_scale = grad_scale.double().reciprocal().float()
-            by_kind: dict[tuple, list[torch.Tensor]] = {}
-            for p in self._model_params():
-                if p.grad is not None:
-                    by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-            for (device, _), grads in by_kind.items():
-                found = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            unscale_(self._model_params(), grad_scale)
         self.step()
 
     def _found_inf_anywhere(self, found_inf_per_device: dict[Any, torch.Tensor]) -> bool:
         """GradScaler's verdict on this step (``unscale_`` recorded it per device). Unsharded every rank checked
         the same averaged gradients: the same verdict everywhere, no collective needed."""
-        return any(float(v.item()) for v in found_inf_per_device.values())
+        return found_inf_here(found_inf_per_device)
 
     def _skip_step(self) -> None:
         """The last backward's gradients are not applied (GradScaler found them not finite)."""
@@ -585,6 +516,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _write_owed(self, bucket: int) -> bool:
         """``bucket`` is among :meth:`_owed_writes` (without listing them: asked once per parameter read)."""
+        return self._update_owed(bucket)
+
+    def _update_owed(self, bucket: int) -> bool:
+        """This step still owes ``bucket``'s update (its class step over the bucket's parameters)."""
         return self._pending is not None and bucket in self._pending.buckets
 
     def _enter_reads(self, module: nn.Module) -> None:
@@ -705,14 +640,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             if not changed:
                 continue
             names = [self.model.param_names[self._index[id(params[position])]] for position in changed]
-            raise RuntimeError(
-                f"parameters {names[:5]}{' ...' if len(names) > 5 else ''} were changed in place after step() "
-                "while their update was still owed: DistributedOptimizer applies each bucket's update (sharded: "
-                "its all-gather) at the next forward that reads it, so the change would be lost or updated on, "
-                "not applied after the step as with a plain optimizer. Take the parameters through the wrapped "
-                "model (model.parameters() and model.load_state_dict() finish the step first) or call "
-                "opt.synchronize() before changing them"
-            )
+            raise params_changed_while_owed(names)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -766,7 +694,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 tracer("update", bucket, step, start, end, module)
             if pending.clear_after is not None:
                 for p in self._bucket_params(bucket):
-                    _clear(p, pending.clear_after)
+                    clear_grad(p, pending.clear_after)
         if pending.finished:
             self._pending = None
 
@@ -778,24 +706,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """The class's step over ``only`` (parameter ids; None: all) with the groups' settings at ``frozen``'s
         step() (None: current)."""
         start = time.perf_counter()
-        saved, changed = [], []
         try:
-            for group in self._optimizer.param_groups:
-                saved.append((group["params"], {key: group[key] for key in group if key != "params"}))
-                if only is not None:
-                    group["params"] = [p for p in group["params"] if id(p) in only]
-                settings = None if frozen is None else frozen.settings_for(group)
-                if settings is not None:
-                    group.update(settings)
-            given = [dict(group) for group in self._optimizer.param_groups]
-            self._stepping = True
-            self._optimizer.step()
-            changed = changed_settings(given, self._optimizer.param_groups)
+            with groups_narrowed(self._optimizer.param_groups, only, frozen):
+                given = [dict(group) for group in self._optimizer.param_groups]
+                self._stepping = True
+                self._optimizer.step()
+                changed = changed_settings(given, self._optimizer.param_groups)
         finally:
             self._stepping = False
-            for group, (params, settings) in zip(self._optimizer.param_groups, saved):
-                group["params"] = params
-                group.update(settings)
         self.update_seconds += time.perf_counter() - start
         if changed:
             refuse_group_mutation(type(self._optimizer).__name__, changed)
@@ -841,15 +759,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             if self.model.module.training and torch.is_grad_enabled():  # a training step's forward, not an evaluation
                 self._timeline.remember(stats, manager.steps_synced)
             self._timeline.settled()
-        planning = self._plans_schedule()
-        if (
-            not planning
-            or manager.steps_synced < SCHEDULE_AFTER_STEPS
-            or manager.launch_order != tuple(range(len(manager.plan.buckets)))  # set by the user
-            or len(stats.buckets) != len(manager.plan.buckets)
-            or stats.backward_start is None
-            or self.model.joined  # a joined rank shadows steps without forwards: plan outside join()
-        ):
+        if not (self._plans_schedule() and planning_due(manager, self.model.joined)):
             return
         self._planner.plan(
             manager,
@@ -913,29 +823,6 @@ def _measure_cost() -> Any:
     from ...tuning import measure_alpha_beta
 
     return measure_alpha_beta()
-
-
-def frozen_setting(value: Any) -> Any:
-    """A parameter group's setting as it is now: tensors (a tensor lr, tensor betas) copied, since LR
-    schedulers change a tensor lr in place (``fill_``)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(frozen_setting(v) for v in value)
-    return value
-
-
-def _clear(p: torch.Tensor, set_to_none: bool) -> None:
-    if p.grad is None:
-        return
-    if set_to_none:
-        p.grad = None
-    else:  # as torch.optim.Optimizer.zero_grad: a gradient that is a bucket view cannot be detached in place
-        if p.grad.grad_fn is not None:
-            p.grad.detach_()
-        else:
-            p.grad.requires_grad_(False)
-        p.grad.zero_()
 
 
 __all__ = ["DistributedOptimizer"]

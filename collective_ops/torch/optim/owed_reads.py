@@ -110,3 +110,27 @@ def _no_hook(*args: Any) -> None:
 
 def _make_no_hook() -> Any:
     return _no_hook
+
+
+def hook_model(model: Any, optimizer: Any) -> list[Any]:
+    """The hooks through which ``optimizer`` (a DistributedOptimizer) follows ``model``'s forwards and
+    checkpoints (their handles): every module's forward waits for the owed updates of what it reads; the
+    inner module's and every submodule's state_dict/load_state_dict see every update first."""
+    before_forward, after_forward = HookOf(optimizer._before_forward_of), HookOf(optimizer._after_forward_of)
+    # First among each module's pre-hooks: those already there compute from the parameters too (the classic
+    # torch.nn.utils.weight_norm / spectral_norm derive the weight from them there).
+    hooks = [module.register_forward_pre_hook(before_forward, prepend=True) for module in model.module.modules()]
+    # always_call: a forward that raises leaves no module behind, nor the mode on torch's stack
+    hooks += [module.register_forward_hook(after_forward, always_call=True) for module in model.module.modules()]
+    hooks.append(model.module.register_forward_hook(HookOf(optimizer._after_forward)))
+    # on the wrapper: runs before its buffer broadcast
+    hooks.append(model.register_forward_pre_hook(HookOf(optimizer._forward_starts)))
+    # The inner module's own state_dict() (a checkpoint of model.module), and any submodule's (a backbone
+    # saved alone: model.module.encoder.state_dict()), sees every update too; loading weights into any of them
+    # (the wrapper's load_state_dict too) lands after every owed write, not under one. On every module: a
+    # submodule's state_dict()/load_state_dict() runs its own hooks only, not its parents'.
+    for module in model.module.modules():
+        hooks.append(module.register_state_dict_pre_hook(HookOf(optimizer._before_state_dict)))
+        hooks.append(module.register_load_state_dict_pre_hook(HookOf(optimizer._before_load)))
+        hooks.append(module.register_load_state_dict_post_hook(HookOf(optimizer._after_load)))
+    return hooks
