@@ -290,7 +290,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         for optimizer in self._given or ():  # an LR scheduler over one given: its step is taken (bucket by bucket)
             optimizer._opt_called = True
         # every bucket before any update: a step that would be wrong is refused whole
-        self.model.check_gradients_untouched(range(len(self.model.manager.plan.buckets)))
+        self.model.check_gradients_untouched(self._buckets())
         if self.model.check_finite:
             self._refuse_nonfinite_gradients()
         self._start_step()
@@ -438,7 +438,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _buckets_holding(self, param_ids: set[int]) -> list[int]:
         """The buckets (in plan order) that hold any of these parameters."""
-        buckets = range(len(self.model.manager.plan.buckets))
+        buckets = self._buckets()
         return [b for b in buckets if any(id(p) in param_ids for p in self._bucket_members(b))]
 
     def _scaled_step(self, scaler: Any) -> None:
@@ -622,6 +622,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def _owed_buckets(self) -> list[int]:
         """The buckets whose parameters this step still writes (at the next forward that reads them)."""
         return list(self._pending.buckets) if self._pending is not None else []
+
+    def _buckets(self) -> range:
+        """The buckets of the model's current plan, in plan order."""
+        return range(len(self.model.manager.plan.buckets))
 
     def _bucket_members(self, bucket: int) -> list[torch.Tensor]:
         """Every parameter of this bucket."""

@@ -38,7 +38,7 @@ from ...bucketing.shard.step import ShardStep, reduction_of, sharded_prediction
 from ...bucketing.update.overlap import buckets_read
 from ...bucketing.update.pending import PendingUpdates
 from ...bucketing.update.schedule import OrderPrediction
-from ..ddp import DistributedDataParallel, called_by_torch_dcp, view_like
+from ..ddp import DistributedDataParallel, called_by_torch_dcp
 from ..inplace import InPlaceGuard
 from .amp import SHARDED_SCALER_ATTRIBUTES, found_inf_on_any_rank
 from .checks import frozen_setting
@@ -56,12 +56,13 @@ from .sharded_checks import (
     state_gather_stalled,
 )
 from .sharded_state import (
-    LOW_PRECISION,
     MASTER_KEY,
     ShardedState,
     in_plain_format,
     inner_state_dict,
     is_master,
+    params_into_buffers,
+    pieces_of,
     return_freed_memory,
     settings_of,
     take_params_into_masters,
@@ -187,23 +188,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         engine = self.model.engine
         self._bound_guard.clear()  # (noted per bucket of the old layout)
         self._layout = ShardLayout(plan, engine.world_size)
-        self._param_buffers = []
-        self._param_addresses = {}  # model index -> where its view of the buffers starts (see _refuse_params_moved)
-        for spec, shards in zip(plan.buckets, self._layout.buckets):
-            buffer = torch.zeros(shards.padded_numel, dtype=getattr(torch, spec.dtype), device=spec.device)
-            with torch.no_grad():
-                for index, offset in zip(spec.param_indices, spec.offsets):
-                    p = self.model.param_list[index]
-                    view = view_like(p, buffer, offset)
-                    view.copy_(p.detach())
-                    p.data = view
-                    self._param_addresses[index] = view.data_ptr()
-            self._param_buffers.append(buffer)
-        self._pieces: list[tuple[ShardPiece, torch.Tensor]] = []
-        for piece in self._layout.pieces(engine.rank):
-            source = self._param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel)
-            master = source.detach().float().clone() if source.dtype in LOW_PRECISION else source
-            self._pieces.append((piece, master))
+        # model index -> where its view of the buffers starts (see _refuse_params_moved)
+        self._param_buffers, self._param_addresses = params_into_buffers(plan, self._layout, self.model.param_list)
+        self._pieces = pieces_of(self._layout.pieces(engine.rank), self._param_shard)
         self._bucket_pieces = [[] for _ in plan.buckets]
         for piece, tensor in self._pieces:
             self._bucket_pieces[piece.bucket].append((piece, tensor))
@@ -301,7 +288,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._start_sharding()  # the gradients of this step are complete: every shard of them is valid
         self._shard_step.start(reduction)  # (every all-gather of this step still to launch)
         self._stepped.note_step(self._model_params())  # what a backward before the next zero_grad() adds onto
-        self._pending = PendingUpdates.start(len(self.model.manager.plan.buckets), self._groups, frozen_setting)
+        self._pending = PendingUpdates.start(len(self._buckets()), self._groups, frozen_setting)
         if self.overlap:
             # Every reduce-scatter waited for and every all-gather launched before step() returns, so code that
             # runs on some ranks only next (rank 0 saving model.module.state_dict()) waits only for collectives
@@ -590,7 +577,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self.finish_reductions()
         grads = [t.grad for _, t in self._pieces if t.grad is not None]
         total = clip_global_norm_(grads, max_norm, norm_type, self.model.engine.device)
-        for bucket in range(len(self.model.manager.plan.buckets)):
+        for bucket in self._buckets():
             self._note_bound(bucket)  # the optimizer's own change: not refused at step()
         return total
 
@@ -603,7 +590,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._bound_after_gather = self._bound_after_gather or self._gradients_gathered  # (named in its error)
         self._gradients_gathered = False
         super().finish_reductions()
-        for bucket in range(len(self.model.manager.plan.buckets)):
+        for bucket in self._buckets():
             self._bind_grads(bucket, note=True)
 
     def gather_gradients(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ...bucketing.shard.layout import ShardLayout, ShardPiece
+from ..ddp import view_like
 from . import state_json as _state_json
 from .dcp import is_sharded, piece_values, sharded_state_tensor
 
@@ -240,6 +241,37 @@ def _unflat_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`_flat_like`: a tensor shaped (and strided) as ``p``, where ``flat`` is."""
     out = torch.empty_like(p, dtype=flat.dtype, device=flat.device)
     out.as_strided((p.numel(),), (1,), 0).copy_(flat)
+    return out
+
+
+def params_into_buffers(
+    plan: Any, layout: ShardLayout, params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], dict[int, int]]:
+    """Parameters made views of one padded flat buffer per bucket (their values kept), so that a bucket's
+    all-gather lands in them without a copy: the buffers, and where each parameter's view starts (model index
+    -> data pointer)."""
+    buffers, addresses = [], {}
+    for spec, shards in zip(plan.buckets, layout.buckets):
+        buffer = torch.zeros(shards.padded_numel, dtype=getattr(torch, spec.dtype), device=spec.device)
+        with torch.no_grad():
+            for index, offset in zip(spec.param_indices, spec.offsets):
+                p = params[index]
+                view = view_like(p, buffer, offset)
+                view.copy_(p.detach())
+                p.data = view
+                addresses[index] = view.data_ptr()
+        buffers.append(buffer)
+    return buffers, addresses
+
+
+def pieces_of(pieces: list[ShardPiece], param_shard: Any) -> list[tuple[ShardPiece, torch.Tensor]]:
+    """Each of this rank's pieces with the tensor the optimizer class steps: a view of its parameters' shard
+    (``param_shard(bucket)``), or for fp16/bf16 parameters an fp32 master copy of it."""
+    out = []
+    for piece in pieces:
+        source = param_shard(piece.bucket).narrow(0, piece.shard_offset, piece.numel)
+        master = source.detach().float().clone() if source.dtype in LOW_PRECISION else source
+        out.append((piece, master))
     return out
 
 
