@@ -22,7 +22,6 @@ from then on.
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from typing import Any
@@ -69,7 +68,6 @@ from .grads import clear_grad
 from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params, watch_given
 from .owed_reads import OwedReads, hook_model, is_compiled, without_autocast
 
-logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
 
 
