@@ -199,7 +199,7 @@ def _dcp_faults(model, optimizer) -> list[str]:
 
 def _hold_in_chunks(manager) -> None:
     """Every chunkable bucket in 3 chunks; the first 4 and the last 4 chunks held for the end of backward."""
-    from collective_ops.bucketing.schedule import held_order_in_chunks
+    from collective_ops.bucketing.update.schedule import held_order_in_chunks
 
     chunks = [3 if manager.chunkable(b) else 1 for b in range(len(manager.plan.buckets))]
     manager.set_launch_order(held_order_in_chunks(chunks, sum(chunks) - 4, 4))

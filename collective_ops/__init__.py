@@ -45,11 +45,9 @@ def tune(model: Any, step_fn: Any, **options: Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     # Loaded on first use: importing collective_ops imports no deep-learning framework.
-    if name == "DistributedOptimizer":  # torch's class, which hands a MindSpore network to MindSpore's
-        try:
-            from .torch.optim.optimizer import DistributedOptimizer
-        except ModuleNotFoundError:  # MindSpore without torch
-            from .mindspore.optim import DistributedOptimizer
+    if name == "DistributedOptimizer":  # a factory: a torch model gets torch's optimizer, a MindSpore one MindSpore's
+        from .frameworks import DistributedOptimizer
+
         return DistributedOptimizer
     raise AttributeError(f"module 'collective_ops' has no attribute {name!r}")
 

@@ -1,7 +1,8 @@
-"""Which framework a model belongs to, and wrap() dispatching to that framework's package."""
+"""Which framework a model belongs to; wrap() and DistributedOptimizer() dispatching to that framework's package."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .ddp_keywords import translate_ddp_keywords
@@ -30,3 +31,47 @@ def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
 
         return wrap_mindspore(model, bucket_size_mb, **options)
     raise TypeError(f"wrap() takes a torch.nn.Module or a mindspore.nn.Cell, got {type(model).__name__}")
+
+
+# The framework packages' optimizer modules: imported by the factory below when a model needs them, and
+# looked up (never imported) by isinstance checks, so that importing collective_ops imports no framework.
+_OPTIMIZER_MODULES = ("collective_ops.torch.optim", "collective_ops.mindspore.optim")
+
+
+def _loaded_optimizer_classes() -> list[type]:
+    modules = [sys.modules.get(name) for name in _OPTIMIZER_MODULES]
+    return [module.DistributedOptimizer for module in modules if module is not None]
+
+
+class _OptimizerFactory(type):
+    """``isinstance(opt, collective_ops.DistributedOptimizer)``: true for either framework's optimizer."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return any(isinstance(instance, loaded) for loaded in _loaded_optimizer_classes())
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return any(issubclass(subclass, loaded) for loaded in _loaded_optimizer_classes())
+
+
+class DistributedOptimizer(metaclass=_OptimizerFactory):
+    """``DistributedOptimizer(model, optimizer_class, ..., shard=False, ...)`` for a model made by :func:`wrap`:
+    torch's (:mod:`collective_ops.torch.optim`) for a torch model, MindSpore's (:mod:`collective_ops.mindspore.optim`)
+    for a MindSpore network; each takes the settings its framework's optimizers take."""
+
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if _is_mindspore(model):
+            from .mindspore.optim import DistributedOptimizer as MindSporeDistributedOptimizer
+
+            return MindSporeDistributedOptimizer(model, *args, **kwargs)
+        try:
+            from .torch.optim import DistributedOptimizer as TorchDistributedOptimizer
+        except ModuleNotFoundError:  # MindSpore without torch: its own optimizer explains what it takes
+            from .mindspore.optim import DistributedOptimizer as MindSporeDistributedOptimizer
+
+            return MindSporeDistributedOptimizer(model, *args, **kwargs)
+        return TorchDistributedOptimizer(model, *args, **kwargs)
+
+
+def _is_mindspore(model: Any) -> bool:
+    """A MindSpore network, wrapped or not (its module is mindspore's or our MindSpore adapter's)."""
+    return _framework_of(model) == "mindspore" or type(model).__module__ == "collective_ops.mindspore.data_parallel"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective_ops.torch.optim.optimizer import TRIAL_BLOCK_STEPS, TRIAL_CANDIDATES, TRIAL_ROUNDS
+from collective_ops.bucketing.update.planner import TRIAL_BLOCK_STEPS, TRIAL_CANDIDATES, TRIAL_ROUNDS
 from tests.harness import run_checks, run_ranks
 from tests.reference import InTurn, assert_identical, snapshot, two_losses_per_step
 
@@ -1087,10 +1087,10 @@ def weights_whichever_order_is_kept(rank: int, world: int, steps: int = 36) -> d
     import torch
 
     import collective_ops as co
-    from collective_ops.bucketing.schedule import OrderTrial
-    from collective_ops.torch.optim import optimizer as torch_optimizer
+    from collective_ops.bucketing.update import planner
+    from collective_ops.bucketing.update.schedule import OrderTrial
 
-    shortlist = torch_optimizer._shortlist
+    shortlist = planner.shortlist
 
     def with_any_chunked(predictions: list, count: int, buckets: int) -> list:
         out = shortlist(predictions, count, buckets)
@@ -1103,7 +1103,7 @@ def weights_whichever_order_is_kept(rank: int, world: int, steps: int = 36) -> d
         return torch.nn.Sequential(*layers, torch.nn.Linear(256, 4))
 
     out, pick = {}, OrderTrial.pick
-    torch_optimizer._shortlist = with_any_chunked
+    planner.shortlist = with_any_chunked
     try:
         for forced in ("first", "last"):
             OrderTrial.pick = staticmethod(
@@ -1121,7 +1121,7 @@ def weights_whichever_order_is_kept(rank: int, world: int, steps: int = 36) -> d
             planned = sorted({len(p.order) for p in optimizer.schedule_report or []})
             out[forced] = (snapshot(model), trial.get("orders"), trial.get("kept"), planned)
     finally:
-        OrderTrial.pick, torch_optimizer._shortlist = pick, shortlist
+        OrderTrial.pick, planner.shortlist = pick, shortlist
     return out
 
 
@@ -1200,7 +1200,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         )
 
     def held_back(wrapped, chunks: int, held: int) -> None:  # what schedule="auto" sets up: the first and last
-        from collective_ops.bucketing.schedule import held_order_in_chunks  # buckets (or chunks) held
+        from collective_ops.bucketing.update.schedule import held_order_in_chunks  # buckets (or chunks) held
 
         manager = wrapped.manager
         counts = [chunks if manager.chunkable(b) else 1 for b in range(len(manager.plan.buckets))]
@@ -1398,7 +1398,7 @@ def launch_order_planned(rank: int) -> tuple:
 
     # the launch order planned after step 3 from rank 0's profile (schedule="auto", the default), its shortlist
     # run in turn against plan order, the fastest kept: every forward's order recorded, weights against DDP
-    from collective_ops.torch.optim import optimizer as torch_optimizer
+    from collective_ops.bucketing.update.planner import broadcast_orders
     from tests.models import TinyTransformer, build
 
     model = co.wrap(build("transformer"), bucket_size_mb=0.004, first_bucket_mb=0.001)
@@ -1421,7 +1421,7 @@ def launch_order_planned(rank: int) -> tuple:
     report, trial = opt.schedule_report, opt.schedule_trial
     trial = None if trial is None else {**trial, "orders": [list(o) for o in trial["orders"]]}
     whole = None if report is None else sum(len(p.order) == len(model.manager.plan.buckets) for p in report)
-    broadcast = torch_optimizer._broadcast_orders(model.engine, [(0, 1, 0, 2), (2, 1, 0)] if rank == 0 else [(1, 0)])
+    broadcast = broadcast_orders(model.engine, [(0, 1, 0, 2), (2, 1, 0)] if rank == 0 else [(1, 0)])
     schedule = (list(model.manager.launch_order), (whole, len(report or [])), ran, trial)
     return schedule, broadcast, (overlapped, opt.defers), (theirs, ours)
 
@@ -1652,16 +1652,16 @@ def test_shortlisted_orders_reach_every_rank_whatever_their_lengths(two_ranks) -
 
 
 def test_the_shortlist_takes_a_chunked_order_only_where_simulated_faster() -> None:
-    from collective_ops.bucketing.schedule import OrderPrediction
-    from collective_ops.torch.optim.optimizer import _shortlist
+    from collective_ops.bucketing.update.planner import shortlist
+    from collective_ops.bucketing.update.schedule import OrderPrediction
 
     def predicted(order, step_s):
         return OrderPrediction(order, 0, step_s, 0.0, 0, step_s)
 
     whole = [predicted((1, 0, 2), 2.0), predicted((0, 1, 2), 2.5), predicted((2, 1, 0), 3.0)]
     chunked = predicted((0, 1, 0, 2), 1.5)
-    assert _shortlist([chunked, *whole], 2, 3) == [(1, 0, 2), (2, 1, 0), (0, 1, 0, 2)]
-    assert _shortlist([*whole, predicted((0, 1, 0, 2), 2.2)], 2, 3) == [(1, 0, 2), (2, 1, 0)]
+    assert shortlist([chunked, *whole], 2, 3) == [(1, 0, 2), (2, 1, 0), (0, 1, 0, 2)]
+    assert shortlist([*whole, predicted((0, 1, 0, 2), 2.2)], 2, 3) == [(1, 0, 2), (2, 1, 0)]
 
 
 def test_auto_bucket_size_is_chosen_by_the_overlapped_step(two_ranks) -> None:

@@ -88,7 +88,7 @@ def join_checks(rank: int, world: int) -> dict:
     }
 
     def held_back(wrapped) -> None:  # a planned order: the first and last buckets held to the end of backward
-        from collective_ops.bucketing.schedule import held_order
+        from collective_ops.bucketing.update.schedule import held_order
 
         count = len(wrapped.manager.plan.buckets)
         wrapped.manager.set_launch_order(held_order(count, count - 1, 1))
@@ -101,7 +101,7 @@ def join_checks(rank: int, world: int) -> dict:
     )
 
     def held_back_in_chunks(wrapped) -> None:  # a chunked order: the shadow steps send the same chunks
-        from collective_ops.bucketing.schedule import held_order_in_chunks
+        from collective_ops.bucketing.update.schedule import held_order_in_chunks
 
         chunks = [3] * len(wrapped.manager.plan.buckets)
         wrapped.manager.set_launch_order(held_order_in_chunks(chunks, sum(chunks) - 2, 2))

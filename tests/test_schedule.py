@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collective_ops.bucketing.schedule import (
+from collective_ops.bucketing.update.schedule import (
     OrderTrial,
     StepProfile,
     TimedStep,
@@ -168,7 +168,7 @@ def test_the_forward_timeline_pairs_a_backward_with_the_forward_around_it() -> N
     import time
     from types import SimpleNamespace
 
-    from collective_ops.torch.optim.optimizer import ForwardTimeline
+    from collective_ops.bucketing.update.timeline import ForwardTimeline
 
     timeline = ForwardTimeline()
     timeline.forward_started(follows_backward=False)
@@ -207,7 +207,7 @@ def test_the_forward_timeline_profiles_the_median_of_its_recent_training_steps()
     import time
     from types import SimpleNamespace
 
-    from collective_ops.torch.optim.optimizer import ForwardTimeline
+    from collective_ops.bucketing.update.timeline import ForwardTimeline
 
     timeline = ForwardTimeline()
     timeline.forward_started(follows_backward=False)

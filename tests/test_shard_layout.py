@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collective_ops.bucketing import ParamSpec, plan_buckets
-from collective_ops.bucketing.shard import ShardLayout, flat_range_boxes, padded_numel
+from collective_ops.bucketing.shard.layout import ShardLayout, flat_range_boxes, padded_numel
 
 
 def _plan(numels: list[int], bucket_mb: float):

@@ -139,7 +139,7 @@ def _rank0_checkpoints(rank: int) -> list[dict]:
     import torch
 
     import collective_ops as co
-    from collective_ops.bucketing.schedule import held_order
+    from collective_ops.bucketing.update.schedule import held_order
     from tests.models import SmallCNN, build, rank_batch
 
     setups = [torch.nn.parallel.DistributedDataParallel(build("cnn"))]
@@ -1018,7 +1018,7 @@ def _full_state(rank: int, world: int) -> tuple:
     import torch
 
     import collective_ops as co
-    from collective_ops.bucketing.shard import ShardLayout
+    from collective_ops.bucketing.shard.layout import ShardLayout
     from tests.models import TinyTransformer, build
 
     # the full state: equal to the unsharded optimizer's after the same training, and it round-trips

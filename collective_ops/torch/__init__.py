@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from .ddp import DistributedDataParallel, wrap
-from .optim.optimizer import DistributedOptimizer
-from .optim.sharded import ShardedDistributedOptimizer
+from .optim import DistributedOptimizer, ShardedDistributedOptimizer
 
 __all__ = ["DistributedDataParallel", "DistributedOptimizer", "ShardedDistributedOptimizer", "wrap"]

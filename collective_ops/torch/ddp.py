@@ -42,6 +42,7 @@ from ..bucketing import (
     validate_bucket_mb,
 )
 from ..bucketing.hooks import allreduce_hook, reduces_rows
+from ..bucketing.participant import UpdateParticipant
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ..options import names_text, resolve_options
@@ -522,11 +523,31 @@ class DistributedDataParallel(nn.Module, Joinable):
         return any(id(p) in owned for group in optimizer.param_groups for p in group["params"])
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> UpdateParticipant | None:
         """The DistributedOptimizer attached to this model, if any."""
         return self._optimizer_ref() if self._optimizer_ref is not None else None
 
-    def attach_optimizer(self, optimizer: Any) -> None:
+    # -- what an attached optimizer reads of the model ------------------------------------------------------
+    @property
+    def param_list(self) -> list[torch.Tensor]:
+        """The parameters that train, in the order the bucket plan's indices name them."""
+        return self._params
+
+    @property
+    def param_names(self) -> list[str]:
+        """The names of :attr:`param_list`, in the same order."""
+        return self._param_names
+
+    @property
+    def joined(self) -> bool:
+        """True inside ``model.join()`` (a rank out of data shadows its peers' steps without forwards)."""
+        return self._join_config.enable
+
+    def gradient_tensors(self, bucket: int) -> list[torch.Tensor]:
+        """What other code changes this bucket's gradients through (see :meth:`_gradient_tensors`)."""
+        return self._gradient_tensors(bucket)
+
+    def attach_optimizer(self, optimizer: UpdateParticipant) -> None:
         """Called by DistributedOptimizer: its updates follow this model's buckets (one optimizer per model)."""
         if self.optimizer is not None and self.optimizer is not optimizer:
             raise ValueError(
@@ -638,13 +659,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         """With a DistributedOptimizer planning its launch order: each candidate's simulated step with its
         best order, keyed by (bucket_size_mb, first_bucket_mb); empty where it has no profile (local work).
         Communication that overlaps compute (all but the forward's waits) slows it by ``contention``."""
-        predict_overlapped = getattr(self.optimizer, "predict_overlapped", None)
-        if predict_overlapped is None:
+        optimizer = self.optimizer
+        if optimizer is None:
             return {}
         plan, steps = self.manager.plan, {}
         for p in predictions:
             candidate = plan_buckets(plan.params, p.bucket_size_mb, p.first_bucket_mb, order=plan.order)
-            result = predict_overlapped(candidate, cost)
+            result = optimizer.predict_overlapped(candidate, cost)
             if result is None:
                 return {}
             hidden = max(p.comm_s - result.forward_wait_s, 0.0)
@@ -955,7 +976,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._finish_owed_updates()  # this rank's own last step, if a DistributedOptimizer deferred it
         self._settle()
         self.manager.shadow_step()
-        if getattr(self.optimizer, "shards", False):
+        if self.optimizer is not None and self.optimizer.shards:
             self.optimizer.step_while_joined()  # it still owns shards: updated and all-gathered, as its peers expect
         self._after_step()
 

@@ -3,7 +3,7 @@
 ``get_state_dict()`` / ``get_optimizer_state_dict()`` with ``full_state_dict=False`` (DCP's default) ask for
 state each rank can save without gathering it: every element-wise value (``exp_avg``, the fp32 masters) is
 given as a ``ShardedTensor`` of the parameter's full shape whose local shards are this rank's pieces, as boxes
-(:func:`collective_ops.bucketing.shard.flat_range_boxes`: a piece is a flat range of the parameter in its memory
+(:func:`collective_ops.bucketing.shard.layout.flat_range_boxes`: a piece is a flat range of the parameter in its memory
 order), views of the optimizer's own state, so ``dcp.load`` writes into them as it writes into a plain
 optimizer's tensors. DCP's planner then saves each rank's boxes and, at load, reads whatever boxes the loading
 layout needs: other world sizes, and plain optimizers' full tensors, both ways.
@@ -22,7 +22,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed._shard.sharding_spec.api import custom_sharding_spec_op
 
-from ...bucketing.shard import Box, ShardPiece, flat_range_boxes
+from ...bucketing.shard.layout import Box, ShardPiece, flat_range_boxes
 from ..ddp import TORCH_DCP_MODULE
 
 # DCP's function that reads an optimizer's state_dict(): for get_state_dict()/get_optimizer_state_dict(), and
@@ -145,3 +145,18 @@ def piece_values(value: ShardedTensor, p: torch.Tensor, piece: ShardPiece) -> to
 
 def is_sharded(value: Any) -> bool:
     return isinstance(value, ShardedTensor)
+
+
+class ModelParamsGroup(dict):
+    """One of the sharded optimizer's groups with the model's parameters as ``"params"``, for
+    torch.distributed.checkpoint; its other keys are written through to the group."""
+
+    def __init__(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        super().__init__(group)
+        super().__setitem__("params", list(params))
+        self._group = group
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key != "params":
+            self._group[key] = value

@@ -15,59 +15,60 @@ every forward (parameters it did not use), ``state_dict``, ``synchronize()``,
 reads another module's parameters before that module runs (``MultiheadAttention`` reads
 ``out_proj.weight`` without calling ``out_proj``; ``h + self.head.bias.sum()`` in a parent's
 forward) waits for their update at the read: while updates are owed, a torch function mode
-(:class:`_OwedReads`) sees each torch function's parameter arguments, finishes an owed bucket
+(:class:`OwedReads`) sees each torch function's parameter arguments, finishes an owed bucket
 before the function reads it, and records the reading module, whose pre-hook finishes that bucket
 from then on.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import logging
-import sys
 import time
 import weakref
-from collections import deque
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
-from torch.overrides import TorchFunctionMode
 
 from ... import runtime
 from ...bucketing.alignment import StepMisalignedError
 from ...bucketing.hooks import allreduce_hook
-from ...bucketing.plan import MIB
-from ...bucketing.row_sparse import wire_nbytes
-from ...bucketing.schedule import (
-    OrderPrediction,
-    OrderTrial,
-    Price,
-    StepProfile,
-    TimedStep,
-    best_first,
-    chunk_counts,
-    median_step,
-    plan_order,
-    step_bound,
+from ...bucketing.update.overlap import ForwardReads, buckets_read
+from ...bucketing.update.pending import PendingUpdates, groups_narrowed
+from ...bucketing.update.planner import (
+    CHUNK_CANDIDATES_MIB,
+    SCHEDULE_AFTER_STEPS,
+    LaunchOrderPlanner,
+    chunk_sizes_mib,
+    planner_inputs,
+    planning_due,
+    ranked_orders,
+    trial_step_seconds,
 )
-from ...bucketing.updates import PendingUpdates
-from ...consistency import OptimizerMismatchError, check_same_on_all_ranks
-from ...frameworks import _framework_of
+from ...bucketing.update.schedule import OrderPrediction
+from ...bucketing.update.timeline import ForwardTimeline
 from ..ddp import DistributedDataParallel
 from ..inplace import InPlaceGuard
-from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params
+from .amp import found_inf_here, scaler_record, unscale_
+from .checks import (
+    UNREDUCED_ACCUMULATION,
+    as_groups,
+    changed_settings,
+    frozen_setting,
+    given_stepped_directly,
+    nonfinite_gradients,
+    params_changed_while_owed,
+    refuse_foreign_params,
+    refuse_group_mutation,
+    refuse_shard_options,
+    refuse_unusable,
+    refuse_unwrapped,
+)
+from .grads import clear_grad
+from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params, watch_given
+from .owed_reads import OwedReads, hook_model, is_compiled, without_autocast
 
-logger = logging.getLogger("collective_ops")
 SCHEDULES = ("auto", "plan")
-SCHEDULE_AFTER_STEPS = 3  # after the first-step rebuild and bucket_size_mb="auto" settling (step 2)
-TRIAL_CANDIDATES = 2  # the simulator's best orders run against plan order and against finishing in backward
-# Chunk sizes the launch-order planner weighs for buckets larger than them (one chunked order joins the trial)
-CHUNK_CANDIDATES_MIB = (4.0, 2.0, 1.0, 0.5)
-TRIAL_BLOCK_STEPS = 3
-TRIAL_ROUNDS = 2
 
 
 class DistributedOptimizer(torch.optim.Optimizer, Joinable):
@@ -98,19 +99,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     # it would read them while their reductions are still in flight.
     _step_supports_amp_scaling = True
 
-    def __new__(cls, *args: Any, shard: bool = False, **kwargs: Any) -> DistributedOptimizer:
-        if args and _is_mindspore(args[0]):  # a MindSpore network: MindSpore's DistributedOptimizer
-            from ...mindspore.optim import DistributedOptimizer as MindSporeDistributedOptimizer
-
-            return MindSporeDistributedOptimizer(*args, shard=shard, **kwargs)
-        if args and isinstance(args[0], DistributedDataParallel):  # before any group is made (shard=True makes some)
-            _check_settings_agree(args[0], args[1:], shard, kwargs)
-        if shard and cls is DistributedOptimizer:
-            from .sharded import ShardedDistributedOptimizer
-
-            cls = ShardedDistributedOptimizer
-        return super().__new__(cls)
-
     def __init__(
         self,
         model: DistributedDataParallel,
@@ -122,31 +110,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         schedule: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(
-                f"DistributedOptimizer takes a model wrapped by collective_ops.wrap(), got {type(model).__name__}; "
-                "wrap it first: model = collective_ops.wrap(model)"
-            )
+        refuse_unwrapped(model, DistributedDataParallel, shard and not self.shards)
         custom_hook = model.manager.comm_hook is not allreduce_hook and not model.compression
-        schedule = schedule or ("plan" if shard or custom_hook else "auto")
+        schedule = schedule or ("plan" if self.shards or custom_hook else "auto")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self._given = given_optimizers(optimizer_class)  # optimizers built by the user, or None for a class
-        _refuse_unusable(optimizer_class, self._given, args, kwargs, params)
-        for option in ("grad_reduce_dtype", "assume_elementwise"):
-            if option in kwargs:
-                raise ValueError(f"{option} is an option of the sharded optimizer: pass shard=True with it")
+        refuse_unusable(optimizer_class, self._given, args, kwargs, params)
+        refuse_shard_options(kwargs)
         self.model = model
         self.overlap = overlap
         self.schedule = schedule
-        self.schedule_report: list[OrderPrediction] | None = None
-        # the step no launch order beats, from the profile and cost the planner used (schedule.step_bound)
-        self.schedule_bound_s: float | None = None
-        self._scheduled_plan: Any = None  # the bucket plan the launch order was planned for
-        self._trial: OrderTrial | None = None  # the shortlisted orders being run in turn
-        self._trial_defers: tuple[bool, ...] = ()  # per trial candidate: overlapped (or finished in backward)
-        self._defers_now = True  # False: the trial runs, or kept, every bucket finished in backward
-        self.schedule_trial: dict[str, Any] | None = None  # what the last trial measured and kept
+        self._planner = LaunchOrderPlanner()  # schedule="auto": the launch order planned, tried and kept
         self._forward_start: float | None = None
         self._forward_compiled = False  # the last forward ran under torch.compile (no per-module timeline)
         self._step_seconds = 0.0  # the last step()'s own time
@@ -154,9 +129,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self._given is not None:
             groups = [group for optimizer in self._given for group in optimizer.param_groups]
         else:
-            groups = _as_groups(model.module.parameters() if params is None else params)
-        _refuse_foreign_params(model, groups)
-        self._index = {id(p): i for i, p in enumerate(model._params)}
+            groups = as_groups(model.module.parameters() if params is None else params)
+        refuse_foreign_params(model, groups)
+        self._index = {id(p): i for i, p in enumerate(model.param_list)}
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable (Optimizer's init skips its)
         self._stepping = False  # True while this optimizer calls the wrapped class's step()
         self._scaler_ref: weakref.ref | None = None  # the GradScaler that last stepped it (scaler.step(opt))
@@ -172,37 +147,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         model.attach_optimizer(self)
         # Which parameters each module's forward reads is learnt from the first forward: its own, plus those
         # of submodules whose forward never runs (MultiheadAttention reads out_proj.weight itself).
-        self._ran: set[nn.Module] | None = set()
-        self._needs: dict[nn.Module, list[int]] = {}
+        self._forward_reads = ForwardReads()
         # Reads the learnt needs miss (a parent's forward reading a child's bias before the child runs, a read
         # only some forwards make) wait at the read itself: the modules in their forward, innermost last, and
         # the torch function mode that watches the owed parameters while they run.
         self._readers: list[nn.Module] = []
-        self._reads = _OwedReads(self)
-        before_forward, after_forward = _HookOf(self._before_forward_of), _HookOf(self._after_forward_of)
-        # First among each module's pre-hooks: those already there compute from the parameters too (the classic
-        # torch.nn.utils.weight_norm / spectral_norm derive the weight from them there).
-        self._hooks = [
-            module.register_forward_pre_hook(before_forward, prepend=True) for module in model.module.modules()
-        ]
-        # always_call: a forward that raises leaves no module behind, nor the mode on torch's stack
-        self._hooks += [
-            module.register_forward_hook(after_forward, always_call=True) for module in model.module.modules()
-        ]
-        self._hooks.append(model.module.register_forward_hook(_HookOf(self._after_forward)))
-        # on the wrapper: runs before its buffer broadcast
-        self._hooks.append(model.register_forward_pre_hook(_HookOf(self._forward_starts)))
+        self._reads = OwedReads(self)
         self._timeline = ForwardTimeline()  # the forward's use of buckets over time (schedule="auto" plans from it)
-        # The inner module's own state_dict() (a checkpoint of model.module), and any submodule's (a backbone
-        # saved alone: model.module.encoder.state_dict()), sees every update too; loading weights into any of them
-        # (the wrapper's load_state_dict too) lands after every owed write, not under one. On every module: a
-        # submodule's state_dict()/load_state_dict() runs its own hooks only, not its parents'.
-        for module in model.module.modules():
-            self._hooks.append(module.register_state_dict_pre_hook(_HookOf(self._before_state_dict)))
-            self._hooks.append(module.register_load_state_dict_pre_hook(_HookOf(self._before_load)))
-            self._hooks.append(module.register_load_state_dict_post_hook(_HookOf(self._after_load)))
+        self._hooks = hook_model(model, self)
         for optimizer in self._given or ():  # the user's own optimizers, read or loaded directly
-            self._watch_given(optimizer)
+            self._hooks += watch_given(optimizer, self)
 
     def _make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
@@ -212,25 +166,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self._given is not None:
             return self._given[0] if len(self._given) == 1 else OptimizerSet(self._given)
         return optimizer_class(groups, *args, **kwargs)
-
-    def _watch_given(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer given by the user: its own state_dict() sees every owed update; a state loaded into it
-        directly lands after them, and its (new) groups become this optimizer's."""
-        me = weakref.ref(self)
-
-        def before(*args: Any) -> None:
-            ours = me()
-            if ours is not None and ours.in_flight:
-                ours.synchronize()
-
-        def after(*args: Any) -> None:
-            ours = me()
-            if ours is not None:
-                ours._rebind()
-
-        self._hooks.append(optimizer.register_state_dict_pre_hook(before))
-        self._hooks.append(optimizer.register_load_state_dict_pre_hook(before))
-        self._hooks.append(optimizer.register_load_state_dict_post_hook(after))
 
     def _follow_given_groups(self) -> None:
         """A group added to a given optimizer directly (its own ``add_param_group``, as when unfreezing layers)
@@ -243,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             return
         if self.in_flight:
             self.synchronize()
-        _refuse_foreign_params(self.model, groups)
+        refuse_foreign_params(self.model, groups)
         refuse_shared_params(self._given)
         self._rebind()
 
@@ -293,13 +228,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     @property
     def defers(self) -> bool:
         """True if backward returns once buckets are launched (their reductions finished later, as needed)."""
-        return self.overlap and self._defers_now
+        return self.overlap and self._planner.defers_now
 
     @property
     def settling(self) -> bool:
         """True until the launch order is chosen (schedule="auto": planned after step 3, then the shortlist's
         trial); steps until then run orders that may not be kept."""
-        if self._trial is not None:
+        if self._planner.trial is not None:
             return True
         return self._plans_schedule() and self.model.manager.steps_synced <= SCHEDULE_AFTER_STEPS
 
@@ -312,13 +247,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     @chunk_candidates_mib.setter
     def chunk_candidates_mib(self, sizes: Any) -> None:
-        sizes = tuple(sizes)
-        if not all(isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m < float("inf") for m in sizes):
-            raise ValueError(
-                f"chunk_candidates_mib must be chunk sizes in MiB, each positive and finite (e.g. (2, 0.5)), or () "
-                f"for whole buckets only; got {sizes!r}"
-            )
-        self._chunk_candidates_mib = tuple(float(m) for m in sizes)
+        self._chunk_candidates_mib = chunk_sizes_mib(sizes)
 
     @property
     def in_flight(self) -> bool:
@@ -353,18 +282,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._step_by_scaler_attributes(self.found_inf, getattr(self, "grad_scale", None))
             return
         if self.model.manager.has_unreduced_accumulation:
-            raise RuntimeError(
-                "step() on gradients accumulated under model.no_sync() that no backward outside it has averaged "
-                "across ranks: each rank would train on its own data and the replicas would part. Run the last "
-                "micro-batch's backward outside no_sync() (it reduces everything accumulated), or drop them "
-                "with opt.zero_grad() and a backward outside no_sync()"
-            )
+            raise RuntimeError(UNREDUCED_ACCUMULATION)
         start = time.perf_counter()
         self._follow_given_groups()
         for optimizer in self._given or ():  # an LR scheduler over one given: its step is taken (bucket by bucket)
             optimizer._opt_called = True
         # every bucket before any update: a step that would be wrong is refused whole
-        self.model.check_gradients_untouched(range(len(self.model.manager.plan.buckets)))
+        self.model.check_gradients_untouched(self._buckets())
         if self.model.check_finite:
             self._refuse_nonfinite_gradients()
         self._start_step()
@@ -385,11 +309,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not bad:
             return
         self._skip_step()
-        raise FloatingPointError(
-            f"non-finite gradients (NaN or Inf) after reduction in {len(bad)} parameter(s): {bad[:10]}{origin}; "
-            "the step was not applied (parameters and optimizer state unchanged). Lower the learning rate, use "
-            "gradient clipping or loss scaling (torch.amp.GradScaler skips such steps), or check the data of that step."
-        )
+        raise nonfinite_gradients(bad, origin)
 
     def _nonfinite_gradient_names(self) -> list[str]:
         """The parameters whose averaged gradient holds a NaN or Inf, the same on every rank."""
@@ -419,7 +339,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             owed = self._params_of(pending.buckets)
         for p in self._model_params():
             if id(p) not in owed:
-                _clear(p, set_to_none)
+                clear_grad(p, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's (unfreezing layers as training goes on): a group of the model's parameters, with settings
@@ -427,8 +347,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not getattr(self, "_built", False):  # torch's __init__ registering the class's own groups
             super().add_param_group(param_group)
             return
-        groups = _as_groups([param_group])
-        _refuse_foreign_params(self.model, groups)
+        groups = as_groups([param_group])
+        refuse_foreign_params(self.model, groups)
         self.synchronize()
         self._add_group(groups[0])
 
@@ -501,10 +421,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         that it steps on averaged gradients as under DDP. Unless it shares parameters with this optimizer, they were
         finished at the end of backward already (:meth:`backward_ended`); the other buckets keep their overlap."""
         if optimizer in (self._given or ()):
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() called directly: it was given to a DistributedOptimizer, whose "
-                "step() runs it bucket by bucket as the reductions land; call that one's step() instead"
-            )
+            raise given_stepped_directly(optimizer)
         self._finish(self._buckets_holding({id(p) for group in optimizer.param_groups for p in group["params"]}))
 
     def backward_ended(self) -> None:
@@ -512,27 +429,22 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         parameters this optimizer does not train are finished now, as DDP finishes every bucket in backward. So
         whatever reads those gradients next, by any route (a plain optimizer beside this one, ``scaler.unscale_``
         of it, a norm over them), reads them averaged; this optimizer's own buckets keep their overlap."""
-        others = {id(p) for p in self.model._params} - self._trained
+        others = {id(p) for p in self.model.param_list} - self._trained
         for bucket in self._buckets_holding(others):
             if self.model.manager.deferred_pending:
                 self.model.finish_bucket(bucket)
 
     def _buckets_holding(self, param_ids: set[int]) -> list[int]:
         """The buckets (in plan order) that hold any of these parameters."""
-        buckets = range(len(self.model.manager.plan.buckets))
+        buckets = self._buckets()
         return [b for b in buckets if any(id(p) in param_ids for p in self._bucket_members(b))]
 
     def _scaled_step(self, scaler: Any) -> None:
         """``GradScaler.step(opt)``: every reduction finished (the inf check needs all gradients), the
         gradients unscaled and checked, the step skipped where one is not finite, as torch does."""
-        from torch.amp.grad_scaler import OptState
-
         self._scaler_ref = weakref.ref(scaler)  # (sharded, a rank that joins keeps stepping through it)
         self.finish_reductions()
-        state = scaler._per_optimizer_states[id(self)]
-        if state["stage"] is OptState.READY:
-            scaler.unscale_(self)  # records found_inf for scaler.update()
-        if self._found_inf_anywhere(state["found_inf_per_device"]):
+        if self._found_inf_anywhere(scaler_record(scaler, self)):
             self._skip_step()
         else:
             self.step()
@@ -549,20 +461,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._skip_step()
             return
         if grad_scale is not None:
-            inv_scale = grad_scale.double().reciprocal().float()
-            by_kind: dict[tuple, list[torch.Tensor]] = {}
-            for p in self._model_params():
-                if p.grad is not None:
-                    by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-            for (device, _), grads in by_kind.items():
-                found = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            unscale_(self._model_params(), grad_scale)
         self.step()
 
     def _found_inf_anywhere(self, found_inf_per_device: dict[Any, torch.Tensor]) -> bool:
         """GradScaler's verdict on this step (``unscale_`` recorded it per device). Unsharded every rank checked
         the same averaged gradients: the same verdict everywhere, no collective needed."""
-        return any(float(v.item()) for v in found_inf_per_device.values())
+        return found_inf_here(found_inf_per_device)
 
     def _skip_step(self) -> None:
         """The last backward's gradients are not applied (GradScaler found them not finite)."""
@@ -572,8 +477,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
         if torch.compiler.is_compiling():
             return  # inside a compiled graph: every owed update was applied before it (compiled_forward_starts)
-        if self._ran is not None:
-            self._ran.add(module)
+        self._forward_reads.module_runs(module)
         timeline = self._timeline if self._times_forward() else None
         if timeline is not None and module is self.model.module:
             timeline.forward_started(follows_backward=self.in_flight)
@@ -581,7 +485,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             indices = self._reads_of(module)
             if timeline is not None:
                 timeline.needed(indices)
-            if self.in_flight and _is_compiled(module) and module is not self.model.module:
+            if self.in_flight and is_compiled(module) and module is not self.model.module:
                 # A compiled submodule in an eager forward: no wait can sit inside its graph (and no torch function
                 # mode sees its reads), so every owed write lands first, as before a compiled model's forward.
                 indices = list(range(len(self._index)))
@@ -592,15 +496,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def _reads_of(self, module: nn.Module) -> list[int]:
         """The parameters (indices into the model's list) ``module``'s forward reads: learnt in the first forward
         and from reads caught since; a module not seen then reads at least its own."""
-        indices = self._needs.get(module)
-        if indices is None:
-            indices = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
-        return indices
+        return self._forward_reads.reads_of(module, lambda: self._own_params(module))
+
+    def _own_params(self, module: nn.Module) -> list[int]:
+        """``module``'s own trained parameters (not its submodules'), as indices into the model's list."""
+        return [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
 
     def _finish_reads(self, indices: list[int], module: str) -> None:
         """Before a forward reads these parameters: their buckets finished, their owed updates applied."""
-        location = self.model.manager.plan.location
-        self._finish(sorted({location[i][0] for i in indices}), module)  # plan order, as every rank
+        self._finish(buckets_read(indices, self.model.manager.plan.location), module)  # plan order, as every rank
 
     # -- reads the learnt needs miss ------------------------------------------------------------------
     def _owed_writes(self) -> list[int]:
@@ -610,12 +514,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _write_owed(self, bucket: int) -> bool:
         """``bucket`` is among :meth:`_owed_writes` (without listing them: asked once per parameter read)."""
+        return self._update_owed(bucket)
+
+    def _update_owed(self, bucket: int) -> bool:
+        """This step still owes ``bucket``'s update (its class step over the bucket's parameters)."""
         return self._pending is not None and bucket in self._pending.buckets
 
     def _enter_reads(self, module: nn.Module) -> None:
         """``module``'s forward starts (its own reads finished): the innermost reader from now on. The outermost
         forward that starts while writes are still owed watches every torch function until it returns
-        (:class:`_OwedReads`)."""
+        (:class:`OwedReads`)."""
         if self._readers:
             self._readers.append(module)
             return
@@ -639,7 +547,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._reads.unwatch()
 
     def read_owed(self, param: torch.Tensor) -> None:
-        """A torch function is about to read ``param`` while its bucket's write may be owed (:class:`_OwedReads`):
+        """A torch function is about to read ``param`` while its bucket's write may be owed (:class:`OwedReads`):
         finished first, where still owed, and the innermost module in its forward noted as reading it, so that
         its pre-hook finishes that bucket from the next forward on."""
         index = self._index[id(param)]
@@ -649,9 +557,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         reader = self._readers[-1] if self._readers else None
         self._finish_reads([index], type(reader).__name__ if reader is not None else "")
         if reader is not None:
-            needs = self._needs.setdefault(reader, list(self._reads_of(reader)))
-            if index not in needs:
-                needs.append(index)
+            self._forward_reads.caught(reader, index, lambda: self._own_params(reader))
 
     def _forward_starts(self, model: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
@@ -692,7 +598,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _plans_schedule(self) -> bool:
         """True while the forward's use of buckets is being timed: schedule="auto", not yet planned for this plan."""
-        return self.schedule == "auto" and self.overlap and self._scheduled_plan is not self.model.manager.plan
+        return self.schedule == "auto" and self.overlap and self._planner.plans(self.model.manager.plan)
 
     def _times_forward(self) -> bool:
         """True while the forward's use of buckets is timed: the input of the launch-order planner (and, here
@@ -715,9 +621,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """The buckets whose parameters this step still writes (at the next forward that reads them)."""
         return list(self._pending.buckets) if self._pending is not None else []
 
+    def _buckets(self) -> range:
+        """The buckets of the model's current plan, in plan order."""
+        return range(len(self.model.manager.plan.buckets))
+
     def _bucket_members(self, bucket: int) -> list[torch.Tensor]:
         """Every parameter of this bucket."""
-        return [self.model._params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
+        return [self.model.param_list[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
 
     def _bucket_params(self, bucket: int) -> list[torch.Tensor]:
         """The parameters of this bucket that this optimizer writes (not those of an optimizer beside it)."""
@@ -731,33 +641,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             changed = self._params_guard.changed(bucket, params, release)
             if not changed:
                 continue
-            names = [self.model._param_names[self._index[id(params[position])]] for position in changed]
-            raise RuntimeError(
-                f"parameters {names[:5]}{' ...' if len(names) > 5 else ''} were changed in place after step() "
-                "while their update was still owed: DistributedOptimizer applies each bucket's update (sharded: "
-                "its all-gather) at the next forward that reads it, so the change would be lost or updated on, "
-                "not applied after the step as with a plain optimizer. Take the parameters through the wrapped "
-                "model (model.parameters() and model.load_state_dict() finish the step first) or call "
-                "opt.synchronize() before changing them"
-            )
+            names = [self.model.param_names[self._index[id(params[position])]] for position in changed]
+            raise params_changed_while_owed(names)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         if self._times_forward():
             self._timeline.forward_ended()
-        if self._ran is None:
-            return
-        ran, self._ran = self._ran, None
-        for owner in ran:
-            indices = []
-            stack = [owner]
-            while stack:  # the owner's parameters and those of its submodules that never ran themselves
-                current = stack.pop()
-                indices += [self._index[id(p)] for p in current.parameters(recurse=False) if id(p) in self._index]
-                stack += [child for child in current.children() if child not in ran]
-            caught = [i for i in self._needs.get(owner, ()) if i not in indices]  # reads caught in this forward
-            self._needs[owner] = indices + caught
+        self._forward_reads.first_forward_ended(self._own_params, lambda module: module.children())
 
     @torch.no_grad()
     def _finish(self, buckets: list[int], module: str = "") -> None:
@@ -770,7 +662,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         that the next training step could not update in place) and out of autocast (an update through a
         matmul, as Shampoo-like preconditioners compute, ran in bf16 under a bf16 forward: silently off DDP's)."""
         # (unwatched: the update's own reads of the parameters are not a forward's)
-        with torch.inference_mode(False), _without_autocast(self.model.engine.device.type), self._reads.paused():
+        with torch.inference_mode(False), without_autocast(self.model.engine.device.type), self._reads.paused():
             self._finish_buckets(buckets, module)
 
     def _finish_buckets(self, buckets: list[int], module: str) -> None:
@@ -804,7 +696,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
                 tracer("update", bucket, step, start, end, module)
             if pending.clear_after is not None:
                 for p in self._bucket_params(bucket):
-                    _clear(p, pending.clear_after)
+                    clear_grad(p, pending.clear_after)
         if pending.finished:
             self._pending = None
 
@@ -816,27 +708,17 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """The class's step over ``only`` (parameter ids; None: all) with the groups' settings at ``frozen``'s
         step() (None: current)."""
         start = time.perf_counter()
-        saved, changed = [], []
         try:
-            for group in self._optimizer.param_groups:
-                saved.append((group["params"], {key: group[key] for key in group if key != "params"}))
-                if only is not None:
-                    group["params"] = [p for p in group["params"] if id(p) in only]
-                settings = None if frozen is None else frozen.settings_for(group)
-                if settings is not None:
-                    group.update(settings)
-            given = [dict(group) for group in self._optimizer.param_groups]
-            self._stepping = True
-            self._optimizer.step()
-            changed = _changed_settings(given, self._optimizer.param_groups)
+            with groups_narrowed(self._optimizer.param_groups, only, frozen):
+                given = [dict(group) for group in self._optimizer.param_groups]
+                self._stepping = True
+                self._optimizer.step()
+                changed = changed_settings(given, self._optimizer.param_groups)
         finally:
             self._stepping = False
-            for group, (params, settings) in zip(self._optimizer.param_groups, saved):
-                group["params"] = params
-                group.update(settings)
         self.update_seconds += time.perf_counter() - start
         if changed:
-            _refuse_group_mutation(type(self._optimizer).__name__, changed)
+            refuse_group_mutation(type(self._optimizer).__name__, changed)
 
     def _params_of(self, buckets: list[int]) -> set[int]:
         return {id(p) for bucket in buckets for p in self._bucket_params(bucket)}
@@ -847,6 +729,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         as a plain optimizer does under DDP's join, and takes the last joiner's parameters at the end. With
         ``shard=True`` the model's shadow steps also update the joined rank's shards (``step_while_joined``)."""
         return JoinHook()
+
+    def step_while_joined(self) -> None:
+        """A step a joined rank shadows (``model.join()``): unsharded, nothing; the rank skips its updates, as a
+        plain optimizer does under DDP's join, and takes the last joiner's parameters at the end."""
 
     @property
     def join_device(self) -> torch.device:
@@ -861,153 +747,70 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
         With ``schedule="auto"``, from the last backward's bucket ready times, this forward's use
         of the buckets and the fitted α/β, rank 0 simulates every candidate order
-        (:mod:`collective_ops.bucketing.schedule`) and every rank adopts its choice: buckets the
+        (:mod:`collective_ops.bucketing.update.schedule`) and every rank adopts its choice: buckets the
         next forward needs first stop queueing behind the rest.
         """
         manager = self.model.manager
         stats = manager.last_stats
         if not forward_ended:  # a backward that finished every bucket: what is settled here is at forward ends
             return
-        if self._trial is not None and not self.model._join_config.enable:
+        if self._planner.trial is not None and not self.model.joined:
             self._advance_trial(stats)
             return
         if self._times_forward():
             if self.model.module.training and torch.is_grad_enabled():  # a training step's forward, not an evaluation
                 self._timeline.remember(stats, manager.steps_synced)
             self._timeline.settled()
-        planning = self._plans_schedule()
-        if (
-            not planning
-            or manager.steps_synced < SCHEDULE_AFTER_STEPS
-            or manager.launch_order != tuple(range(len(manager.plan.buckets)))  # set by the user
-            or len(stats.buckets) != len(manager.plan.buckets)
-            or stats.backward_start is None
-            or self.model._join_config.enable  # a joined rank shadows steps without forwards: plan outside join()
-        ):
+        if not (self._plans_schedule() and planning_due(manager, self.model.joined)):
             return
-        self._plan_launch_order(stats)
-
-    def _plan_launch_order(self, stats: Any) -> None:
-        """Rank 0's simulated best order (where its timeline is complete), set on every rank."""
-        manager, engine, timeline = self.model.manager, self.model.engine, self._timeline
-        complete = timeline.complete(stats.backward_start)
-        # rank 0's timeline decides, on every rank: 1 plan from it, 0 not complete yet, 2 never (compiled forwards)
-        decision = engine.broadcast_ints([2 if self._forward_compiled else int(complete)])[0]
-        if decision == 2:
-            self._scheduled_plan = manager.plan  # plan order, overlapped: nothing to plan from
-            logger.info("collective_ops: DistributedOptimizer keeps plan order (the forward is compiled)")
-        if decision != 1:
-            return
-        from ...tuning import measure_alpha_beta
-
-        cost = measure_alpha_beta()  # a collective: every rank is here
-        count = len(manager.plan.buckets)
-        predictions = self._ranked_orders(stats, manager.plan, cost, chunked=True) if complete else None
-        if complete:
-            self.schedule_bound_s = step_bound(*self._planner_inputs(stats, manager.plan, cost))
-        orders = _broadcast_orders(engine, _shortlist(predictions or [], TRIAL_CANDIDATES, count))  # rank 0's
-        self.schedule_report, self._scheduled_plan = predictions, manager.plan
-        # Finishing every bucket in backward (as a plain optimizer sees it) is the first candidate: overlapping
-        # updates with the forward costs hooks and per-bucket updates, and is kept only where it measures faster.
-        plan = tuple(range(count))
-        self._trial = OrderTrial((plan, plan, *orders), TRIAL_BLOCK_STEPS, TRIAL_ROUNDS)
-        self._trial_defers = (False, True, *(True for _ in orders))
-        self._defers_now = False
-        manager.set_launch_order(None)
-        if predictions:
-            plain = next(p for p in predictions if p.is_plan_order)
-            logger.info(
-                "collective_ops: DistributedOptimizer shortlisted launch orders %s (simulated %s ms) against plan "
-                "order (%.1f ms) and every bucket finished in backward; each runs %d x %d steps, the fastest kept",
-                orders,
-                [round(p.step_s * 1e3, 1) for p in predictions if p.order in orders],
-                plain.step_s * 1e3,
-                TRIAL_ROUNDS,
-                TRIAL_BLOCK_STEPS,
-            )
+        self._planner.plan(
+            manager,
+            self.model.engine,
+            self._timeline,
+            self._forward_compiled,
+            self._chunk_candidates_mib,
+            _measure_cost,
+        )
 
     def _advance_trial(self, stats: Any) -> None:
         """One step of the order trial measured (its forward, backward and step(), this model's own time, so
         other work between steps does not count); the next order set, or, once over, the fastest kept."""
-        trial, manager, now = self._trial, self.model.manager, time.perf_counter()
-        # backward from where it reached the model's outputs (the output layer's backward, before the first
-        # gradient, is the step's too) until it returned: at its end where it finished every bucket, as it
-        # launched the last if deferred
-        ended = stats.finalize_start if self._defers_now else (stats.finalize_end or stats.finalize_start)
-        began = stats.backward_start or 0.0
-        if self.model.backward_began is not None:
-            began = min(began, self.model.backward_began)
-        backward = (ended or 0.0) - began
-        forward = now - self._forward_start if self._forward_start is not None else 0.0
-        trial.record(forward + max(backward, 0.0) + self._step_seconds)
-        if not trial.done:
-            manager.set_launch_order(trial.orders[trial.current])
-            self._defers_now = self._trial_defers[trial.current]
-            return
-        medians = self.model.engine.reduce_floats(trial.medians(), "max")  # the slowest rank's: alike everywhere
-        kept = trial.pick(medians)
-        manager.set_launch_order(trial.orders[kept])
-        self._defers_now = self._trial_defers[kept]
-        self._trial = None
-        self.schedule_trial = {
-            "orders": trial.orders,
-            "overlapped": list(self._trial_defers),
-            "median_s": medians,
-            "kept": kept,
-        }
-        logger.info(
-            "collective_ops: DistributedOptimizer kept %s; median steps (ms; every bucket finished in backward, "
-            "then plan order, then the shortlist): %s",
-            f"launch order {trial.orders[kept]}" if self._defers_now else "every bucket finished in backward",
-            [round(m * 1e3, 1) for m in medians],
+        now = time.perf_counter()
+        measured = trial_step_seconds(
+            stats, self._planner.defers_now, self.model.backward_began, self._forward_start, now, self._step_seconds
         )
+        self._planner.advance(self.model.manager, self.model.engine, measured)
+
+    @property
+    def schedule_report(self) -> list[OrderPrediction] | None:
+        """Every launch order ``schedule="auto"`` simulated, best first (None until planned)."""
+        return self._planner.report
+
+    @property
+    def schedule_bound_s(self) -> float | None:
+        """The step no launch order beats, from the profile and cost the planner used (schedule.step_bound)."""
+        return self._planner.bound_s
+
+    @property
+    def schedule_trial(self) -> dict[str, Any] | None:
+        """What the last order trial measured and kept (orders, overlapped, median_s, kept)."""
+        return self._planner.kept
 
     def predict_overlapped(self, plan: Any, cost: Any) -> OrderPrediction | None:
         """For ``bucket_size_mb="auto"``: the best launch order's simulated step were the model bucketed as
         ``plan``, from the last backward and the forward after it; None where that profile is not at hand."""
-        stats = self.model.manager.last_stats
+        manager = self.model.manager
+        stats = manager.last_stats
         if not (self.schedule == "auto" and self.overlap and stats.backward_start is not None):
             return None
         if not self._timeline.complete(stats.backward_start):
             return None
-        return self._ranked_orders(stats, plan, cost)[0]
-
-    def _ranked_orders(self, stats: Any, plan: Any, cost: Any, chunked: bool = False) -> list[OrderPrediction]:
-        """Every candidate launch order of ``plan``, simulated from the timed step, best first; with ``chunked``
-        also those sending its chunkable buckets in chunks of each of ``chunk_candidates_mib`` (slower to plan:
-        not for the bucket-size tune, which weighs many plans)."""
-        manager = self.model.manager
-        profile, price = self._planner_inputs(stats, plan, cost)
-        ranked = plan_order(profile, price)
-        if not chunked or self.model.engine.world_size > 2:
-            # Beyond 2 ranks a bucket's sum depends on how it is cut (Gloo's ring adds each element in an order
-            # set by its place in the buffer sent): chunked orders would make the weights depend on which order
-            # the timed trial keeps. A sum of two is the same in any order, so at 2 ranks any chunking may win.
-            return ranked
-        chunkable = [manager.chunkable(b, plan) for b in range(len(plan.buckets))]
-        nbytes = [bucket.nbytes for bucket in plan.buckets]
-        tried = set()
-        for mib in self._chunk_candidates_mib:
-            chunks = tuple(chunk_counts(nbytes, chunkable, int(mib * MIB)))
-            if max(chunks) > 1 and chunks not in tried:
-                tried.add(chunks)
-                ranked += plan_order(profile, price, chunks=chunks)
-        return best_first(ranked)
-
-    def _planner_inputs(self, stats: Any, plan: Any, cost: Any) -> tuple[StepProfile, Price]:
-        """The timed step as the planner sees it for ``plan``, and the channel's price of a collective."""
-        manager = self.model.manager
-        profile = self._timeline.profile(stats, plan, manager.wire_shares(plan), manager.wire_itemsize)
-
-        def price(nbytes: int, queued: bool) -> float:
-            return cost.cost(nbytes, queued=queued)
-
-        return profile, price
+        inputs = planner_inputs(self._timeline, manager, stats, plan, cost)
+        return ranked_orders(inputs, manager, plan, self.model.engine.world_size, self._chunk_candidates_mib)[0]
 
     def on_plan_change(self, plan: Any) -> None:
         """The model's buckets were replanned (first-step rebuild, auto-tune): a trial of the old plan's orders ends."""
-        self._trial = None
-        self._defers_now = True
+        self._planner.on_plan_change()
 
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks (after a final synchronize)."""
@@ -1017,402 +820,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._hooks = []
 
 
-class ForwardTimeline:
-    """When each forward first needs each bucket, on a clock of its compute (waits for reductions excluded).
-
-    With the end of the forward before the last backward and that backward's timings, that is
-    the planner's :class:`StepProfile`: the simulated step then charges the forward what it
-    really costs. The planner takes the median of the last few such steps (:func:`median_step`):
-    one step's times swing by ±10-15% on a busy host (a scratch run, loopback, 2 ranks: backward 163-218 ms
-    in 16 consecutive steps), and a profile from a slow one set a step bound that the race then beat.
-    """
-
-    REMEMBERED = 3  # timed steps the profile is the median of
-    RECENT = 4  # ... taken within this many synchronised steps of the latest
-
-    def __init__(self) -> None:
-        self._start: float | None = None
-        self._waited = 0.0
-        self._need_s: dict[int, float] = {}
-        self._end_s: float | None = None  # compute from start to end
-        # when the latest forwards returned, with what their end settled (a rebuild, an auto-tune): wall clock
-        self._ends: deque[float] = deque(maxlen=4)
-        self._follows_backward = False
-        self._timed: deque[TimedStep] = deque(maxlen=self.REMEMBERED)
-
-    def forward_started(self, follows_backward: bool) -> None:
-        """``follows_backward``: the last backward's reductions are still in flight, so nothing else (another
-        model's steps, a synchronize()) ran between them and this forward: its start is part of the step."""
-        self._follows_backward = follows_backward
-        self._start, self._waited, self._need_s, self._end_s = time.perf_counter(), 0.0, {}, None
-
-    def needed(self, params: list[int]) -> None:
-        """The forward is about to read these parameters (indices into the model's parameter list)."""
-        if self._start is None or self._end_s is not None:
-            return
-        now = time.perf_counter() - self._start - self._waited
-        for index in params:
-            self._need_s.setdefault(index, now)
-
-    def waited(self, seconds: float) -> None:
-        if self._start is not None and self._end_s is None:
-            self._waited += seconds
-
-    def forward_ended(self) -> None:
-        if self._start is not None and self._end_s is None:
-            self._end_s = time.perf_counter() - self._start - self._waited
-
-    def settled(self) -> None:
-        """The end of a forward's settling: what follows until the next backward's first gradient is the lead."""
-        self._ends.append(time.perf_counter())
-
-    def complete(self, backward_start: float) -> bool:
-        """True when a whole forward was timed after the backward that started at ``backward_start``, and the
-        end of the forward before that backward is known."""
-        return (
-            self._end_s is not None
-            and bool(self._need_s)
-            and self._start > backward_start
-            and any(end <= backward_start for end in self._ends)
-        )
-
-    def profile(
-        self, stats: Any, plan: Any, shares: dict[int, float] | None = None, itemsize: int | None = None
-    ) -> StepProfile:
-        """The planner's input for ``plan`` (the current bucket plan, or a candidate): the backward of ``stats``
-        (which ran before this forward) and this forward; ``shares``: the row-sparse tables' sent share;
-        ``itemsize``: a compressing hook's element size on the wire."""
-        shares = shares or {}
-        newest = max((t.step for t in self._timed), default=0)
-        recent = [t for t in self._timed if t.step >= newest - self.RECENT]
-        timed = median_step(recent) if recent else self._timed_step(stats, step=-1)
-        return timed.profile(
-            [bucket.param_indices for bucket in plan.buckets],
-            [wire_nbytes(bucket, shares, itemsize) for bucket in plan.buckets],
-        )
-
-    def remember(self, stats: Any, step: int) -> None:
-        """Keep the step just timed (the backward of ``stats``, synchronised step ``step``, and this forward)
-        among the last :attr:`REMEMBERED`, where it is complete; a later forward after the same backward
-        replaces it."""
-        if stats.backward_start is None or not self.complete(stats.backward_start):
-            return
-        if self._timed and self._timed[-1].step == step:
-            self._timed.pop()
-        self._timed.append(self._timed_step(stats, step))
-
-    def _timed_step(self, stats: Any, step: int) -> TimedStep:
-        origin = stats.backward_start
-        end = stats.finalize_start or origin
-        return TimedStep(
-            step,
-            {i: t - origin for i, t in stats.ready_times.items()},
-            end - origin,
-            dict(self._need_s),
-            self._end_s,
-            # measured where nothing else ran since backward; else (a synchronize(), another model's steps) at its end
-            self._start - origin if self._follows_backward else None,
-            origin - max(end for end in self._ends if end <= origin),
-        )
-
-
-def _shortlist(predictions: list[OrderPrediction], count: int, buckets: int) -> list[tuple[int, ...]]:
-    """The ``count`` best simulated whole-bucket orders other than plan order, distinct, best first; then the
-    best order that sends some bucket in chunks, where one is simulated faster than all of those."""
-    out: list[tuple[int, ...]] = []
-    for prediction in predictions:
-        if len(out) == count:
-            break
-        if not prediction.is_plan_order and len(prediction.order) == buckets and prediction.order not in out:
-            out.append(prediction.order)
-    best_whole = next((p.step_s for p in predictions if len(p.order) == buckets), None)
-    chunked = next((p for p in predictions if len(p.order) > buckets), None)
-    if chunked is not None and (best_whole is None or chunked.step_s < best_whole):
-        out.append(chunked.order)
-    return out
-
-
-def _broadcast_orders(engine: Any, orders: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """Rank 0's ``orders`` on every rank (their lengths first: a chunked order lists a bucket once per chunk)."""
-    slots = TRIAL_CANDIDATES + 1  # the shortlist's most
-    header = engine.broadcast_ints([len(orders), *(len(o) for o in orders)] + [0] * (slots - len(orders)))
-    lengths = header[1 : 1 + header[0]]
-    if not lengths:
-        return []
-    mine = [b for order in orders for b in order]
-    flat = engine.broadcast_ints(mine if len(mine) == sum(lengths) else [0] * sum(lengths))
-    starts = [sum(lengths[:k]) for k in range(len(lengths))]
-    return [tuple(flat[start : start + length]) for start, length in zip(starts, lengths)]
-
-
-OPTIMIZER_ADVICE = (
-    "the DistributedOptimizer is not built alike on every rank; give every rank the same optimizer class, "
-    "param groups and settings (lr, ..., shard, schedule, overlap) and wrap the model with the same compression, "
-    "or the ranks update their replicas apart (or wait in collectives their peers never issue)"
-)
-
-
-def _check_settings_agree(model: DistributedDataParallel, args: tuple, shard: bool, kwargs: dict) -> None:
-    """Every rank's optimizer class, param groups' settings, shard, schedule, overlap and compression must agree
-    (one small all-gather); else each rank raises ``OptimizerMismatchError`` naming the first difference."""
-    if model.engine.world_size == 1:
-        return
-    settings = {"shard": shard, "compression": model.compression, **kwargs}
-    optimizer = args[0] if args else settings.pop("optimizer_class", None)
-    given = given_optimizers(optimizer)
-    entries: list[tuple] = [("optimizer", "class", {"value": _class_names(optimizer, given)})]
-    if args[1:]:
-        entries.append(("optimizer", "positional settings", {"value": _plain(args[1:])}))
-    params = settings.pop("params", None)
-    entries += [("optimizer", key, {"value": _plain(value)}) for key, value in sorted(settings.items())]
-    if given is not None:
-        groups = [group for o in given for group in o.param_groups]
-    else:  # (a generator of parameters is left unread: __init__ reads it)
-        groups = [g for g in params if isinstance(g, dict)] if isinstance(params, (list, tuple)) else []
-    for index, group in enumerate(groups):
-        shown = {key: _plain(value) for key, value in sorted(group.items()) if key != "params"}
-        entries.append(("param group", str(index), {**shown, "parameters": len(list(group["params"]))}))
-    check_same_on_all_ranks(entries, model.engine.allgather_bytes, OptimizerMismatchError, OPTIMIZER_ADVICE)
-
-
-def _class_names(optimizer: Any, given: tuple | None) -> list[str]:
-    classes = [type(o) for o in given] if given is not None else [optimizer]
-    return [f"{getattr(c, '__module__', '')}.{getattr(c, '__qualname__', type(c).__name__)}" for c in classes]
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as JSON that is the same on every rank for the same setting (no addresses, no pickles)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, torch.Tensor):
-        return value.tolist() if value.numel() <= 16 else f"tensor{tuple(value.shape)}"
-    if callable(value):
-        return getattr(value, "__qualname__", type(value).__name__)
-    text = repr(value)
-    return type(value).__name__ if " at 0x" in text else text
-
-
-def _is_mindspore(model: Any) -> bool:
-    """A MindSpore network, wrapped or not (its module is mindspore's or our MindSpore adapter's)."""
-    return _framework_of(model) == "mindspore" or type(model).__module__ == "collective_ops.mindspore.data_parallel"
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    """``module`` is ``torch.compile``'s wrapper of a module (looked up: nobody compiled where dynamo is not imported)."""
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    return compiled is not None and isinstance(module, compiled)
-
-
-def _needs_closure(optimizer_class: type) -> bool:
-    """True for a class whose step() requires a closure (LBFGS)."""
-    try:
-        closure = inspect.signature(optimizer_class.step).parameters.get("closure")
-    except (TypeError, ValueError):
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
-
-
-def _changed_settings(given: list[dict], groups: list[dict]) -> list[tuple[int, str, Any, Any]]:
-    """(group, key, before, after) of every setting a step() changed in the parameter groups."""
-    changed = []
-    for k, (before, group) in enumerate(zip(given, groups)):
-        for key in set(before) | set(group):
-            if key == "params":
-                continue
-            old, new = before.get(key, _MISSING), group.get(key, _MISSING)
-            if not _same(old, new):
-                changed.append((k, key, old, new))
-    return changed
-
-
-def _same(old: Any, new: Any) -> bool:
-    """The same setting: the same object, or equal plain values (tensors and arrays: the same object only)."""
-    if old is new:
-        return True
-    try:
-        return not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor) and bool(old == new)
-    except (TypeError, ValueError, RuntimeError):  # an array's elementwise ==
-        return False
-
-
-def _refuse_group_mutation(name: str, changed: list[tuple[int, str, Any, Any]]) -> None:
-    k, key, old, new = changed[0]
-    raise RuntimeError(
-        f"{name}.step() changed param_groups[{k}][{key!r}] ({old!r} -> {new!r}): it keeps values that advance "
-        "every step in its parameter groups, and DistributedOptimizer calls step() once per bucket (the groups "
-        "restored after each call), so they would not advance as they do under a plain optimizer. Use the plain "
-        f"optimizer on the wrapped model instead ({name}(model.parameters(), ...) with model = co.wrap(net))"
-    )
-
-
-_MISSING = object()
-
-
-class _OwedReads(TorchFunctionMode):
-    """While a forward runs with parameter writes owed: every torch function (Tensor methods, ``.data``, indexing
-    and ``torch.nn.functional`` included) whose arguments hold a parameter still owed its write has that write
-    finished first (:meth:`DistributedOptimizer.read_owed`), so it never reads the step's old value.
-
-    Each parameter costs one check per forward: it leaves :attr:`owed` at its first read, finished or found
-    finished already; once none is left, each function pays one falsy test."""
-
-    def __init__(self, optimizer: DistributedOptimizer) -> None:
-        super().__init__()
-        self._optimizer = weakref.ref(optimizer)  # (the optimizer holds the mode)
-        self.owed: dict[int, int] = {}  # id(parameter) -> index, of those not yet read in this forward
-        self._watching = False
-
-    def watch(self, owed: dict[int, int]) -> None:
-        self.owed = owed
-        if not self._watching:
-            self._watching = True
-            self.__enter__()
-
-    def unwatch(self) -> None:
-        self.owed = {}
-        if self._watching:
-            self._watching = False
-            self.__exit__(None, None, None)
-
-    @contextlib.contextmanager
-    def paused(self) -> Any:
-        """The optimizer's own work (finishing buckets, applying updates) reads the parameters unwatched."""
-        owed, self.owed = self.owed, {}
-        try:
-            yield
-        finally:
-            self.owed = owed
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        # (traced by torch.compile, a graph reads nothing owed: a compiled submodule's pre-hook finished every write)
-        if self.owed and not torch.compiler.is_compiling():
-            self._check(args)
-            if kwargs:
-                self._check(kwargs.values())
-        return func(*args, **kwargs)
-
-    def _check(self, values: Any) -> None:
-        for value in values:
-            if isinstance(value, (list, tuple)):  # torch.cat([...]), torch.stack, foreach lists
-                self._check(value)
-            elif id(value) in self.owed:  # (only live parameters are keys: an id match is the parameter)
-                del self.owed[id(value)]
-                optimizer = self._optimizer()
-                if optimizer is not None:
-                    optimizer.read_owed(value)
-
-
-class _HookOf:
-    """A module hook calling a method of the optimizer. A copy of the module (``copy.deepcopy``, as an EMA's
-    ``AveragedModel`` makes; a pickled module) gets a hook that does nothing instead: the copy is not this
-    optimizer's to update, and the optimizer itself does not copy (torch's Optimizer pickles its state only)."""
-
-    def __init__(self, method: Any) -> None:
-        self._method = method
-
-    def __call__(self, *args: Any) -> Any:
-        return self._method(*args)
-
-    def __reduce__(self) -> tuple:  # deepcopy and pickle both rebuild from it
-        return _make_no_hook, ()
-
-
-def frozen_setting(value: Any) -> Any:
-    """A parameter group's setting as it is now: tensors (a tensor lr, tensor betas) copied, since LR
-    schedulers change a tensor lr in place (``fill_``)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(frozen_setting(v) for v in value)
-    return value
-
-
-def _without_autocast(device_type: str) -> Any:
-    """A context that turns autocast off for ``device_type`` (none where that device has no autocast)."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _no_hook(*args: Any) -> None:
-    return None
-
-
-def _make_no_hook() -> Any:
-    return _no_hook
-
-
-def _refuse_unusable(optimizer_class: Any, given: tuple | None, args: tuple, kwargs: dict, params: Any) -> None:
-    """An optimizer class, or optimizers built by the user, that per-bucket updates can run; else what to do."""
-    if given is not None:
-        if args or kwargs or params is not None:
-            got = "params" if params is not None else ", ".join(sorted(kwargs)) or "positional settings"
-            raise TypeError(
-                f"DistributedOptimizer given optimizers takes no settings or params (got {got}): they are the "
-                "optimizers' own; set them where you build each optimizer"
-            )
-        refuse_shared_params(given)
-    elif not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(
-            "optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), or torch optimizers "
-            f"built over the model's parameters (e.g. [Muon(matrices), AdamW(rest)]), got {optimizer_class!r}"
-        )
-    # torch.distributed.optim takes ~1.8 s to import: looked up, not imported (unimported, nobody built a ZeRO)
-    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
-    for cls in [type(optimizer) for optimizer in given] if given is not None else [optimizer_class]:
-        if zero is not None and issubclass(cls, zero):
-            raise TypeError(
-                "ZeroRedundancyOptimizer is a distributed optimizer of its own (its step broadcasts parameters): "
-                "per-bucket steps would run its collectives once per bucket. Give the class it wraps, with "
-                "shard=True for sharded state: DistributedOptimizer(model, torch.optim.AdamW, shard=True, lr=...)"
-            )
-        if _needs_closure(cls):
-            raise ValueError(
-                f"{cls.__name__}.step() needs a closure that evaluates the model again (a line search): "
-                "updates applied bucket by bucket cannot do that; use it as a plain optimizer on the wrapped model"
-            )
-
-
-def _refuse_foreign_params(model: Any, groups: list[dict[str, Any]]) -> None:
-    owned = {id(p) for p in model.module.parameters()}
-    for group in groups:
-        for p in group["params"]:
-            if id(p) not in owned:
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} given to DistributedOptimizer is not a parameter of the "
-                    "wrapped model: its updates follow the model's buckets, so give only the model's parameters"
-                )
-
-
-def _as_groups(params: Any) -> list[dict[str, Any]]:
-    """``params`` as torch.optim takes them (tensors, or parameter-group dicts) as a list of groups."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or of parameter-group dicts, not one tensor")
-    params = list(params)
-    if not params:
-        raise ValueError("DistributedOptimizer got an empty parameter list")
-    if not isinstance(params[0], dict):
-        return [{"params": params}]
-    return [{**group, "params": list(group["params"])} for group in params]
-
-
-def _clear(p: torch.Tensor, set_to_none: bool) -> None:
-    if p.grad is None:
-        return
-    if set_to_none:
-        p.grad = None
-    else:  # as torch.optim.Optimizer.zero_grad: a gradient that is a bucket view cannot be detached in place
-        if p.grad.grad_fn is not None:
-            p.grad.detach_()
-        else:
-            p.grad.requires_grad_(False)
-        p.grad.zero_()
+def _measure_cost() -> Any:
+    """The fitted alpha/beta of the model's channel, measured live (a collective: every rank calls it)."""
+    from ...tuning import measure_alpha_beta
+
+    return measure_alpha_beta()
 
 
 __all__ = ["DistributedOptimizer"]

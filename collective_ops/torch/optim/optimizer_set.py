@@ -11,6 +11,7 @@ state is theirs.
 
 from __future__ import annotations
 
+import weakref
 from collections import ChainMap
 from collections.abc import Sequence
 from typing import Any
@@ -94,3 +95,26 @@ def refuse_shared_params(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                         "updated twice each step. Give each parameter to one optimizer"
                     )
                 seen[id(p)] = name
+
+
+def watch_given(optimizer: torch.optim.Optimizer, owner: Any) -> list[Any]:
+    """The hooks (their handles) by which an optimizer given by the user to ``owner`` (a DistributedOptimizer)
+    defers to it: its own state_dict() sees every owed update; a state loaded into it directly lands after
+    them, and its (new) groups become ``owner``'s."""
+    me = weakref.ref(owner)
+
+    def before(*args: Any) -> None:
+        ours = me()
+        if ours is not None and ours.in_flight:
+            ours.synchronize()
+
+    def after(*args: Any) -> None:
+        ours = me()
+        if ours is not None:
+            ours._rebind()
+
+    return [
+        optimizer.register_state_dict_pre_hook(before),
+        optimizer.register_load_state_dict_pre_hook(before),
+        optimizer.register_load_state_dict_post_hook(after),
+    ]

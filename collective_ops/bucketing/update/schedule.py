@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .plan import chunk_bounds
+from ..plan import chunk_bounds
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from .plan import BucketPlan
+from ..plan import BucketPlan
 
 
 @dataclass(frozen=True)

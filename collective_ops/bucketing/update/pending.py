@@ -10,7 +10,8 @@ when the next forward needs their parameters: :meth:`take` hands each out exactl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,3 +49,26 @@ class PendingUpdates:
     @property
     def finished(self) -> bool:
         return not self.buckets
+
+
+@contextlib.contextmanager
+def groups_narrowed(
+    groups: Sequence[dict[str, Any]], only: set[int] | None, frozen: PendingUpdates | None
+) -> Iterator[None]:
+    """Parameter groups narrowed, for one step of the optimizer class over some buckets, to the parameters
+    ``only`` (ids; None: all) with the settings they had at ``frozen``'s step() (None: as they are); each
+    group's parameters and settings restored afterwards, also where the step raised."""
+    saved = []
+    try:
+        for group in groups:
+            saved.append((group["params"], {key: group[key] for key in group if key != "params"}))
+            if only is not None:
+                group["params"] = [p for p in group["params"] if id(p) in only]
+            settings = None if frozen is None else frozen.settings_for(group)
+            if settings is not None:
+                group.update(settings)
+        yield
+    finally:
+        for group, (params, settings) in zip(groups, saved):
+            group["params"] = params
+            group.update(settings)
