@@ -9,10 +9,22 @@ from .gradient_bucket import GradientBucket
 from .hooks import BucketContext, CommHook, allreduce_hook, compression_hook, hook_for_compression
 from .interfaces import BucketEngine, CompletedHandle, Handle, ThenHandle
 from .manager import BucketManager, BucketTiming, CommHookError, CommunicationError, StallError, StepStats
-from .plan import MIB, BucketPlan, BucketSpec, ParamSpec, complete_order, plan_buckets, validate_bucket_mb
+from .plan import (
+    DEFAULT_BUCKET_MB,
+    DEFAULT_FIRST_BUCKET_MB,
+    MIB,
+    BucketPlan,
+    BucketSpec,
+    ParamSpec,
+    complete_order,
+    plan_buckets,
+    validate_bucket_mb,
+)
 from .row_sparse import RowSparseBucket, RowSparseReduction
 
 __all__ = [
+    "DEFAULT_BUCKET_MB",
+    "DEFAULT_FIRST_BUCKET_MB",
     "MIB",
     "BucketContext",
     "BucketEngine",

@@ -126,6 +126,13 @@ def chunk_bounds(numel: int, chunks: int) -> list[tuple[int, int]]:
     return [(edges[k], edges[k + 1] - edges[k]) for k in range(chunks)]
 
 
+# The default bucket size (MiB), DDP's: written here once, the lowest layer that takes it; the options
+# (collective_ops.options.WrapOptions) and every signature that takes a bucket size refer to it.
+DEFAULT_BUCKET_MB = 25.0
+# The first bucket's default (MiB), DDP's: a small first bucket starts communication early in backward.
+DEFAULT_FIRST_BUCKET_MB = 1.0
+
+
 def validate_bucket_mb(value: float, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number of MiB (e.g. 25), got {value!r}")
@@ -138,8 +145,8 @@ def validate_bucket_mb(value: float, what: str) -> float:
 
 def plan_buckets(
     params: Sequence[ParamSpec],
-    bucket_size_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_size_mb: float = DEFAULT_BUCKET_MB,
+    first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
     order: Sequence[int] | None = None,
 ) -> BucketPlan:
     """Group ``params`` into buckets.
