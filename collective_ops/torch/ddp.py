@@ -12,7 +12,6 @@ against the current stream (NCCL, HCCL), so the same code runs on CPU, GPU and N
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -22,19 +21,19 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import runtime, tracing
 from ..bucketing import (
+    DEFAULT_BUCKET_MB,
+    DEFAULT_FIRST_BUCKET_MB,
     BucketManager,
     BucketPlan,
-    CommHook,
     ParamSpec,
     RowSparseReduction,
     fused_collective,
@@ -44,11 +43,17 @@ from ..bucketing import (
 from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
-from ..options import names_text, resolve_options
+from ..online_tune import auto_tune_start, choose_online
+from ..options import WrapOptions, names_text, resolve_options
+from .compile import compiled_as_ddp, end_compiled_forward, start_compiled_forward
 from .ddp_hooks import DDPCommHook, ddp_comm_hook
 from .ddp_keywords import check_flags, check_process_group, input_device, inputs_to
+from .guards import refuse_unsupported, same_memory_order, storage_layout
 from .inplace import InPlaceGuard
+from .join import ShadowingHook
 from .model_watch import PlannedParameters, watch
+from .row_sparse import record_lookups, row_sparse_tables, table_rows
+from .step_watch import LIVE_WRAPPERS, watch_optimizer_steps
 
 logger = logging.getLogger("collective_ops")
 
@@ -56,24 +61,12 @@ logger = logging.getLogger("collective_ops")
 # to names through the model's named_parameters() and the optimizer's param_groups
 TORCH_DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in large fused chunks
-# model -> its live wrapper (weakly, both ways): wrapping a model twice would reduce its gradients twice.
-_LIVE_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _storage_layout(p: torch.Tensor) -> tuple:
-    """What a parameter's bucket and shard views were built for: dtype, device, strides, storage."""
-    return p.dtype, p.device, p.stride(), p.data_ptr()
 
 
 def called_by_torch_dcp() -> bool:
     """Whether the function that calls this was called from torch.distributed.checkpoint's state-dict module
     (:data:`TORCH_DCP_MODULE`): what it reads (parameter names, optimizer groups) it reads for checkpoints."""
     return sys._getframe(2).f_globals.get("__name__") == TORCH_DCP_MODULE
-
-
-def _same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one shape lay out their elements alike (strides of size-1 dims say nothing)."""
-    return all(size == 1 or x == y for size, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -92,98 +85,78 @@ class DistributedDataParallel(nn.Module, Joinable):
     # Where each forward moves its inputs (DDP's device_ids[0]); None: left as given.
     _input_device: torch.device | None = None
 
-    def __init__(
-        self,
-        module: nn.Module,
-        bucket_size_mb: float | str = 25.0,
-        *,
-        first_bucket_mb: float = 1.0,
-        reduce_op: str = "avg",
-        gradient_as_bucket_view: bool = True,
-        find_unused_parameters: bool = False,
-        compression: str | None = None,
-        comm_hook: CommHook | None = None,
-        broadcast_buffers: bool = True,
-        rebuild_buckets: bool = True,
-        check_finite: bool = False,
-        trace: bool | None = None,
-        auto_tune_step: int = 2,
-        row_sparse_embeddings: bool | str = "auto",
-        check_step_alignment: bool = True,
-        device_ids: Sequence[int | torch.device] | None = None,
-        output_device: int | torch.device | None = None,
-        dim: int = 0,
-        init_sync: bool = True,
-        process_group: Any = None,
-        static_graph: bool = False,
-        check_reduction: bool = False,
-    ) -> None:
+    def __init__(self, module: nn.Module, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options: Any) -> None:
+        """``options``: the keywords of :class:`collective_ops.options.WrapOptions` that torch takes (DDP's
+        constructor keywords among them); each is documented there, and a MindSpore-only one is refused."""
         super().__init__()
+        self.options = o = WrapOptions.build("torch", bucket_size_mb, options)
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
         self._divide_by_initial_world_size = True
-        self._auto_tune_at, bucket_size_mb = _auto_tune_start(bucket_size_mb, auto_tune_step)
+        self._auto_tune_at, bucket_size_mb = auto_tune_start(o.bucket_size_mb, o.auto_tune_step)
         _refuse_unwrappable(module)
+        first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if o.first_bucket_mb is None else o.first_bucket_mb
         bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
-            bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
+            bucket_size_mb, first_bucket_mb, o.reduce_op, o.compression, o.comm_hook
         )
+        check_step_alignment = o.check_step_alignment is not False  # (WrapOptions: None is on for torch)
         self.auto_tune_report = None
         # with a DistributedOptimizer planning its order: (size, first bucket) -> simulated overlapped step
         self.auto_tune_overlapped: dict[tuple[float, float], float] = {}
-        # what the online tune charged overlapped communication (tuning.estimated_contention)
+        # what the online tune charged overlapped communication (comm.measure.estimated_contention)
         self.auto_tune_contention = 0.0
 
         if not runtime.is_initialized("torch"):
             runtime.init(framework="torch")
         self.engine: TorchEngine = runtime.get_engine("torch")
         self.module = module
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = o.gradient_as_bucket_view
+        self.broadcast_buffers = o.broadcast_buffers
         # DDP's public switches, read at each forward as DDP reads them: no_sync() clears the first (loops such
         # as nanoGPT's set it directly); the second is set at the end of each forward and decides whether the
         # next one broadcasts the buffers
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self.check_finite = check_finite
-        self.compression = compression
+        self.check_finite = o.check_finite
+        self.compression = o.compression
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to synchronize")
-        _refuse_unsupported(module, named)
+        refuse_unsupported(module, named)
         self._params = [p for _, p in named]
         self._param_names = [n for n, _ in named]
         # DDP's keywords, for code ported from it: static_graph and check_reduction ask nothing of the buckets (a
         # model whose graph changes trains either way), dim matters only to the multi-device DDP of old
-        check_flags(dim=dim, init_sync=init_sync, static_graph=static_graph, check_reduction=check_reduction)
-        check_process_group(process_group, self.engine.world_size)
-        self._input_device = input_device(self._params, device_ids, output_device)
+        check_flags(dim=o.dim, init_sync=o.init_sync, static_graph=o.static_graph, check_reduction=o.check_reduction)
+        check_process_group(o.process_group, self.engine.world_size)
+        self._input_device = input_device(self._params, o.device_ids, o.output_device)
 
         # the built-in reductions send rows (a custom comm_hook reduces the whole bucket)
-        tables = _row_sparse_tables(module, named, row_sparse_embeddings, self.engine) if reduces_rows(hook) else {}
+        tables = row_sparse_tables(module, named, o.row_sparse_embeddings, self.engine) if reduces_rows(hook) else {}
         plan = _plan(named, tables, bucket_size_mb, first_bucket_mb)
         # the options that decide which collectives a step issues: a rank that differs would pair them wrongly
-        options = {
-            "find_unused_parameters": find_unused_parameters,
+        collective_options = {
+            "find_unused_parameters": o.find_unused_parameters,
             "check_step_alignment": check_step_alignment,
-            "broadcast_buffers": broadcast_buffers,
-            "rebuild_buckets": rebuild_buckets,
-            "check_finite": check_finite,
+            "broadcast_buffers": o.broadcast_buffers,
+            "rebuild_buckets": o.rebuild_buckets,
+            "check_finite": o.check_finite,
             "bucket_size_mb auto": self._auto_tune_at,
             "reduce_op": reduce_op,
-            "compression": compression,
-            "comm_hook": comm_hook,
-            "init_sync": init_sync,
+            "compression": o.compression,
+            "comm_hook": o.comm_hook,
+            "init_sync": o.init_sync,
         }
-        self._verify_and_broadcast(plan, options_entry(options), init_sync)
+        self._verify_and_broadcast(plan, options_entry(collective_options), o.init_sync)
         self.manager = BucketManager(
             plan,
             self.engine,
             reduce_op=reduce_op,
             comm_hook=hook,
-            find_unused_parameters=find_unused_parameters,
-            rebuild_after_first_step=rebuild_buckets,
+            find_unused_parameters=o.find_unused_parameters,
+            rebuild_after_first_step=o.rebuild_buckets,
             on_rebuild=self._on_rebuild,
-            observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
+            observer=tracing.start(self.engine) if o.trace else tracing.get_tracer(),
             check_step_alignment=check_step_alignment,
         )
         self._start_side_groups(tables)
@@ -225,15 +198,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _install_hooks(self, tables: dict[str, nn.Module]) -> None:
         """Each parameter's gradient hook (holding the wrapper weakly: deleting it detaches them and frees its
         buffers), the row-sparse tables' lookup hooks, and the watch on the model's later changes."""
-        _watch_optimizer_steps()
+        watch_optimizer_steps()
         this = weakref.ref(self)
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(_weak_hook(this, i)) for i, p in enumerate(self._params)
         ]
         if tables:  # each forward's looked-up rows recorded, so the masks need not wait for the gradient
-            self._hook_handles += _record_lookups(tables, self.manager.row_sparse)
+            self._hook_handles += record_lookups(tables, self.manager.row_sparse)
         weakref.finalize(self, _remove_all, self._hook_handles)
-        _LIVE_WRAPPERS[self.module] = this
+        LIVE_WRAPPERS[self.module] = this
         self._planned = PlannedParameters(self._params)  # (watched while this wrapper lives)
         watch(self.module, self._planned)
 
@@ -373,7 +346,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "gradients it holds), so its gradients would not be averaged. Cast and move the model before "
                     "wrapping it"
                 )
-            if not _same_memory_order(grad, view):  # autograd lays a fresh gradient out as its parameter
+            if not same_memory_order(grad, view):  # autograd lays a fresh gradient out as its parameter
                 raise RuntimeError(
                     f"parameter {self._param_names[index]!r} was re-laid out after wrap() through the inner module "
                     f"(strides {tuple(grad.stride())}, planned {tuple(view.stride())}: net.to(memory_format=...)): "
@@ -580,59 +553,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _auto_tune(self) -> None:
         """Online mode: simulate every candidate on the step just profiled; rank 0's choice for all."""
-        from ..tuning import (
-            CANDIDATES_MB,
-            FIRST_BUCKET_CANDIDATES_MB,
-            BackwardProfile,
-            choose,
-            estimated_contention,
-            measure_alpha_beta,
-            predict,
-        )
-
         self._auto_tune_at = None
-        stats = self.manager.last_stats
-        start = stats.backward_start or 0.0
-        profile = BackwardProfile(
-            {i: t - start for i, t in stats.ready_times.items()},
-            (stats.finalize_start or start) - start,
-            0.0,
-            self.manager.wire_shares(),
-            self.manager.wire_itemsize,
-        )
-        cost = measure_alpha_beta()  # every rank is here, at the end of the same step
-        contention = self.auto_tune_contention = estimated_contention(cost, self.engine.device.type)
-        plan = self.manager.plan
-        predictions = predict(
-            plan.params, profile, cost, CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, plan.order, contention
-        )
-        self.auto_tune_overlapped = self._overlapped_steps(predictions, cost, contention)
-        best = choose(predictions, self.auto_tune_overlapped)  # with updates overlapping the forward: that step
-        chosen = self.engine.broadcast_ints([round(best.bucket_size_mb * 1000), round(best.first_bucket_mb * 1000)])
-        choice, first = chosen[0] / 1000, chosen[1] / 1000  # rank 0's, on every rank
-        self.set_bucket_size(choice, first)
-        self.auto_tune_report = predictions
-        logger.info(
-            "collective_ops: bucket_size_mb='auto' settled on %g MiB, first bucket %g MiB (predicted exposed "
-            "communication %.1f ms, %d collectives; alpha=%.1f us, beta=%.3f ns/B, contention %.2f); candidates: %s",
-            choice,
-            first,
-            predictions[0].exposed_comm_s * 1e3,
-            predictions[0].collectives,
-            cost.alpha * 1e6,
-            cost.beta * 1e9,
-            contention,
-            ", ".join(
-                f"{p.bucket_size_mb:g}/{p.first_bucket_mb:g}: {p.exposed_comm_s * 1e3:.1f} ms" for p in predictions
-            ),
-        )
-        if self.auto_tune_overlapped:
-            logger.info(
-                "collective_ops: chosen by the step simulated with updates overlapping the next forward: %s",
-                ", ".join(
-                    f"{mb:g}/{first:g}: {s * 1e3:.1f} ms" for (mb, first), s in self.auto_tune_overlapped.items()
-                ),
-            )
+        tuned = choose_online(self.manager, self.engine, self.engine.device.type, self._overlapped_steps)
+        self.auto_tune_contention, self.auto_tune_overlapped = tuned.contention, tuned.overlapped
+        self.set_bucket_size(tuned.bucket_size_mb, tuned.first_bucket_mb)
+        self.auto_tune_report = tuned.predictions
 
     def _overlapped_steps(self, predictions: list, cost: Any, contention: float) -> dict[tuple[float, float], float]:
         """With a DistributedOptimizer planning its launch order: each candidate's simulated step with its
@@ -774,13 +699,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         from stale or reordered elements, the ranks parting silently. The next backward raises at its first
         gradient, before any collective (:meth:`_refuse_training_if_model_changed`). A conversion that changes
         nothing passes."""
-        before = [_storage_layout(p) for p in self._params]
+        before = [storage_layout(p) for p in self._params]
         result = super()._apply(fn, recurse)
         now = dict(self.module.named_parameters())  # (torch's overwrite-on-conversion mode makes new ones)
         changed = [
             name
             for name, p, old in zip(self._param_names, self._params, before)
-            if now.get(name) is not p or _storage_layout(p) != old
+            if now.get(name) is not p or storage_layout(p) != old
         ]
         if changed and self._converted_after_wrap is None:
             self._converted_after_wrap = names_text(changed, 3)
@@ -805,10 +730,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if torch.compiler.is_compiling():  # (eager calls never touch dynamo: importing it made exits abort)
             # Under torch.compile the module's forward is the graph; what comes before and after it runs as
             # Python, not traced (dynamo inlined the optimizer's per-module hooks: 34 graphs for a 3-layer MLP).
-            _start_compiled_forward(self)
-            with _compiled_as_ddp(self):
+            start_compiled_forward(self)
+            with compiled_as_ddp(self):
                 output = self.module(*args, **kwargs)
-            _end_compiled_forward(self)
+            end_compiled_forward(self)
             return output
         self._start_forward()
         output = self.module(*args, **kwargs)
@@ -923,7 +848,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """For ``Join([model, ...], divide_by_initial_world_size=...)``, as DDP's."""
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
-        return _ShadowingHook(self)
+        return ShadowingHook(self)
 
     def _count_active_ranks(self, active: bool) -> None:
         """Inside join(divide_by_initial_world_size=False): this step averages over the ranks still active.
@@ -1026,18 +951,6 @@ def view_like(p: torch.Tensor, buffer: torch.Tensor, offset: int) -> torch.Tenso
     return buffer.as_strided(p.shape, strides, buffer.storage_offset() + offset)
 
 
-def _auto_tune_start(bucket_size_mb: float | str, auto_tune_step: int) -> tuple[int | None, float | str]:
-    """(the step the online tune profiles, the size to start at): ``"auto"`` starts at 25 MiB, profiles step
-    ``auto_tune_step``, then settles on the simulator's choice; a number is kept (no tune)."""
-    if not isinstance(bucket_size_mb, str):
-        return None, bucket_size_mb
-    if bucket_size_mb != "auto":
-        raise ValueError(f"bucket_size_mb must be a number of MiB or 'auto', got {bucket_size_mb!r}")
-    if auto_tune_step < 1:
-        raise ValueError(f"auto_tune_step must be >= 1, got {auto_tune_step}")
-    return auto_tune_step, 25.0
-
-
 def _refuse_unwrappable(module: Any) -> None:
     """A model wrapped already (by us or by torch's DDP), with a live wrapper of ours, or not a Module."""
     if isinstance(module, DistributedDataParallel):
@@ -1046,7 +959,7 @@ def _refuse_unwrappable(module: Any) -> None:
         raise ValueError("this model is wrapped by torch DistributedDataParallel; pass its .module instead")
     if not isinstance(module, nn.Module):
         raise TypeError(f"wrap() takes a torch.nn.Module, got {type(module).__name__}")
-    previous = _LIVE_WRAPPERS.get(module)
+    previous = LIVE_WRAPPERS.get(module)
     if previous is not None and previous() is not None and previous()._hook_handles:
         raise ValueError(
             "this model already has a live collective_ops wrapper (its gradients would be reduced twice); "
@@ -1059,202 +972,10 @@ def _plan(
 ) -> BucketPlan:
     """The trainable parameters planned into buckets (a row-sparse table's rows counted, for its cost)."""
     specs = [
-        ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=_rows(tables.get(n)))
+        ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=table_rows(tables.get(n)))
         for n, p in named
     ]
     return plan_buckets(specs, bucket_size_mb, first_bucket_mb)
-
-
-def _row_sparse_tables(
-    module: nn.Module, named: list[tuple[str, torch.Tensor]], option: bool | str, engine: TorchEngine
-) -> dict[str, nn.Module]:
-    """name -> embedding module, for the tables whose gradients are reduced by rows (bucketing/row_sparse.py).
-
-    ``"auto"``: the weights of ``nn.Embedding``/``nn.EmbeddingBag`` modules (``sparse=False``) on the CPU that no
-    other module shares (a tied weight also gets the output layer's dense gradient); ``True``: on any
-    device (not yet run on an accelerator; finding the rows synchronises the device); ``False``: none.
-    """
-    if option not in (True, False, "auto"):
-        raise ValueError(f"row_sparse_embeddings must be True, False or 'auto', got {option!r}")
-    if option is False or engine.world_size == 1:
-        return {}
-    owners = collections.Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
-    names = {id(p): n for n, p in named}
-    tables = {}
-    for sub in module.modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and not sub.sparse:
-            weight = sub.weight
-            shared = owners[id(weight)] > 1
-            if id(weight) in names and not shared and (option is True or weight.device.type == "cpu"):
-                tables[names[id(weight)]] = sub
-    return tables
-
-
-def _rows(table: nn.Module | None) -> int:
-    return 0 if table is None else table.weight.shape[0]
-
-
-class _LookedUpRows:
-    """The rows of one embedding table its forwards looked up since the last exchange (row_sparse.LookedUpRows).
-
-    Recorded after the module ran (its indices are checked by then), only where a gradient can follow.
-    """
-
-    def __init__(self, table: nn.Module) -> None:
-        self._mask = torch.zeros(table.weight.shape[0], dtype=torch.bool, device=table.weight.device)
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        indices = kwargs.get("input", args[0] if args else None)
-        if isinstance(indices, torch.Tensor) and torch.is_grad_enabled() and module.weight.requires_grad:
-            self._mask.index_fill_(0, indices.reshape(-1).long(), True)  # int32 indices too, as the module takes
-
-    def take(self) -> torch.Tensor:
-        taken, self._mask = self._mask, torch.zeros_like(self._mask)
-        return taken
-
-
-def _record_lookups(tables: dict[str, nn.Module], reduction: RowSparseReduction) -> list:
-    """A forward hook on each table's module feeding ``reduction.lookups``; the hooks' handles."""
-    handles = []
-    for name, table in tables.items():
-        looked_up = reduction.lookups[name] = _LookedUpRows(table)
-        handles.append(table.register_forward_hook(looked_up, with_kwargs=True))
-    return handles
-
-
-def _refuse_unsupported(module: nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Sparse gradients, parameters on several devices or on the meta device: refused before anything is
-    communicated (several devices first: a model half on meta is one to move, not to materialise)."""
-    devices = sorted({str(p.device) for _, p in named})
-    if len(devices) > 1:
-        raise ValueError(
-            f"the model's trainable parameters live on {len(devices)} devices ({', '.join(devices)}); collective_ops "
-            "reduces one device per process (autograd runs one hook thread per device). Move the model to one "
-            "device, and launch one process per device (torchrun --nproc-per-node)."
-        )
-    for name, p in named:
-        if p.is_meta:  # its gradients would land in the meta buckets planned for it, never averaged
-            raise ValueError(
-                f"parameter {name!r} is on the meta device (no storage); materialise the model first "
-                "(model.to_empty(device=...), then initialise it, e.g. each module's reset_parameters()), then wrap it"
-            )
-        if p.is_sparse or p.layout != torch.strided:
-            raise ValueError(f"parameter {name!r} is sparse; collective_ops reduces dense gradients only")
-    for module_name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
-            raise ValueError(
-                f"{module_name or 'the model'} is an {type(sub).__name__}(sparse=True): its gradient is sparse, and "
-                "collective_ops reduces dense gradients only. Build it with sparse=False (collective_ops then sends "
-                "only the rows the ranks looked up: row_sparse_embeddings), or freeze it (requires_grad=False)."
-            )
-
-
-@torch._disable_dynamo
-def _start_compiled_forward(model: DistributedDataParallel) -> None:
-    model._start_forward(compiled=True)
-
-
-@torch._disable_dynamo
-def _end_compiled_forward(model: DistributedDataParallel) -> None:
-    model._end_forward()
-
-
-@contextlib.contextmanager
-@torch._disable_dynamo(recursive=False)
-def _compiled_as_ddp(model: DistributedDataParallel) -> Iterator[None]:
-    """Under ``torch.compile``, have the module's graph split at bucket boundaries as DDP's is.
-
-    Dynamo splits a compiled graph into bucket-sized pieces (its DDPOptimizer) while torch's DDP
-    marks itself active around its module's forward; without the split the compiled backward
-    is one piece that hands every gradient over at its end, and no bucket overlaps it. The
-    same marker, with this model's bucket size, gives collective_ops' buckets the same pieces.
-    Skipped where this torch has no such marker.
-    """
-    ddp = nn.parallel.DistributedDataParallel
-    if not hasattr(ddp, "_active_ddp_module"):
-        yield
-        return
-    previous, ddp._active_ddp_module = ddp._active_ddp_module, model
-    try:
-        yield
-    finally:
-        ddp._active_ddp_module = previous
-
-
-class _ShadowingHook(JoinHook):
-    def __init__(self, model: DistributedDataParallel) -> None:
-        self.model = model
-
-    def main_hook(self) -> None:
-        self.model._shadow_iteration()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.model._sync_final_model(is_last_joiner)
-
-
-_STEP_WATCH: Any = None  # torch's global optimizer step pre-hook, registered at the first wrap()
-
-
-def _watch_optimizer_steps() -> None:
-    global _STEP_WATCH
-    if _STEP_WATCH is None:
-        _STEP_WATCH = (
-            register_optimizer_step_pre_hook(_before_any_optimizer_step),
-            register_optimizer_step_post_hook(_after_any_optimizer_step),
-        )
-
-
-def _before_any_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """torch's global step pre-hook: what a wrapped model owes an optimizer about to step its parameters."""
-    _finish_for_optimizer_beside(optimizer)
-    if not _steps_with_closure(args, kwargs):
-        _warn_unreduced_step(optimizer)
-
-
-def _after_any_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """torch's global step post-hook. A step given a closure (Lightning's, LBFGS's) runs the last micro-batch's
-    backward inside it, after the pre-hook: whether that backward averaged the accumulation shows only now."""
-    if _steps_with_closure(args, kwargs):
-        _warn_unreduced_step(optimizer)
-
-
-def _steps_with_closure(args: Any, kwargs: Any) -> bool:
-    return (args[0] if args else kwargs.get("closure")) is not None
-
-
-def _finish_for_optimizer_beside(optimizer: torch.optim.Optimizer) -> None:
-    """A plain optimizer beside a model's DistributedOptimizer (AdamW for the parameters the DistributedOptimizer
-    was not given) reads gradients whose reductions that optimizer's step may leave in flight: they are finished
-    first (sharded, refused: outside this rank's shard they are never averaged)."""
-    for ref in list(_LIVE_WRAPPERS.values()):
-        wrapper = ref()
-        ours = None if wrapper is None else wrapper.optimizer
-        if ours is None or optimizer is ours or ours.stepping:
-            continue
-        if wrapper._owns_any(optimizer):
-            ours.before_optimizer_beside(optimizer)
-
-
-def _warn_unreduced_step(optimizer: torch.optim.Optimizer) -> None:
-    """Before any optimizer's step: one that steps a wrapped model on gradients accumulated under no_sync() and
-    never averaged (every backward of the step ran inside it) trains each rank on its own data, and the
-    replicas part silently, as under DDP. Warned once per model, not refused: local SGD does it on purpose.
-    (A DistributedOptimizer refuses it in its own step.)"""
-    for ref in list(_LIVE_WRAPPERS.values()):
-        wrapper = ref()
-        if wrapper is None or wrapper._warned_local_step or wrapper.optimizer is not None:
-            continue
-        if not wrapper.manager.has_unreduced_accumulation:
-            continue
-        if wrapper._owns_any(optimizer):
-            wrapper._warned_local_step = True
-            warnings.warn(
-                f"{type(optimizer).__name__}.step() is using gradients accumulated under model.no_sync() that no "
-                "backward outside it has averaged across ranks: each rank trains on its own data and the ranks' "
-                "weights now differ. Run the last micro-batch's backward outside no_sync() (it reduces "
-                "everything accumulated). (Warned once; ignore it if you train locally on purpose.)",
-                stacklevel=4,
-            )
 
 
 def _weak_hook(wrapper_ref: weakref.ref, index: int):
@@ -1294,7 +1015,7 @@ def _remove_all(handles: list) -> None:
     handles.clear()
 
 
-def wrap(model: nn.Module, bucket_size_mb: float = 25.0, **options: Any) -> DistributedDataParallel:
+def wrap(model: nn.Module, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options: Any) -> DistributedDataParallel:
     """``DistributedDataParallel(model, bucket_size_mb, **options)``."""
     return DistributedDataParallel(model, bucket_size_mb, **options)
 
