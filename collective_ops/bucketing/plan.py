@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 MIB = 1 << 20
@@ -237,3 +237,28 @@ def plan_buckets(
         order=tuple(order),
         location=location,
     )
+
+
+def chunk_counts(order: tuple[int, ...], plan: BucketPlan, chunkable: Callable[[int], bool]) -> list[int]:
+    """How many chunks launch order ``order`` sends each bucket of ``plan`` as; ValueError where it cannot be a
+    launch order (a bucket missing or unknown, or cut where ``chunkable(bucket)`` says it may not be)."""
+    count = len(plan.buckets)
+    chunks = [0] * count
+    for bucket in order:
+        if not 0 <= bucket < count:
+            raise ValueError(f"launch order {order} names bucket {bucket}; the plan has buckets 0..{count - 1}")
+        chunks[bucket] += 1
+    missing = [b for b, k in enumerate(chunks) if k == 0]
+    if missing:
+        raise ValueError(f"launch order {order} does not list bucket(s) {missing}: list each of the {count} buckets")
+    unsplittable = [b for b, k in enumerate(chunks) if k > 1 and not chunkable(b)]
+    if unsplittable:
+        raise ValueError(
+            f"launch order {order} lists bucket(s) {unsplittable} more than once, i.e. sends them in chunks; "
+            "only dense buckets reduced by the default allreduce hook can be (not a row-sparse table, a "
+            "custom or compressing hook, or an engine that assembles buckets): list them once"
+        )
+    too_many = [b for b, k in enumerate(chunks) if k > plan.buckets[b].numel]
+    if too_many:
+        raise ValueError(f"launch order {order} cuts bucket(s) {too_many} into more chunks than elements")
+    return chunks
