@@ -13,7 +13,6 @@ against the current stream (NCCL, HCCL), so the same code runs on CPU, GPU and N
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -34,39 +33,34 @@ from ..bucketing import (
     DEFAULT_FIRST_BUCKET_MB,
     BucketManager,
     BucketPlan,
-    ParamSpec,
     RowSparseReduction,
-    fused_collective,
     plan_buckets,
     validate_bucket_mb,
 )
 from ..bucketing.hooks import allreduce_hook, reduces_rows
-from ..comm.torch_engine import TorchEngine, dtype_name
+from ..comm.torch_engine import TorchEngine
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ..online_tune import auto_tune_start, choose_online
 from ..options import WrapOptions, names_text, resolve_options
+from . import guards
+from .autograd_hooks import output_tensors, outputs_reached, remove_all, view_like, weak_grad_hook
+from .checkpoint_names import TORCH_DCP_MODULE, called_by_torch_dcp  # noqa: F401  (TORCH_DCP_MODULE: importable here)
 from .compile import compiled_as_ddp, end_compiled_forward, start_compiled_forward
 from .ddp_hooks import DDPCommHook, ddp_comm_hook
-from .ddp_keywords import check_flags, check_process_group, input_device, inputs_to
-from .guards import refuse_unsupported, same_memory_order, storage_layout
-from .inplace import InPlaceGuard
-from .join import ShadowingHook
-from .model_watch import PlannedParameters, watch
-from .row_sparse import record_lookups, row_sparse_tables, table_rows
+from .ddp_keywords import check_ddp_keywords, inputs_to
+from .join import ShadowingHook, join_context
+from .model_sync import broadcast_tensors, highest_rank_where, model_signature, sync_buffers
+from .model_watch import PlannedParameters, converted_error, requires_grad_change_error, watch
+from .nonfinite import NonfiniteWatch
+from .owned_gradients import OwnedGradients
+from .row_sparse import plan_with_rows, record_lookups, row_sparse_tables
 from .step_watch import LIVE_WRAPPERS, watch_optimizer_steps
 
 logger = logging.getLogger("collective_ops")
 
-# torch.distributed.checkpoint's get/set_state_dict() (and their model/optimizer halves): they map optimizer state
-# to names through the model's named_parameters() and the optimizer's param_groups
-TORCH_DCP_MODULE = "torch.distributed.checkpoint.state_dict"
-BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in large fused chunks
-
-
-def called_by_torch_dcp() -> bool:
-    """Whether the function that calls this was called from torch.distributed.checkpoint's state-dict module
-    (:data:`TORCH_DCP_MODULE`): what it reads (parameter names, optimizer groups) it reads for checkpoints."""
-    return sys._getframe(2).f_globals.get("__name__") == TORCH_DCP_MODULE
+# the options that decide which collectives a step issues (besides the resolved ones): a rank that differs would
+# pair them wrongly, so every rank compares them at wrap
+COLLECTIVE_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "rebuild_buckets", "check_finite", "init_sync")
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -93,7 +87,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
         self._divide_by_initial_world_size = True
         self._auto_tune_at, bucket_size_mb = auto_tune_start(o.bucket_size_mb, o.auto_tune_step)
-        _refuse_unwrappable(module)
+        guards.refuse_unwrappable(module, DistributedDataParallel, LIVE_WRAPPERS)
         first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if o.first_bucket_mb is None else o.first_bucket_mb
         bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
             bucket_size_mb, first_bucket_mb, o.reduce_op, o.compression, o.comm_hook
@@ -122,31 +116,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to synchronize")
-        refuse_unsupported(module, named)
+        guards.refuse_unsupported(module, named)
         self._params = [p for _, p in named]
         self._param_names = [n for n, _ in named]
-        # DDP's keywords, for code ported from it: static_graph and check_reduction ask nothing of the buckets (a
-        # model whose graph changes trains either way), dim matters only to the multi-device DDP of old
-        check_flags(dim=o.dim, init_sync=o.init_sync, static_graph=o.static_graph, check_reduction=o.check_reduction)
-        check_process_group(o.process_group, self.engine.world_size)
-        self._input_device = input_device(self._params, o.device_ids, o.output_device)
+        self._input_device = check_ddp_keywords(o, self._params, self.engine.world_size)  # (DDP's, ported code)
 
         # the built-in reductions send rows (a custom comm_hook reduces the whole bucket)
         tables = row_sparse_tables(module, named, o.row_sparse_embeddings, self.engine) if reduces_rows(hook) else {}
-        plan = _plan(named, tables, bucket_size_mb, first_bucket_mb)
-        # the options that decide which collectives a step issues: a rank that differs would pair them wrongly
-        collective_options = {
-            "find_unused_parameters": o.find_unused_parameters,
-            "check_step_alignment": check_step_alignment,
-            "broadcast_buffers": o.broadcast_buffers,
-            "rebuild_buckets": o.rebuild_buckets,
-            "check_finite": o.check_finite,
-            "bucket_size_mb auto": self._auto_tune_at,
-            "reduce_op": reduce_op,
-            "compression": o.compression,
-            "comm_hook": o.comm_hook,
-            "init_sync": o.init_sync,
-        }
+        plan = plan_with_rows(named, tables, bucket_size_mb, first_bucket_mb)
+        collective_options = {name: getattr(o, name) for name in COLLECTIVE_OPTIONS}
+        collective_options.update(check_step_alignment=check_step_alignment, reduce_op=reduce_op)
+        collective_options.update({"compression": o.compression, "comm_hook": o.comm_hook})
+        collective_options["bucket_size_mb auto"] = self._auto_tune_at
         self._verify_and_broadcast(plan, options_entry(collective_options), o.init_sync)
         self.manager = BucketManager(
             plan,
@@ -186,14 +167,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._outputs_reached_at: float | None = None
         self.backward_began: float | None = None
         self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
-        self._nonfinite_local: list[str] = []
         # Each bucket's gradient tensors while a DistributedOptimizer owns them, from the end of backward until
         # it has consumed them, against in-place changes by other code (check_gradients_untouched).
-        self._gradients_guard = InPlaceGuard()
+        self._owned = OwnedGradients(self.manager, self._params, self._param_names, self.gradient_as_bucket_view)
+        self._nonfinite = NonfiniteWatch(self._param_names, self._params, self.engine.rank)  # (check_finite)
         self._warned_local_step = False  # a plain optimizer stepped on gradients never averaged: warned once
         self._warned_gradient_kept = False  # a kept p.grad about to be overwritten by its bucket: warned once
-        # (parameters whose reduced gradient was not finite, origin note): judged at the next forward
-        self._nonfinite_pending: tuple[list[str], str] | None = None
 
     def _install_hooks(self, tables: dict[str, nn.Module]) -> None:
         """Each parameter's gradient hook (holding the wrapper weakly: deleting it detaches them and frees its
@@ -201,11 +180,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         watch_optimizer_steps()
         this = weakref.ref(self)
         self._hook_handles = [
-            p.register_post_accumulate_grad_hook(_weak_hook(this, i)) for i, p in enumerate(self._params)
+            p.register_post_accumulate_grad_hook(weak_grad_hook(this, i)) for i, p in enumerate(self._params)
         ]
         if tables:  # each forward's looked-up rows recorded, so the masks need not wait for the gradient
             self._hook_handles += record_lookups(tables, self.manager.row_sparse)
-        weakref.finalize(self, _remove_all, self._hook_handles)
+        weakref.finalize(self, remove_all, self._hook_handles)
         LIVE_WRAPPERS[self.module] = this
         self._planned = PlannedParameters(self._params)  # (watched while this wrapper lives)
         watch(self.module, self._planned)
@@ -214,36 +193,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Every rank must hold the same model, plan the same buckets and pass the same collective-deciding
         options (an entry), or none starts training; then rank 0's weights are every rank's (``broadcast``; DDP's
         ``init_sync=False`` leaves each rank its own, where the caller made them equal)."""
-        signature = [
-            ("parameter", n, {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "requires_grad": p.requires_grad})
-            for n, p in self.module.named_parameters()
-        ]
-        signature += [
-            ("buffer", n, {"shape": list(b.shape), "dtype": dtype_name(b.dtype)})
-            for n, b in self.module.named_buffers()
-        ]
-        signature += [plan_entry(plan), options]
-        check_same_on_all_ranks(signature, self.engine.allgather_bytes)
+        check_same_on_all_ranks([*model_signature(self.module), plan_entry(plan), options], self.engine.allgather_bytes)
         if broadcast and self.engine.world_size > 1:
             self._broadcast_model(src=0)
 
     def _broadcast_model(self, src: int) -> None:
         """Rank ``src``'s parameters and buffers to every rank (at wrap, and after join)."""
         with torch.no_grad():
-            self._broadcast([p.detach() for p in self.module.parameters()] + list(self.module.buffers()), src)
-
-    def _highest_rank_where(self, condition: bool) -> int:
-        """The highest rank for which ``condition`` holds (-1 if none): one small collective every rank joins."""
-        return int(self.engine.reduce_floats([self.engine.rank if condition else -1], "max")[0])
-
-    def _broadcast(self, tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:
-        handle, _ = fused_collective(
-            self.engine,
-            tensors,
-            BROADCAST_BUCKET_MB,
-            lambda buffer: self.engine.broadcast(buffer, src, async_op=True, group=group),
-        )
-        handle.wait()
+            tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
+            broadcast_tensors(self.engine, tensors, src)
 
     def _make_views(self) -> None:
         """Each parameter's gradient view into its bucket, with the parameter's own strides (as DDP).
@@ -292,7 +250,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         if self.check_finite and not bool(torch.isfinite(grad).all()):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
-            self._nonfinite_local.append(self._param_names[index])
+            self._nonfinite.note_local(index)
         if not self._step_end_owed:  # this backward's first gradient
             self._refuse_training_if_model_changed()
             self.backward_began = self._outputs_reached_at or time.perf_counter()
@@ -340,20 +298,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             if (grad.dtype, grad.device) != (view.dtype, view.device):  # copy_ would cast it silently
                 self.manager.check_gradient(index, grad)
             if view.data_ptr() != self._view_addresses[index]:
-                raise RuntimeError(
-                    f"the gradient view of parameter {self._param_names[index]!r} no longer lies in its bucket: "
-                    "the model was converted after wrap() through the inner module (net.to(...) re-points the "
-                    "gradients it holds), so its gradients would not be averaged. Cast and move the model before "
-                    "wrapping it"
-                )
-            if not same_memory_order(grad, view):  # autograd lays a fresh gradient out as its parameter
-                raise RuntimeError(
-                    f"parameter {self._param_names[index]!r} was re-laid out after wrap() through the inner module "
-                    f"(strides {tuple(grad.stride())}, planned {tuple(view.stride())}: net.to(memory_format=...)): "
-                    "its gradient view and the bucket rebuild assume the planned layout and would permute its "
-                    "averaged gradient. Convert the model before wrapping it: "
-                    "co.wrap(net.to(memory_format=torch.channels_last))"
-                )
+                raise guards.view_moved_error(self._param_names[index])
+            if not guards.same_memory_order(grad, view):  # autograd lays a fresh gradient out as its parameter
+                raise guards.relaid_out_error(self._param_names[index], grad, view)
             # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
             # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
             if sys.getrefcount(view) > self._view_references_alone and not self._warned_gradient_kept:
@@ -370,13 +317,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _warn_gradient_kept(self, index: int) -> None:
         """Once: a gradient the loop kept across zero_grad(set_to_none=True) is about to be overwritten."""
         self._warned_gradient_kept = True
-        warnings.warn(
-            f"the gradient of {self._param_names[index]!r} from before the last zero_grad(set_to_none=True) is still "
-            "referenced (p.grad kept across steps?). With gradient_as_bucket_view=True (the default) it is a view "
-            "of its bucket, so this backward overwrites it, where DDP's default (False) would have kept it. Keep "
-            "p.grad.clone() instead, or wrap(..., gradient_as_bucket_view=False). (Warned once.)",
-            stacklevel=2,
-        )
+        warnings.warn(guards.gradient_kept_warning(self._param_names[index]), stacklevel=2)
 
     def _finalize(self) -> None:
         self._step_end_owed = False
@@ -385,7 +326,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._contribute_kept_gradients()
         # With a DistributedOptimizer the step ends bucket by bucket (finish_bucket), as updates need them.
         self.manager.finalize(defer=self.optimizer is not None and self.optimizer.defers)
-        self._gradients_guard.clear()
+        self._owned.forget()
         if self.manager.deferred_pending or self._owns_reduced_gradients():
             self.note_gradients_owned(range(len(self.manager.plan.buckets)))
         if self.manager.deferred_pending:
@@ -412,7 +353,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Once every bucket of a synchronised step is finished (local work only)."""
         self._give_unused_their_gradient()
         if self.check_finite and self.optimizer is None:  # a DistributedOptimizer checks before it updates
-            self._note_nonfinite()
+            self._nonfinite.note_step()
 
     def _settle(self, forward_ended: bool = True) -> None:
         """What a finished step left that needs collectives, at a point every rank shares: rebuild, auto-tune.
@@ -439,13 +380,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- gradients a DistributedOptimizer owns between backward and its update -------------------
     def _gradient_tensors(self, bucket: int) -> list[torch.Tensor]:
-        """What other code changes this bucket's gradients through: its buffer (each ``p.grad`` a view of
-        it), and with ``gradient_as_bucket_view=False`` the members' own ``p.grad`` tensors."""
-        tensors = [self.manager.buffers[bucket]]
-        if not self.gradient_as_bucket_view:
-            members = self.manager.plan.buckets[bucket].param_indices
-            tensors += [self._params[i].grad for i in members if self._params[i].grad is not None]
-        return tensors
+        """What other code changes this bucket's gradients through (:meth:`OwnedGradients.tensors`)."""
+        return self._owned.tensors(bucket)
 
     def _owns_reduced_gradients(self) -> bool:
         """True where the optimizer owns gradients after their reduction too: sharded, ``p.grad`` is averaged
@@ -455,36 +391,21 @@ class DistributedDataParallel(nn.Module, Joinable):
     def note_gradients_owned(self, buckets: Iterable[int]) -> None:
         """These buckets' gradients are the optimizer's until it consumes them: their version counters are
         noted (an in-place change by other code, as ``clip_grad_norm_``'s, moves them)."""
-        for bucket in buckets:
-            self._gradients_guard.note(bucket, self._gradient_tensors(bucket))
+        self._owned.note(buckets)
 
     def forget_gradients_owned(self) -> None:
         """The optimizer handed the gradients to other code (final and the same on every rank): changes are theirs."""
-        self._gradients_guard.clear()
+        self._owned.forget()
 
     def check_gradients_untouched(self, buckets: Iterable[int]) -> None:
         """Raise where code outside the optimizer changed these buckets' gradients in place since they were
         noted: while their reduction was in flight (it races the reduction), or, sharded, where only this
         rank's shard is averaged. Either way the update would be silently wrong. (A bucket is checked once.)"""
-        for bucket in buckets:
-            if self._gradients_guard.changed(bucket, self._gradient_tensors(bucket)):
-                raise self._changed_gradients_error(bucket)
+        self._owned.check_untouched(buckets)
 
     def bucket_members_text(self, bucket: int) -> str:
         """The names of a bucket's parameters, for errors: the first five."""
-        return names_text([self._param_names[i] for i in self.manager.plan.buckets[bucket].param_indices])
-
-    def _changed_gradients_error(self, bucket: int) -> RuntimeError:
-        return RuntimeError(
-            f"the gradients of bucket {bucket} ({self.bucket_members_text(bucket)}) were changed in place between "
-            "backward() and the DistributedOptimizer's step, while it still owned them: its updates overlap the "
-            "reduction with the next forward, so after backward() p.grad is not yet averaged (and with shard=True "
-            "never is outside this rank's shard). Take the parameters through the model (model.parameters() "
-            "finishes the reductions first; so does opt.param_groups, which scaler.unscale_(opt) reads), or call "
-            "opt.finish_reductions() before code that reads or changes gradients between backward() and step(); "
-            "with shard=True clip with opt.clip_grad_norm_(max_norm), or call opt.gather_gradients() on every rank "
-            "before torch's clips"
-        )
+        return self._owned.members_text(bucket)
 
     def _owns_any(self, optimizer: torch.optim.Optimizer) -> bool:
         """True if ``optimizer`` (any torch optimizer) holds a parameter of this model."""
@@ -520,25 +441,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _check_requires_grad_unchanged(self) -> None:
         """The plan holds the parameters trainable at wrap time: one frozen or unfrozen since is refused (a
         frozen one added since passes: nothing to average)."""
-        planned = self._planned.ids
-        if {id(p) for p in self.module.parameters() if p.requires_grad} == planned:
-            return
-        names = [n for n, p in self.module.named_parameters() if (id(p) in planned) != p.requires_grad]
-        present = {id(p) for p in self.module.parameters()}
-        gone = [self._param_names[i] for i, p in enumerate(self._params) if id(p) not in present]
-        self.manager.abort_iteration()
-        if gone:  # (a planned parameter replaced by another the plan holds: weights tied after wrap())
-            raise RuntimeError(
-                f"parameters the bucket plan holds are no longer in the model ({names_text(gone, 5)}): replaced "
-                "after wrap() by another parameter (weights tied, model.tie_weights() after resizing embeddings). "
-                "Tie or replace parameters before wrapping, as DDP requires, then wrap again (call remove_hooks() "
-                "on this wrapper first)."
-            )
-        raise RuntimeError(
-            f"requires_grad changed after wrap() for {names[:10]}: the bucket plan (the same on every rank) was built "
-            "from the trainable parameters at wrap time. Freeze or unfreeze parameters before wrapping, then "
-            "wrap again (call remove_hooks() on this wrapper first)."
-        )
+        error = requires_grad_change_error(self.module, self._planned.ids, self._param_names, self._params)
+        if error is not None:
+            self.manager.abort_iteration()
+            raise error
 
     def _contribute_kept_gradients(self) -> None:
         """A parameter this step did not use still contributes the gradient it holds, as in DDP.
@@ -583,45 +489,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
         self.manager.replan(bucket_size_mb, first_bucket_mb)
 
-    def _note_nonfinite(self) -> None:
-        """Names the parameters whose reduced gradient is NaN/Inf (the same on every rank, through the sum).
-
-        Judged before the next forward, not here: an optimizer may skip this step on purpose
-        (``torch.amp.GradScaler`` does on an overflow), and only parameters that became
-        non-finite mean training went wrong.
-        """
-        origin = self.take_nonfinite_origin()
-        bad = self.nonfinite_gradient_names()
-        self._nonfinite_pending = (bad, origin) if bad else None
-
     def nonfinite_gradient_names(self) -> list[str]:
         """The parameters whose gradient holds a NaN or Inf (after the reduction: the same on every rank)."""
-        return [
-            name
-            for name, p in zip(self._param_names, self._params)
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
-        ]
+        return self._nonfinite.names()
 
     def take_nonfinite_origin(self) -> str:
         """With ``check_finite``: the parameters whose gradient was not finite on this rank before the reduction
         (where a NaN came from), as a clause of an error message, "" where none; forgotten once taken."""
-        local, self._nonfinite_local = self._nonfinite_local, []
-        return f"; on rank {self.engine.rank} before reduction: {local}" if local else ""
-
-    def _raise_if_parameters_not_finite(self) -> None:
-        pending, self._nonfinite_pending = self._nonfinite_pending, None
-        if pending is None:
-            return
-        bad, origin = pending
-        by_name = dict(zip(self._param_names, self._params))
-        if all(bool(torch.isfinite(by_name[name]).all()) for name in bad):
-            logger.debug("non-finite gradients in %s were not applied (the optimizer skipped the step)", bad[:10])
-            return
-        raise FloatingPointError(
-            f"non-finite gradients (NaN or Inf) after reduction in {len(bad)} parameter(s): {bad[:10]}{origin}; "
-            "the optimizer applied them and the parameters are no longer finite. Lower the learning rate, use "
-            "gradient clipping or loss scaling (torch.amp.GradScaler skips such steps), or check the data of that step."
-        )
+        return self._nonfinite.take_origin()
 
     def _give_unused_their_gradient(self, indices: list[int] | None = None) -> None:
         """A parameter unused here but used elsewhere gets the reduced gradient, as in DDP."""
@@ -699,14 +574,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         from stale or reordered elements, the ranks parting silently. The next backward raises at its first
         gradient, before any collective (:meth:`_refuse_training_if_model_changed`). A conversion that changes
         nothing passes."""
-        before = [storage_layout(p) for p in self._params]
+        before = [guards.storage_layout(p) for p in self._params]
         result = super()._apply(fn, recurse)
-        now = dict(self.module.named_parameters())  # (torch's overwrite-on-conversion mode makes new ones)
-        changed = [
-            name
-            for name, p, old in zip(self._param_names, self._params, before)
-            if now.get(name) is not p or storage_layout(p) != old
-        ]
+        changed = guards.converted_names(self.module, self._param_names, self._params, before)
         if changed and self._converted_after_wrap is None:
             self._converted_after_wrap = names_text(changed, 3)
         return result
@@ -716,12 +586,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         (converted, or given trainable parameters the plan does not hold): refused, before any collective."""
         self._planned.refuse_training_if_added()
         if self._converted_after_wrap is not None:
-            raise RuntimeError(
-                f"the model's parameters were cast, moved or re-laid out after wrap() ({self._converted_after_wrap}"
-                "): evaluation and saving work, training does not, since its gradient buckets were planned for "
-                "the parameters as they were and would average the wrong elements. Cast and move the model "
-                "before wrapping it, as DDP requires: co.wrap(net.to(device, dtype, memory_format=...))"
-            )
+            raise converted_error(self._converted_after_wrap)
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -740,9 +605,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._end_forward()
         if torch.is_grad_enabled():
             this = weakref.ref(self)  # an output kept by the caller must not keep the wrapper alive
-            for tensor in _output_tensors(output):
+            for tensor in output_tensors(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(functools.partial(_outputs_reached, this))
+                    tensor.register_hook(functools.partial(outputs_reached, this))
         return output
 
     def _start_forward(self, compiled: bool = False) -> None:
@@ -752,8 +617,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._end_of_backward_queued = False
         if compiled and self.optimizer is not None:
             self.optimizer.compiled_forward_starts()
-        if self._nonfinite_pending is not None:
-            self._raise_if_parameters_not_finite()
+        self._nonfinite.raise_if_applied()
         if self.manager.in_progress:
             raise RuntimeError(
                 "forward() called while the previous backward's reduction is unfinished; "
@@ -786,21 +650,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _sync_buffers(self, active: bool) -> None:
         """Rank 0's buffers (running statistics) to every rank before a forward, when DDP does: where the
         forward before it ran under autograd outside no_sync() (``require_forward_param_sync``), so once per
-        accumulated step (before its first micro-batch) and before the first of a run of evaluation forwards.
-
-        Inside ``join()`` the source is the highest rank still active (a joined rank's buffers are
-        stale), agreed on by one small collective that joined ranks shadow.
-        """
-        if not (self.require_forward_param_sync and self.broadcast_buffers and self.engine.world_size > 1):
-            return
-        buffers = list(self.module.buffers())
-        if not buffers:
-            return
-        src = 0
-        if self._join_config.enable:
-            src = self._highest_rank_where(active)
-        with torch.no_grad():
-            self._broadcast(buffers, src, self._buffer_group)
+        accumulated step (before its first micro-batch) and before the first of a run of evaluation forwards
+        (inside ``join()``: the highest active rank's, :func:`sync_buffers`)."""
+        if self.require_forward_param_sync and self.broadcast_buffers and self.engine.world_size > 1:
+            sync_buffers(self.engine, self.module, active, self._join_config.enable, self._buffer_group)
 
     def register_comm_hook(self, state: Any, hook: DDPCommHook) -> None:
         """As DDP's: ``hook(state, bucket)`` reduces each bucket and returns a ``torch.futures.Future`` of the
@@ -830,20 +683,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join(
         self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
     ) -> Join:
-        """``with model.join():`` ranks with fewer batches shadow the others' collectives until all are done.
-
-        As DDP's ``join()``: gradients of the steps some ranks sit out are divided by the initial
-        world size (with ``divide_by_initial_world_size=False``: by the ranks still active, agreed
-        on by one small collective per step); a joined rank contributes zeros; at the end every
-        rank gets the parameters and buffers of a rank that joined last. ``Join([model])`` works
-        the same.
-        """
-        return Join(
-            [self],
-            enable=enable,
-            throw_on_early_termination=throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
+        """``with model.join():`` ranks with fewer batches shadow the others' collectives until all are done
+        (:func:`collective_ops.torch.join.join_context`, as DDP's ``join()``)."""
+        return join_context(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """For ``Join([model, ...], divide_by_initial_world_size=...)``, as DDP's."""
@@ -894,7 +736,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._finish_owed_updates()  # the last joiner's last step: its parameters are the ones broadcast
         if self.engine.world_size == 1:
             return
-        self._broadcast_model(src=self._highest_rank_where(is_last_joiner))
+        self._broadcast_model(src=highest_rank_where(self.engine, is_last_joiner))
 
     # -- the unwrapped model's face ---------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -916,7 +758,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (the model keeps working unwrapped)."""
-        _remove_all(self._hook_handles)
+        remove_all(self._hook_handles)
 
     def comm_stats(self) -> dict[str, Any]:
         """Buckets, collectives and bytes per step, and communication time not hidden behind backward."""
@@ -945,79 +787,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         return f"buckets={len(plan.buckets)}, bucket_size_mb={plan.bucket_size_mb:g}, backend={self.engine.backend}"
 
 
-def view_like(p: torch.Tensor, buffer: torch.Tensor, offset: int) -> torch.Tensor:
-    """A view of ``buffer`` from ``offset`` shaped as ``p``, with ``p``'s strides where ``p`` is dense."""
-    strides = torch.empty_like(p, device="meta").stride()
-    return buffer.as_strided(p.shape, strides, buffer.storage_offset() + offset)
-
-
-def _refuse_unwrappable(module: Any) -> None:
-    """A model wrapped already (by us or by torch's DDP), with a live wrapper of ours, or not a Module."""
-    if isinstance(module, DistributedDataParallel):
-        raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
-    if isinstance(module, nn.parallel.DistributedDataParallel):
-        raise ValueError("this model is wrapped by torch DistributedDataParallel; pass its .module instead")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"wrap() takes a torch.nn.Module, got {type(module).__name__}")
-    previous = LIVE_WRAPPERS.get(module)
-    if previous is not None and previous() is not None and previous()._hook_handles:
-        raise ValueError(
-            "this model already has a live collective_ops wrapper (its gradients would be reduced twice); "
-            "use that wrapper, or call its remove_hooks() (or delete it) before wrapping again"
-        )
-
-
-def _plan(
-    named: list[tuple[str, torch.Tensor]], tables: dict[str, nn.Module], bucket_size_mb: float, first_bucket_mb: float
-) -> BucketPlan:
-    """The trainable parameters planned into buckets (a row-sparse table's rows counted, for its cost)."""
-    specs = [
-        ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=table_rows(tables.get(n)))
-        for n, p in named
-    ]
-    return plan_buckets(specs, bucket_size_mb, first_bucket_mb)
-
-
-def _weak_hook(wrapper_ref: weakref.ref, index: int):
-    def hook(param: torch.Tensor) -> None:
-        wrapper = wrapper_ref()
-        if wrapper is not None:
-            wrapper._grad_ready(index, param)
-
-    return hook
-
-
-def _output_tensors(output: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a forward's output, in tuples, lists, dicts (model output classes subclass dict) and
-    dataclasses, where DDP looks for them."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from _output_tensors(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _output_tensors(item)
-    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
-        for field in dataclasses.fields(output):
-            yield from _output_tensors(getattr(output, field.name))
-
-
-def _outputs_reached(wrapper_ref: weakref.ref, grad: torch.Tensor) -> None:
-    wrapper = wrapper_ref()
-    if wrapper is not None:
-        wrapper._outputs_reached()
-
-
-def _remove_all(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
 def wrap(model: nn.Module, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options: Any) -> DistributedDataParallel:
     """``DistributedDataParallel(model, bucket_size_mb, **options)``."""
     return DistributedDataParallel(model, bucket_size_mb, **options)
 
 
-__all__ = ["DistributedDataParallel", "wrap"]
+__all__ = ["DistributedDataParallel", "view_like", "wrap"]  # (view_like: the sharded optimizer's too)

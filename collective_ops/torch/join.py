@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook
 
 
 class ShadowingHook(JoinHook):
@@ -19,3 +19,22 @@ class ShadowingHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.model._sync_final_model(is_last_joiner)
+
+
+def join_context(
+    model: Any, divide_by_initial_world_size: bool, enable: bool, throw_on_early_termination: bool
+) -> Join:
+    """``with model.join():`` ranks with fewer batches shadow the others' collectives until all are done.
+
+    As DDP's ``join()``: gradients of the steps some ranks sit out are divided by the initial
+    world size (with ``divide_by_initial_world_size=False``: by the ranks still active, agreed
+    on by one small collective per step); a joined rank contributes zeros; at the end every
+    rank gets the parameters and buffers of a rank that joined last. ``Join([model])`` works
+    the same.
+    """
+    return Join(
+        [model],
+        enable=enable,
+        throw_on_early_termination=throw_on_early_termination,
+        divide_by_initial_world_size=divide_by_initial_world_size,
+    )

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bucketing import RowSparseReduction
-from ..comm.torch_engine import TorchEngine
+from ..bucketing import BucketPlan, ParamSpec, RowSparseReduction, plan_buckets
+from ..comm.torch_engine import TorchEngine, dtype_name
 
 
 def row_sparse_tables(
@@ -68,3 +68,14 @@ def record_lookups(tables: dict[str, nn.Module], reduction: RowSparseReduction) 
         looked_up = reduction.lookups[name] = LookedUpRows(table)
         handles.append(table.register_forward_hook(looked_up, with_kwargs=True))
     return handles
+
+
+def plan_with_rows(
+    named: list[tuple[str, torch.Tensor]], tables: dict[str, nn.Module], bucket_size_mb: float, first_bucket_mb: float
+) -> BucketPlan:
+    """The trainable parameters planned into buckets (a row-sparse table's rows counted, for its cost)."""
+    specs = [
+        ParamSpec(n, p.numel(), dtype_name(p.dtype), str(p.device), p.element_size(), rows=table_rows(tables.get(n)))
+        for n, p in named
+    ]
+    return plan_buckets(specs, bucket_size_mb, first_bucket_mb)
