@@ -501,8 +501,8 @@ def wrap(network: nn.Cell, bucket_size_mb: float = DEFAULT_BUCKET_MB, **options:
     :class:`collective_ops.options.WrapOptions` (a torch-only one is refused with MindSpore's counterpart)."""
     given = WrapOptions.build("mindspore", bucket_size_mb, options)
     keywords = given.keywords("mindspore")
-    if keywords.pop("check_step_alignment") is None:
-        keywords["check_step_alignment"] = False  # (WrapOptions: None is off on MindSpore)
+    if given.check_step_alignment is None:  # (WrapOptions: None is off on MindSpore)
+        keywords["check_step_alignment"] = False
     return DataParallel(network, **keywords)
 
 

@@ -26,7 +26,7 @@ def save_profile(
 ) -> BackwardProfile:
     """Save a wrapped model's step profile (shapes, ready times) for ``collective-ops tune`` (rank 0 writes).
 
-    ``profile`` (e.g. from :func:`profile_with_contention`) is profiled from one step when not
+    ``profile`` (e.g. from :func:`collective_ops.tuning.profile_with_contention`) is profiled from one step when not
     given. With ``cost`` (fitted on the live group: alpha, beta, the world size) and ``where``
     (e.g. "emulated link, 1gbit"), ``collective-ops tune --project`` projects that link to
     other world sizes.
