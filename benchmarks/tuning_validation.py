@@ -58,7 +58,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     cost = measure_alpha_beta()
     profile, contention = profile_with_contention(wrapped, next_step, cost, steps=args.profile_steps)
     if args.save_profile:  # for `collective-ops tune --profile ... --project`
-        from collective_ops.tuning import save_profile
+        from collective_ops.tools.tune import save_profile
 
         save_profile(wrapped, next_step, args.save_profile, cost, profile, contention, where())
     plan = wrapped.manager.plan

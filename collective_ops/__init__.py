@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .bucketing import DEFAULT_BUCKET_MB
 from .bucketing import GradientBucket as _CoreGradientBucket
 from .primitives import allgather, allreduce, broadcast, reduce_scatter
 from .runtime import (
@@ -32,7 +33,7 @@ class GradientBucket(_CoreGradientBucket):
     ``init`` started for their framework.
     """
 
-    def __init__(self, bucket_size_mb: float = 25.0, reduce_op: Any = "sum") -> None:
+    def __init__(self, bucket_size_mb: float = DEFAULT_BUCKET_MB, reduce_op: Any = "sum") -> None:
         super().__init__(bucket_size_mb, reduce_op, engine_for=engine_for_tensor)
 
 
@@ -52,7 +53,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'collective_ops' has no attribute {name!r}")
 
 
-def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
+def wrap(model: Any, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options: Any) -> Any:
     """Make ``model`` data-parallel: a ``torch.nn.Module`` or a ``mindspore.nn.Cell``."""
     from .frameworks import wrap as _wrap
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from .bucketing import DEFAULT_BUCKET_MB
 from .ddp_keywords import translate_ddp_keywords
 
 
@@ -16,11 +17,11 @@ def _framework_of(model: Any) -> str | None:
     return None
 
 
-def wrap(model: Any, bucket_size_mb: float = 25.0, **options: Any) -> Any:
+def wrap(model: Any, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options: Any) -> Any:
     """Wrap a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` for data-parallel training."""
     if type(model).__module__.startswith(("collective_ops.torch.", "collective_ops.mindspore.")):
         raise ValueError("this model is already wrapped by collective_ops; wrap the original model once")
-    bucket_size_mb = translate_ddp_keywords(bucket_size_mb, 25.0, options)  # (DDP's names, ported code)
+    bucket_size_mb = translate_ddp_keywords(bucket_size_mb, DEFAULT_BUCKET_MB, options)  # (DDP's names, ported code)
     framework = _framework_of(model)
     if framework == "torch":
         from .torch.ddp import wrap as wrap_torch

@@ -8,16 +8,16 @@ import sys
 import pytest
 
 from collective_ops.bucketing import ParamSpec, plan_buckets
-from collective_ops.tuning import (
+from collective_ops.bucketing.cost import (
     CANDIDATES_MB,
     BackwardProfile,
     CostModel,
     Prediction,
     choose,
-    estimated_contention,
     predict,
     simulate,
 )
+from collective_ops.comm.measure import estimated_contention
 from tests.harness import run_ranks
 
 MIB = 2**20
@@ -84,7 +84,7 @@ def test_a_compressing_hook_costs_its_wire_element_size() -> None:
 def test_a_saved_profile_keeps_the_row_sparse_tables_and_their_share(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from collective_ops.tuning import load_profile, save_profile
+    from collective_ops.tools.tune import load_profile, save_profile
 
     params = [ParamSpec("embed", MIB // 4, "float32", "cpu", 4, rows=1024), *specs(2)]
     plan = plan_buckets(params, bucket_size_mb=100, first_bucket_mb=100)
@@ -111,7 +111,7 @@ def test_a_queued_collective_pays_only_the_queued_latency() -> None:
 
 
 def test_a_link_is_derived_back_from_its_two_rank_fit() -> None:
-    from collective_ops.tuning import link_from_fit
+    from collective_ops.bucketing.cost import link_from_fit
 
     fitted = CostModel(1.6e-3, 8e-9)  # 1.6 ms, 125 MB/s: an emulated 1gbit link at 2 ranks
     latency, bandwidth = link_from_fit(fitted, 2)
@@ -199,14 +199,12 @@ def tuner_checks(rank: int, world: int, profile_path: str) -> dict:
     with pytest.raises(ValueError, match="positive MiB"):
         co.tune(model, step, candidates_mb=(0,))
     # ranks that rank the candidates differently (here: opposite cost models) must still try rank 0's shortlist
-    from collective_ops.tuning import CostModel
-
     opposite = CostModel(1.0, 0.0) if rank == 0 else CostModel(0.0, 1e-3)  # rank 0: fewest calls; rank 1: smallest
     result = co.tune(
         model, step, candidates_mb=(0.01, 25), confirm_top=1, confirm_steps=1, cost=opposite, keep_current=False
     )
     out["disagreeing_choice"] = result.bucket_size_mb
-    from collective_ops.tuning import save_profile
+    from collective_ops.tools.tune import save_profile
 
     save_profile(model, step, profile_path)
 
@@ -245,13 +243,12 @@ def _auto_under_fits(rank: int) -> dict:
     import torch
 
     import collective_ops as co
-    from collective_ops import tuning
-    from collective_ops.tuning import CostModel
+    from collective_ops.comm import measure
 
-    measured, out = tuning.measure_alpha_beta, {}
+    measured, out = measure.measure_alpha_beta, {}
     try:
         for name, fit in (("latency", CostModel(0.05, 0.0)), ("bandwidth", CostModel(0.0, 1e-7))):
-            tuning.measure_alpha_beta = lambda fit=fit: fit
+            measure.measure_alpha_beta = lambda engine, fit=fit: fit
             torch.manual_seed(0)
             model = co.wrap(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]), bucket_size_mb="auto")
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -262,7 +259,7 @@ def _auto_under_fits(rank: int) -> dict:
                 optimizer.step()
             out[name] = _best_and_chosen(model)
     finally:
-        tuning.measure_alpha_beta = measured
+        measure.measure_alpha_beta = measured
     return out
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from ..ops import parse_reduce_op
 from .fusion import fused_collective
 from .interfaces import BucketEngine, Handle
-from .plan import validate_bucket_mb
+from .plan import DEFAULT_BUCKET_MB, validate_bucket_mb
 
 EngineResolver = Callable[[Any], BucketEngine]
 
@@ -24,7 +24,7 @@ class GradientBucket:
 
     def __init__(
         self,
-        bucket_size_mb: float = 25.0,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
         reduce_op: Any = "sum",
         *,
         engine: BucketEngine | None = None,

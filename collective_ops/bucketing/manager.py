@@ -15,65 +15,28 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from .alignment import StepAlignment
+from .diagnosis import (  # noqa: F401  (the errors, importable from here as before)
+    DEFAULT_STALL_TIMEOUT_S,
+    CommHookError,
+    CommunicationError,
+    StallError,
+    diagnose,
+    is_transport_error,
+    stall_timeout_from_env,
+)
 from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale, reduces_rows
-from .interfaces import BucketEngine, ChunkedHandle, Handle, env_seconds, wait_with_timeout
-from .plan import BucketPlan, BucketSpec, chunk_bounds, complete_order, plan_buckets
+from .interfaces import BucketEngine, ChunkedHandle, Handle, wait_with_timeout
+from .plan import BucketPlan, BucketSpec, chunk_bounds, chunk_counts, complete_order, plan_buckets
 from .row_sparse import RowSparseReduction, wire_nbytes
 from .shard import padded_numel
+from .stats import BucketTiming, StepStats, compiled_step_stats, stats_summary
 
 logger = logging.getLogger(__name__)
 
 REDUCE_OPS = ("avg", "sum")
-DEFAULT_STALL_TIMEOUT_S = 300.0
-
-
-class StallError(RuntimeError):
-    """A bucket's collective did not complete in time: some rank is not taking part."""
-
-
-class CommunicationError(RuntimeError):
-    """A bucket's collective failed (a peer exited, the network broke)."""
-
-
-class CommHookError(RuntimeError):
-    """Finishing a bucket failed outside the transport: a comm hook or its completion callback raised."""
-
-
-def stall_timeout_from_env() -> float | None:
-    """COLLECTIVE_OPS_STALL_TIMEOUT seconds (0 waits forever), default 300."""
-    return env_seconds("COLLECTIVE_OPS_STALL_TIMEOUT", DEFAULT_STALL_TIMEOUT_S)
-
-
-@dataclass
-class BucketTiming:
-    """Per-bucket timestamps of the last synchronised iteration (``time.perf_counter`` seconds)."""
-
-    first_ready: float | None = None
-    last_ready: float | None = None
-    launched: float | None = None
-    # when its collective was first seen complete: with an observer (the tracer) the manager looks at every
-    # gradient and every bucket finished; without one, and for handles that cannot be polled, when finished
-    completed: float | None = None
-
-
-@dataclass
-class StepStats:
-    """Counters of the last synchronised iteration."""
-
-    step: int = 0
-    collectives: int = 0
-    bytes_communicated: int = 0
-    backward_start: float | None = None  # first gradient ready
-    finalize_start: float | None = None
-    finalize_end: float | None = None
-    exposed_comm_s: float = 0.0  # time finalize waited on communication not hidden by backward
-    buckets: list[BucketTiming] = field(default_factory=list)
-    # parameter index -> when its gradient was ready; insertion order is the observed ready order
-    ready_times: dict[int, float] = field(default_factory=dict)
 
 
 class BucketManager:
@@ -234,21 +197,7 @@ class BucketManager:
 
     def stats_summary(self) -> dict[str, Any]:
         """Buckets, collectives and bytes per step, and communication not hidden behind backward."""
-        stats = self.last_stats
-        plan = self.plan
-        return {
-            "world_size": self.engine.world_size,
-            "buckets": len(plan.buckets),
-            "bucket_bytes": [b.nbytes for b in plan.buckets],
-            "bucket_params": [len(b.param_indices) for b in plan.buckets],
-            "bucket_size_mb": plan.bucket_size_mb,
-            "plan_fingerprint": plan.fingerprint(),
-            "steps": self.totals["steps"],
-            "collectives_per_step": stats.collectives,
-            "bytes_per_step": stats.bytes_communicated,
-            "exposed_comm_s": stats.exposed_comm_s,
-            "mean_exposed_comm_s": self.totals["exposed_comm_s"] / max(self.totals["steps"], 1),
-        }
+        return stats_summary(self.last_stats, self.plan, self.totals, self.engine.world_size)
 
     def bucket_results(self, bucket_index: int) -> list[Any]:
         """The bucket's reduced values, one flat tensor per parameter in bucket order."""
@@ -399,35 +348,10 @@ class BucketManager:
         chunks = [1] * len(self.plan.buckets)
         if order is not None:
             order = tuple(int(b) for b in order)
-            chunks = self._chunk_counts(order)
+            chunks = chunk_counts(order, self.plan, self.chunkable)
         self._launch_order = order
         self._launch_position = None if order is None else {bucket: i for i, bucket in enumerate(order)}
         self._chunks = chunks
-
-    def _chunk_counts(self, order: tuple[int, ...]) -> list[int]:
-        """How many chunks ``order`` sends each bucket as; ValueError where it cannot be a launch order."""
-        count = len(self.plan.buckets)
-        chunks = [0] * count
-        for bucket in order:
-            if not 0 <= bucket < count:
-                raise ValueError(f"launch order {order} names bucket {bucket}; the plan has buckets 0..{count - 1}")
-            chunks[bucket] += 1
-        missing = [b for b, k in enumerate(chunks) if k == 0]
-        if missing:
-            raise ValueError(
-                f"launch order {order} does not list bucket(s) {missing}: list each of the {count} buckets"
-            )
-        unsplittable = [b for b, k in enumerate(chunks) if k > 1 and not self.chunkable(b)]
-        if unsplittable:
-            raise ValueError(
-                f"launch order {order} lists bucket(s) {unsplittable} more than once, i.e. sends them in chunks; "
-                "only dense buckets reduced by the default allreduce hook can be (not a row-sparse table, a "
-                "custom or compressing hook, or an engine that assembles buckets): list them once"
-            )
-        too_many = [b for b, k in enumerate(chunks) if k > self.plan.buckets[b].numel]
-        if too_many:
-            raise ValueError(f"launch order {order} cuts bucket(s) {too_many} into more chunks than elements")
-        return chunks
 
     def chunkable(self, bucket_index: int, plan: BucketPlan | None = None) -> bool:
         """True if a launch order may send this bucket (of ``plan``, default the current) in chunks: a dense
@@ -735,17 +659,8 @@ class BucketManager:
             self.alignment.backward_started()  # the compiled call took every gradient at once
             self._start_step_collectives()
             self._settle_alignment(0)
-        buckets = self.plan.buckets
-        stats = StepStats(
-            step=self.steps_synced,
-            collectives=len(buckets) + (self.alignment is not None),
-            bytes_communicated=sum(self._wire_nbytes(b) for b in buckets),
-            backward_start=start,
-            finalize_start=start,
-            finalize_end=end,
-            buckets=[BucketTiming(start, start, start, end) for _ in buckets],
-            ready_times=dict.fromkeys(self.plan.order, start),
-        )
+        stats = compiled_step_stats(self.steps_synced, self.plan, start, end, self._wire_nbytes)
+        stats.collectives += int(self.alignment is not None)  # (the step's alignment table)
         self.globally_unused = frozenset()  # every gradient was given
         self._end_step(stats)
 
@@ -800,8 +715,7 @@ class BucketManager:
 
     def is_transport_error(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a failure of the transport (a peer gone, the network), as the engine tells it."""
-        is_transport = getattr(self.engine, "is_transport_error", None)
-        return is_transport is not None and is_transport(exc)
+        return is_transport_error(self.engine, exc)
 
     def explain_failure(self, bucket_index: int, exc: BaseException, collective: str) -> RuntimeError:
         """The error for another collective of bucket ``bucket_index`` (``collective`` names it, e.g. the
@@ -814,70 +728,11 @@ class BucketManager:
         bucket = self.plan.buckets[bucket_index]
         names = [self._param_names[i] for i in bucket.param_indices]
         shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
-        rank = self.engine.rank
         where = (
-            f"rank {rank} waited for {collective + ' of ' if collective else ''}bucket {bucket_index} "
-            f"of step {self.steps_synced} "
-            f"({bucket.nbytes / 2**20:.2f} MiB: {shown})"
+            f"rank {self.engine.rank} waited for {collective + ' of ' if collective else ''}bucket {bucket_index} "
+            f"of step {self.steps_synced} ({bucket.nbytes / 2**20:.2f} MiB: {shown})"
         )
-        if not isinstance(exc, TimeoutError):
-            # an engine that cannot tell blames the transport
-            if hasattr(self.engine, "is_transport_error") and not self.is_transport_error(exc):
-                return CommHookError(
-                    f"{where}: finishing it raised {type(exc).__name__}: {exc}. This is not a communication "
-                    "failure: the bucket's comm hook or its completion callback failed (see the chained error)."
-                )
-            peers, store_note = self._peer_view(bucket_index)
-            missing = [p for p, info in peers.items() if info is None]
-            named = f" (ranks gone or not answering: {missing})" if missing else ""
-            return CommunicationError(
-                f"{where}, and its collective failed{named}. A peer rank probably exited or crashed "
-                f"(its own log says why), or the network between ranks failed. The transport said: {exc}{store_note}"
-            )
-        mark_stalled = getattr(self.engine, "mark_stalled", None)
-        if mark_stalled is not None:  # its groups cannot be destroyed now: the process must still exit
-            mark_stalled()
-        peers, store_note = self._peer_view(bucket_index)
-        lines = []
-        mine = self.steps_synced
-        for peer, info in sorted(peers.items()):
-            if info is None:
-                lines.append(
-                    f"  rank {peer}: did not report: it is not waiting in a gradient reduction "
-                    "(it stopped, crashed, skipped a backward, or is blocked in another collective)"
-                )
-            else:
-                differs = " <- a different step: a rank skipped or added a backward" if info["step"] != mine else ""
-                lines.append(
-                    f"  rank {peer}: step {info['step']}, waiting for bucket {info['waiting_for_bucket']} of "
-                    f"{info['buckets']}, {info['gradients_ready']}/{info['gradients']} gradients ready{differs}"
-                )
-        missing = [p for p, info in peers.items() if info is None]
-        return StallError(
-            f"stall: {where} for {self.stall_timeout_s:g} s. "
-            + (f"Ranks not taking part: {missing}. " if missing else "")
-            + "Every rank must run the same number of backward passes, and with data-dependent branches "
-            "pass find_unused_parameters=True. Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
-            + ("\n" + "\n".join(lines) if lines else "")
-            + store_note
-        )
-
-    def _peer_view(self, bucket_index: int) -> tuple[dict[int, dict | None], str]:
-        """Every peer's progress as it reported it on the side channel (None: no report), and a note where the
-        side channel's host did not answer (then it is the rank named as not taking part)."""
-        exchange = getattr(self.engine, "exchange_progress", None)
-        if exchange is None:
-            return {}, ""
-        # peers stalled on the same bucket time out within moments of each other; a short timeout asks for a
-        # prompt answer, so the wait for their reports is a quarter of it, at most 2 s
-        grace_s = min(2.0, self.stall_timeout_s / 4) if self.stall_timeout_s else 2.0
-        try:
-            return exchange(self._progress(bucket_index), grace_s), ""
-        except (TimeoutError, ConnectionError) as exc:  # the store's host is stopped or gone
-            store_rank = getattr(self.engine, "store_rank", None)
-            if store_rank is None or store_rank == self.engine.rank:
-                return {}, f"\n  {exc}"
-            return {store_rank: None}, f"\n  {exc}"
+        return diagnose(self.engine, where, exc, self._progress(bucket_index), self.stall_timeout_s)
 
     def _rebuild(self, observed: list[int]) -> None:
         """Replan from rank 0's observed ready order."""

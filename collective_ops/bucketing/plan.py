@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 MIB = 1 << 20
@@ -126,6 +126,13 @@ def chunk_bounds(numel: int, chunks: int) -> list[tuple[int, int]]:
     return [(edges[k], edges[k + 1] - edges[k]) for k in range(chunks)]
 
 
+# The default bucket size (MiB), DDP's: written here once, the lowest layer that takes it; the options
+# (collective_ops.options.WrapOptions) and every signature that takes a bucket size refer to it.
+DEFAULT_BUCKET_MB = 25.0
+# The first bucket's default (MiB), DDP's: a small first bucket starts communication early in backward.
+DEFAULT_FIRST_BUCKET_MB = 1.0
+
+
 def validate_bucket_mb(value: float, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number of MiB (e.g. 25), got {value!r}")
@@ -138,8 +145,8 @@ def validate_bucket_mb(value: float, what: str) -> float:
 
 def plan_buckets(
     params: Sequence[ParamSpec],
-    bucket_size_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_size_mb: float = DEFAULT_BUCKET_MB,
+    first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
     order: Sequence[int] | None = None,
 ) -> BucketPlan:
     """Group ``params`` into buckets.
@@ -230,3 +237,28 @@ def plan_buckets(
         order=tuple(order),
         location=location,
     )
+
+
+def chunk_counts(order: tuple[int, ...], plan: BucketPlan, chunkable: Callable[[int], bool]) -> list[int]:
+    """How many chunks launch order ``order`` sends each bucket of ``plan`` as; ValueError where it cannot be a
+    launch order (a bucket missing or unknown, or cut where ``chunkable(bucket)`` says it may not be)."""
+    count = len(plan.buckets)
+    chunks = [0] * count
+    for bucket in order:
+        if not 0 <= bucket < count:
+            raise ValueError(f"launch order {order} names bucket {bucket}; the plan has buckets 0..{count - 1}")
+        chunks[bucket] += 1
+    missing = [b for b, k in enumerate(chunks) if k == 0]
+    if missing:
+        raise ValueError(f"launch order {order} does not list bucket(s) {missing}: list each of the {count} buckets")
+    unsplittable = [b for b, k in enumerate(chunks) if k > 1 and not chunkable(b)]
+    if unsplittable:
+        raise ValueError(
+            f"launch order {order} lists bucket(s) {unsplittable} more than once, i.e. sends them in chunks; "
+            "only dense buckets reduced by the default allreduce hook can be (not a row-sparse table, a "
+            "custom or compressing hook, or an engine that assembles buckets): list them once"
+        )
+    too_many = [b for b, k in enumerate(chunks) if k > plan.buckets[b].numel]
+    if too_many:
+        raise ValueError(f"launch order {order} cuts bucket(s) {too_many} into more chunks than elements")
+    return chunks

@@ -8,6 +8,7 @@ and the bucketing core (:class:`collective_ops.bucketing.BucketEngine`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 from ..bucketing.interfaces import Handle
@@ -44,6 +45,15 @@ class Engine(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    def synchronize(self) -> None:
+        """Wait until the work this process queued on its device is done (timing: a collective's call may return
+        before its transfer ends)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot wait for its device (synchronize)")
+
+    def reduce_floats(self, values: Sequence[float], op: str = "max") -> list[float]:
+        """``values`` reduced over ranks (small bookkeeping, e.g. the slowest rank's time)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reduce bookkeeping values (reduce_floats)")
 
     @abstractmethod
     def shutdown(self, timeout: float | None = None) -> None:

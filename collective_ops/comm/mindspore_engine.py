@@ -299,6 +299,15 @@ class MindSporeEngine(Engine):
     def copy_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
         dst.copy_(src.reshape(dst.shape).astype(dst.dtype))
 
+    def synchronize(self) -> None:
+        """Wait for MindSpore's queue (its collectives' handles return before the work is done on the CPU)."""
+        ms.runtime.synchronize()
+
+    def reduce_floats(self, values: Sequence[float], op: str = "max") -> list[float]:
+        """``values`` reduced over ranks (small bookkeeping, e.g. the slowest rank's time), in float32."""
+        reduced = self.allreduce(ms.Tensor(np.asarray(values, dtype=np.float32)), op)
+        return [float(v) for v in reduced.asnumpy()]
+
     def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
         t = ms.Tensor(np.asarray(list(values), dtype=np.int32))
         mdist.broadcast(t, src)

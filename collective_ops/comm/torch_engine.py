@@ -232,6 +232,13 @@ class TorchEngine(Engine):
             word in text for word in ("gloo", "nccl", "hccl", "connection", "socket", "peer", "timed out", "timeout")
         )
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (nothing to wait for on the CPU)."""
+        if self.device.type != "cpu":
+            accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; the device module before that
+            sync = accelerator.synchronize if hasattr(accelerator, "synchronize") else None
+            (sync or getattr(torch, self.device.type).synchronize)()
+
     def reduce_floats(self, values: Sequence[float], op: str = "max") -> list[float]:
         """``values`` reduced over ranks (small bookkeeping, e.g. the slowest rank's time), on this engine's device."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)

@@ -31,6 +31,7 @@ from mindspore import nn
 
 from .. import runtime, tracing
 from ..bucketing import (
+    DEFAULT_BUCKET_MB,
     BucketManager,
     CommHook,
     ParamSpec,
@@ -41,7 +42,7 @@ from ..bucketing import (
 from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
-from ..options import resolve_options
+from ..options import WrapOptions, resolve_options
 
 logger = logging.getLogger("collective_ops")
 
@@ -86,7 +87,7 @@ class DataParallel:
     def __init__(
         self,
         network: nn.Cell,
-        bucket_size_mb: float = 25.0,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
         *,
         first_bucket_mb: float | None = None,
         reduce_op: str = "avg",
@@ -495,9 +496,14 @@ class _EagerReducer(nn.Cell):
         return self._reduce(grads)
 
 
-def wrap(network: nn.Cell, bucket_size_mb: float = 25.0, **options: Any) -> DataParallel:
-    """``DataParallel(network, bucket_size_mb, **options)``."""
-    return DataParallel(network, bucket_size_mb, **options)
+def wrap(network: nn.Cell, bucket_size_mb: float = DEFAULT_BUCKET_MB, **options: Any) -> DataParallel:
+    """``DataParallel(network, bucket_size_mb, **options)``; the options checked against
+    :class:`collective_ops.options.WrapOptions` (a torch-only one is refused with MindSpore's counterpart)."""
+    given = WrapOptions.build("mindspore", bucket_size_mb, options)
+    keywords = given.keywords("mindspore")
+    if given.check_step_alignment is None:  # (WrapOptions: None is off on MindSpore)
+        keywords["check_step_alignment"] = False
+    return DataParallel(network, **keywords)
 
 
 __all__ = ["DataParallel", "TrainOneStepCell", "wrap"]

@@ -91,13 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     heatmap.add_arguments(heatmap_parser)
     heatmap_parser.set_defaults(func=heatmap.run)
 
-    from .. import tuning
+    from . import tune
 
     tune_parser = sub.add_parser(
         "tune", help="project a saved step profile to other world sizes and links (simulation) and pick bucket_size_mb"
     )
-    tuning.add_arguments(tune_parser)
-    tune_parser.set_defaults(func=tuning.run)
+    tune.add_arguments(tune_parser)
+    tune_parser.set_defaults(func=tune.run)
     return parser
 
 

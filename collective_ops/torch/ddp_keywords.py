@@ -70,6 +70,21 @@ def check_process_group(group: Any, world_size: int) -> None:
         )
 
 
+def check_ddp_keywords(options: Any, params: Sequence[torch.Tensor], world_size: int) -> torch.device | None:
+    """DDP's keywords in ``options`` (a ``WrapOptions``), for code ported from DDP: checked as DDP checks them;
+    where each forward moves its inputs (:func:`input_device`). ``static_graph`` and ``check_reduction`` ask
+    nothing of the buckets (a model whose graph changes trains either way), ``dim`` matters only to the
+    multi-device DDP of old."""
+    check_flags(
+        dim=options.dim,
+        init_sync=options.init_sync,
+        static_graph=options.static_graph,
+        check_reduction=options.check_reduction,
+    )
+    check_process_group(options.process_group, world_size)
+    return input_device(params, options.device_ids, options.output_device)
+
+
 def check_flags(**flags: Any) -> None:
     """DDP's flags that change nothing here must still be what DDP takes (a typo'd value is not ignored)."""
     for name, value in flags.items():

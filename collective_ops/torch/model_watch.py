@@ -14,6 +14,7 @@ registers the original under a new module) and frozen parameters are not noted.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -80,3 +81,37 @@ def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | N
     ]
     for inner in submodule.modules():  # watched too (a parametrization's modules hold planned parameters)
         _WATCHED[inner] = weakref.ref(planned)
+
+
+def requires_grad_change_error(
+    module: nn.Module, planned: set[int], names: Sequence[str], params: Sequence[nn.Parameter]
+) -> RuntimeError | None:
+    """The error for a plan no longer matching the model's trainable parameters (``planned``: their ids at wrap;
+    ``names``/``params``: the planned ones): one frozen or unfrozen since, or replaced; None where they match."""
+    if {id(p) for p in module.parameters() if p.requires_grad} == planned:
+        return None
+    changed = [n for n, p in module.named_parameters() if (id(p) in planned) != p.requires_grad]
+    present = {id(p) for p in module.parameters()}
+    gone = [names[i] for i, p in enumerate(params) if id(p) not in present]
+    if gone:  # (a planned parameter replaced by another the plan holds: weights tied after wrap())
+        return RuntimeError(
+            f"parameters the bucket plan holds are no longer in the model ({names_text(gone, 5)}): replaced "
+            "after wrap() by another parameter (weights tied, model.tie_weights() after resizing embeddings). "
+            "Tie or replace parameters before wrapping, as DDP requires, then wrap again (call remove_hooks() "
+            "on this wrapper first)."
+        )
+    return RuntimeError(
+        f"requires_grad changed after wrap() for {changed[:10]}: the bucket plan (the same on every rank) was built "
+        "from the trainable parameters at wrap time. Freeze or unfreeze parameters before wrapping, then "
+        "wrap again (call remove_hooks() on this wrapper first)."
+    )
+
+
+def converted_error(changed: str) -> RuntimeError:
+    """A backward after the model's parameters were converted since wrap() (``changed``: their names)."""
+    return RuntimeError(
+        f"the model's parameters were cast, moved or re-laid out after wrap() ({changed}"
+        "): evaluation and saving work, training does not, since its gradient buckets were planned for "
+        "the parameters as they were and would average the wrong elements. Cast and move the model "
+        "before wrapping it, as DDP requires: co.wrap(net.to(device, dtype, memory_format=...))"
+    )

@@ -1,0 +1,43 @@
+"""The wrapper's forward under ``torch.compile``: what runs around the compiled graph (not traced), and the graph
+split at bucket boundaries as torch's DDP has it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@torch._disable_dynamo
+def start_compiled_forward(model: Any) -> None:
+    model._start_forward(compiled=True)
+
+
+@torch._disable_dynamo
+def end_compiled_forward(model: Any) -> None:
+    model._end_forward()
+
+
+@contextlib.contextmanager
+@torch._disable_dynamo(recursive=False)
+def compiled_as_ddp(model: Any) -> Iterator[None]:
+    """Under ``torch.compile``, have the module's graph split at bucket boundaries as DDP's is.
+
+    Dynamo splits a compiled graph into bucket-sized pieces (its DDPOptimizer) while torch's DDP
+    marks itself active around its module's forward; without the split the compiled backward
+    is one piece that hands every gradient over at its end, and no bucket overlaps it. The
+    same marker, with this model's bucket size, gives collective_ops' buckets the same pieces.
+    Skipped where this torch has no such marker.
+    """
+    ddp = nn.parallel.DistributedDataParallel
+    if not hasattr(ddp, "_active_ddp_module"):
+        yield
+        return
+    previous, ddp._active_ddp_module = ddp._active_ddp_module, model
+    try:
+        yield
+    finally:
+        ddp._active_ddp_module = previous
