@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .bucketing import GradientBucket as _CoreGradientBucket
+from .bucketing.compression import PowerSGD
 from .primitives import allgather, allreduce, broadcast, reduce_scatter
 from .runtime import (
     DistContext,
@@ -65,6 +66,7 @@ __all__ = [
     "DistContext",
     "DistributedOptimizer",
     "GradientBucket",
+    "PowerSGD",
     "allgather",
     "allreduce",
     "barrier",

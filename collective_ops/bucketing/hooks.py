@@ -208,10 +208,14 @@ def _copy(engine: BucketEngine, tensor: Any) -> Any:
 COMPRESSIONS = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
-def hook_for_compression(compression: str | None) -> CommHook:
-    """The built-in hook for ``compression`` (None, "fp16" or "bf16")."""
+def hook_for_compression(compression: Any) -> CommHook:
+    """The built-in hook for ``compression`` (None, "fp16", "bf16" or a :class:`~.compression.PowerSGD`)."""
+    from .compression import PowerSGD, PowerSGDHook
+
     if compression is None or compression == "none":
         return allreduce_hook
     if isinstance(compression, str) and compression.lower() in COMPRESSIONS:
         return compression_hook(COMPRESSIONS[compression.lower()])
-    raise ValueError(f"unknown compression {compression!r}; use None, 'fp16' or 'bf16'")
+    if isinstance(compression, PowerSGD):
+        return PowerSGDHook(compression)
+    raise ValueError(f"unknown compression {compression!r}; use None, 'fp16', 'bf16' or co.PowerSGD(...)")

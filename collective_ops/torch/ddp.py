@@ -170,11 +170,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             "check_finite": check_finite,
             "bucket_size_mb auto": self._auto_tune_at,
             "reduce_op": reduce_op,
-            "compression": compression,
+            "compression": compression if compression is None or isinstance(compression, str) else repr(compression),
             "comm_hook": comm_hook,
             "init_sync": init_sync,
         }
         self._verify_and_broadcast(plan, options_entry(options), init_sync)
+        if hasattr(hook, "bind_shapes"):  # a compression that works on each gradient's matrix (PowerSGD)
+            hook.bind_shapes([tuple(p.shape) for p in self._params])
         self.manager = BucketManager(
             plan,
             self.engine,
@@ -988,6 +990,26 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def compression_state_dict(self) -> dict[str, Any]:
+        """The compression's state between steps, for a checkpoint beside the model's and the optimizer's:
+        with ``compression=co.PowerSGD(...)`` each bucket's error-feedback memory and Q factors, the step
+        count and the random state (``{}`` for the stateless compressions)."""
+        hook = self.manager.comm_hook
+        if not hasattr(hook, "state_dict"):
+            return {}
+        if self.optimizer is not None and self.optimizer.in_flight:
+            self.optimizer.synchronize()  # the step's last buckets land (and their error) before it is read
+        return hook.state_dict()
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`compression_state_dict` (a model wrapped with the same options, before its next step)."""
+        hook = self.manager.comm_hook
+        if not hasattr(hook, "load_state_dict"):
+            if state:
+                raise ValueError("this model's compression keeps no state: the checkpoint's is for another one")
+            return
+        hook.load_state_dict(state, self.engine)
 
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (the model keeps working unwrapped)."""
