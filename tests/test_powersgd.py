@@ -1,0 +1,204 @@
+"""compression=co.PowerSGD(...) against torch DDP + powerSGD_hook, through a checkpoint, under DistributedOptimizer."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.harness import run_checks
+from tests.reference import assert_identical, snapshot
+
+STEPS = 6
+START = 2  # two plain steps, then four compressed: warm start and error feedback carry over three times
+SEED = 3
+# The MLP's buckets as DDP lays them out with bucket_cap_mb=0.004 after its rebuild: [b2, w2, b1, w1] and
+# [b0, w0] (a DDP bucket closes after the parameter that passes the cap); wrap's planner closes before it,
+# so a cap of the first bucket's 17680 bytes gives the same two buckets.
+DDP_CAP_MB, OUR_CAP_MB = 0.004, 0.0169
+
+
+def _serial(hook):
+    """torch's hook, waited for inside the hook: it launches its later allreduces from Gloo's completion
+    callbacks, where two buckets' collectives can cross between ranks (a size mismatch or a hang on Gloo)."""
+
+    def serial(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    return serial
+
+
+def _reduced_gradients(rank: int, model, model_cls, steps: int = STEPS) -> list[list]:
+    """Each step's reduced gradients (SGD by hand in between, the same on both sides)."""
+    import torch
+
+    from tests.models import rank_batch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for step in range(steps):
+        x, y = rank_batch(model_cls, step, rank)
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        out.append([p.grad.detach().clone().numpy() for p in params])
+        with torch.no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+    return out
+
+
+def _against_ddp(
+    rank: int, name: str, matrix_rank: int, ddp_cap: float, our_cap: float, warm_start: bool = True
+) -> tuple[list, list]:
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    import collective_ops as co
+    from tests.models import MODELS, build
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build(name), bucket_cap_mb=ddp_cap)
+    state = torch_powersgd.PowerSGDState(
+        None, matrix_approximation_rank=matrix_rank, start_powerSGD_iter=START, random_seed=SEED, warm_start=warm_start
+    )
+    ddp.register_comm_hook(state, _serial(torch_powersgd.powerSGD_hook))
+    ours = co.wrap(
+        build(name),
+        bucket_size_mb=our_cap,
+        first_bucket_mb=our_cap,
+        compression=co.PowerSGD(rank=matrix_rank, start_iter=START, random_seed=SEED, warm_start=warm_start),
+    )
+    return _reduced_gradients(rank, ddp, MODELS[name]), _reduced_gradients(rank, ours, MODELS[name])
+
+
+def _train(rank: int, model, optimizer, steps: range) -> None:
+    import torch
+
+    from tests.models import MLP, rank_batch
+
+    for step in steps:
+        x, y = rank_batch(MLP, step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def _powersgd_mlp(seed: int = 0, warm_start: bool = True):
+    import collective_ops as co
+    from tests.models import build
+
+    compression = co.PowerSGD(rank=2, start_iter=START, random_seed=SEED, warm_start=warm_start)
+    return co.wrap(
+        build("mlp", seed=seed), bucket_size_mb=OUR_CAP_MB, first_bucket_mb=OUR_CAP_MB, compression=compression
+    )
+
+
+def _resumed(rank: int) -> tuple[dict, dict]:
+    """(uninterrupted, resumed from a checkpoint after step 4 into a new model and optimizer)."""
+    import io
+
+    import torch
+
+    model = _powersgd_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(rank, model, optimizer, range(7))
+    uninterrupted = snapshot(model.module)
+
+    model = _powersgd_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(rank, model, optimizer, range(4))
+    saved = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict(), "compression": model.compression_state_dict()},
+        saved,
+    )
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    model = _powersgd_mlp(seed=7)  # other weights: all of them come from the checkpoint
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optim"])
+    model.load_compression_state_dict(checkpoint["compression"])
+    _train(rank, model, optimizer, range(4, 7))
+    return uninterrupted, snapshot(model.module)
+
+
+def _with_distributed_optimizer(
+    rank: int, steps: int, schedule: str | None = None, warm_start: bool = True, checkpoint_at: int | None = None
+) -> tuple[dict, dict]:
+    """(wrap + torch AdamW, wrap + DistributedOptimizer(AdamW)), both compressed alike. ``checkpoint_at``: the
+    second saved after that many steps (its updates still owed to the next forward), resumed in a new model."""
+    import io
+
+    import torch
+
+    import collective_ops as co
+
+    def build(seed: int = 0):
+        model = _powersgd_mlp(seed, warm_start)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, schedule=schedule)
+
+    plain_model = _powersgd_mlp(warm_start=warm_start)
+    _train(rank, plain_model, torch.optim.AdamW(plain_model.parameters(), lr=1e-2), range(steps))
+    model, optimizer = build()
+    first = steps if checkpoint_at is None else checkpoint_at
+    _train(rank, model, optimizer, range(first))
+    if checkpoint_at is not None:
+        assert optimizer.in_flight == (schedule == "plan"), "the checkpoint is meant to be taken with updates owed"
+        saved = io.BytesIO()
+        compression = model.compression_state_dict()  # first: it lands the owed updates and their errors
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "compression": compression}, saved)
+        saved.seek(0)
+        checkpoint = torch.load(saved, weights_only=False)
+        model, optimizer = build(seed=7)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optim"])
+        model.load_compression_state_dict(checkpoint["compression"])
+        _train(rank, model, optimizer, range(first, steps))
+    return snapshot(plain_model.module), snapshot(model.module)
+
+
+def powersgd_checks(rank: int, world: int) -> dict:
+    return {
+        "ddp_rank2": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB),
+        "ddp_rank4": functools.partial(_against_ddp, rank, "mlp", 4, DDP_CAP_MB, OUR_CAP_MB),
+        # one bucket: every gradient of the transformer in it, same-shaped ones compressed side by side
+        "ddp_transformer": functools.partial(_against_ddp, rank, "transformer", 4, 25, 25),
+        # new Q factors every step: each bucket's seed is drawn in bucket order, as DDP's buckets run
+        "ddp_no_warm_start": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, False),
+        "resumed": functools.partial(_resumed, rank),
+        # overlapped: each bucket's update lands in the next forward
+        "distributed_optimizer": functools.partial(_with_distributed_optimizer, rank, 8, "plan"),
+        "distributed_optimizer_checkpoint": functools.partial(_with_distributed_optimizer, rank, 8, "plan", True, 4),
+        # the launch-order trial (plan order, reversed, finished in backward), new Q factors every step
+        "distributed_optimizer_trial": functools.partial(_with_distributed_optimizer, rank, 30, None, False),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list:
+    return run_checks(2, powersgd_checks, timeout=240)
+
+
+@pytest.mark.parametrize("case", ["ddp_rank2", "ddp_rank4", "ddp_transformer", "ddp_no_warm_start"])
+def test_reduced_gradients_bit_equal_to_ddp_powersgd_hook(two_ranks, case: str) -> None:
+    for results in two_ranks:
+        ddp, ours = results[case]
+        for step, (a, b) in enumerate(zip(ddp, ours, strict=True)):
+            assert_identical(a, b, f"{case}, rank {results.rank}, step {step}")
+
+
+def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(two_ranks) -> None:
+    for results in two_ranks:
+        uninterrupted, resumed = results["resumed"]
+        assert_identical(uninterrupted, resumed, f"rank {results.rank}")
+
+
+@pytest.mark.parametrize(
+    "case", ["distributed_optimizer", "distributed_optimizer_checkpoint", "distributed_optimizer_trial"]
+)
+def test_distributed_optimizer_equals_the_same_compression_with_a_plain_optimizer(two_ranks, case: str) -> None:
+    for results in two_ranks:
+        plain, distributed = results[case]
+        assert_identical(plain, distributed, f"rank {results.rank}")
