@@ -72,6 +72,18 @@ def _against_ddp(
     return _reduced_gradients(rank, ddp, MODELS[name]), _reduced_gradients(rank, ours, MODELS[name])
 
 
+def _bytes_per_step(rank: int) -> tuple[int, int]:
+    """comm_stats' bytes of the last plain step and of a compressed one (the MLP at rank 2)."""
+    import torch
+
+    model = _powersgd_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(rank, model, optimizer, range(START))
+    plain = model.comm_stats()["bytes_per_step"]
+    _train(rank, model, optimizer, range(START, START + 1))
+    return plain, model.comm_stats()["bytes_per_step"]
+
+
 def _train(rank: int, model, optimizer, steps: range) -> None:
     import torch
 
@@ -168,6 +180,7 @@ def powersgd_checks(rank: int, world: int) -> dict:
         # new Q factors every step: each bucket's seed is drawn in bucket order, as DDP's buckets run
         "ddp_no_warm_start": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, False),
         "resumed": functools.partial(_resumed, rank),
+        "bytes": functools.partial(_bytes_per_step, rank),
         # overlapped: each bucket's update lands in the next forward
         "distributed_optimizer": functools.partial(_with_distributed_optimizer, rank, 8, "plan"),
         "distributed_optimizer_checkpoint": functools.partial(_with_distributed_optimizer, rank, 8, "plan", True, 4),
@@ -202,3 +215,9 @@ def test_distributed_optimizer_equals_the_same_compression_with_a_plain_optimize
     for results in two_ranks:
         plain, distributed = results[case]
         assert_identical(plain, distributed, f"rank {results.rank}")
+
+
+def test_comm_stats_count_the_compressed_bytes(two_ranks) -> None:
+    # bucket [b2, w2, b1, w1]: w1 (64 x 64) alone compresses at rank 2 (w2, 4 x 64, would send 272 > 256
+    # elements): 324 uncompressed + P 128 + Q 128; bucket [b0, w0]: 64 + P 128 + Q 32
+    assert two_ranks[0]["bytes"] == (5508 * 4, (580 + 224) * 4)

@@ -275,6 +275,22 @@ class PowerSGDHook:
         first = engine.allreduce(wire, "sum", async_op=True) if wire_numel else None
         return _PowerSGDHandle(self, ctx, state, divisor, matrices, ps, qs, first)
 
+    def wire_nbytes(self, bucket: Any) -> int | None:
+        """The bytes this step's reduction of ``bucket`` (a BucketSpec) sends: its uncompressed gradients and
+        factors once compression has started; None (the whole bucket) before."""
+        state = self._states.get(bucket.index)
+        if self.iteration < self.options.start_iter or state is None or state.layout is None:
+            return None
+        return state.layout.compressed_numel * (bucket.nbytes // max(bucket.numel, 1))
+
+    def step_wire_nbytes(self, buckets: Sequence[Any]) -> int:
+        """What one compressed step sends for ``buckets`` (the plan's), by their layouts once laid out."""
+        total = 0
+        for bucket in buckets:
+            sent = self.wire_nbytes(bucket)
+            total += bucket.nbytes if sent is None else sent
+        return total
+
     def advance_pending(self, timeout: float | None = None) -> None:
         """Every launched bucket whose second allreduce is not yet on its way: launched now, oldest first."""
         while self._pending:
