@@ -171,6 +171,27 @@ def _with_distributed_optimizer(
     return snapshot(plain_model.module), snapshot(model.module)
 
 
+def _errors(rank: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import build
+    from tests.reference import collect_errors
+
+    other = co.wrap(build("mlp"), compression=co.PowerSGD(rank=1, start_iter=START))
+    return collect_errors(
+        {
+            "start_iter": lambda: co.PowerSGD(start_iter=1),
+            "rank": lambda: co.PowerSGD(rank=0),
+            "sum": lambda: co.wrap(build("mlp"), reduce_op="sum", compression=co.PowerSGD()),
+            "shard": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp"), compression=co.PowerSGD()), torch.optim.SGD, lr=0.1, shard=True
+            ),
+            "other_options": lambda: other.load_compression_state_dict(_powersgd_mlp().compression_state_dict()),
+        }
+    )
+
+
 def powersgd_checks(rank: int, world: int) -> dict:
     return {
         "ddp_rank2": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB),
@@ -181,6 +202,7 @@ def powersgd_checks(rank: int, world: int) -> dict:
         "ddp_no_warm_start": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, False),
         "resumed": functools.partial(_resumed, rank),
         "bytes": functools.partial(_bytes_per_step, rank),
+        "errors": functools.partial(_errors, rank),
         # overlapped: each bucket's update lands in the next forward
         "distributed_optimizer": functools.partial(_with_distributed_optimizer, rank, 8, "plan"),
         "distributed_optimizer_checkpoint": functools.partial(_with_distributed_optimizer, rank, 8, "plan", True, 4),
@@ -221,3 +243,12 @@ def test_comm_stats_count_the_compressed_bytes(two_ranks) -> None:
     # bucket [b2, w2, b1, w1]: w1 (64 x 64) alone compresses at rank 2 (w2, 4 x 64, would send 272 > 256
     # elements): 324 uncompressed + P 128 + Q 128; bucket [b0, w0]: 64 + P 128 + Q 32
     assert two_ranks[0]["bytes"] == (5508 * 4, (580 + 224) * 4)
+
+
+def test_settings_it_cannot_honour_are_refused_with_what_to_do(two_ranks) -> None:
+    errors = two_ranks[0]["errors"]
+    assert "start_iter=1" in errors["start_iter"] and "at least 2" in errors["start_iter"]
+    assert "positive int" in errors["rank"]
+    assert "reduce_op='avg'" in errors["sum"]
+    assert "without shard=True" in errors["shard"]
+    assert "same PowerSGD options" in errors["other_options"]

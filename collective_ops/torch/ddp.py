@@ -126,6 +126,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
             bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
         )
+        if hasattr(hook, "bind_shapes") and reduce_op != "avg":
+            raise ValueError(
+                f"compression={compression!r} averages gradients: it needs reduce_op='avg', got {reduce_op!r}"
+            )
         self.auto_tune_report = None
         # with a DistributedOptimizer planning its order: (size, first bucket) -> simulated overlapped step
         self.auto_tune_overlapped: dict[tuple[float, float], float] = {}
