@@ -84,25 +84,25 @@ def _bytes_per_step(rank: int) -> tuple[int, int]:
     return plain, model.comm_stats()["bytes_per_step"]
 
 
-def _train(rank: int, model, optimizer, steps: range) -> None:
+def _train(rank: int, model, optimizer, steps: range, name: str = "mlp") -> None:
     import torch
 
-    from tests.models import MLP, rank_batch
+    from tests.models import MODELS, rank_batch
 
     for step in steps:
-        x, y = rank_batch(MLP, step, rank)
+        x, y = rank_batch(MODELS[name], step, rank)
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
 
 
-def _powersgd_mlp(seed: int = 0, warm_start: bool = True):
+def _powersgd_mlp(seed: int = 0, warm_start: bool = True, name: str = "mlp"):
     import collective_ops as co
     from tests.models import build
 
     compression = co.PowerSGD(rank=2, start_iter=START, random_seed=SEED, warm_start=warm_start)
     return co.wrap(
-        build("mlp", seed=seed), bucket_size_mb=OUR_CAP_MB, first_bucket_mb=OUR_CAP_MB, compression=compression
+        build(name, seed=seed), bucket_size_mb=OUR_CAP_MB, first_bucket_mb=OUR_CAP_MB, compression=compression
     )
 
 
@@ -137,7 +137,12 @@ def _resumed(rank: int) -> tuple[dict, dict]:
 
 
 def _with_distributed_optimizer(
-    rank: int, steps: int, schedule: str | None = None, warm_start: bool = True, checkpoint_at: int | None = None
+    rank: int,
+    steps: int,
+    schedule: str | None = None,
+    warm_start: bool = True,
+    checkpoint_at: int | None = None,
+    name: str = "mlp",
 ) -> tuple[dict, dict]:
     """(wrap + torch AdamW, wrap + DistributedOptimizer(AdamW)), both compressed alike. ``checkpoint_at``: the
     second saved after that many steps (its updates still owed to the next forward), resumed in a new model."""
@@ -148,14 +153,14 @@ def _with_distributed_optimizer(
     import collective_ops as co
 
     def build(seed: int = 0):
-        model = _powersgd_mlp(seed, warm_start)
+        model = _powersgd_mlp(seed, warm_start, name)
         return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, schedule=schedule)
 
-    plain_model = _powersgd_mlp(warm_start=warm_start)
-    _train(rank, plain_model, torch.optim.AdamW(plain_model.parameters(), lr=1e-2), range(steps))
+    plain_model = _powersgd_mlp(warm_start=warm_start, name=name)
+    _train(rank, plain_model, torch.optim.AdamW(plain_model.parameters(), lr=1e-2), range(steps), name)
     model, optimizer = build()
     first = steps if checkpoint_at is None else checkpoint_at
-    _train(rank, model, optimizer, range(first))
+    _train(rank, model, optimizer, range(first), name)
     if checkpoint_at is not None:
         assert optimizer.in_flight == (schedule == "plan"), "the checkpoint is meant to be taken with updates owed"
         saved = io.BytesIO()
@@ -167,7 +172,7 @@ def _with_distributed_optimizer(
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optim"])
         model.load_compression_state_dict(checkpoint["compression"])
-        _train(rank, model, optimizer, range(first, steps))
+        _train(rank, model, optimizer, range(first, steps), name)
     return snapshot(plain_model.module), snapshot(model.module)
 
 
@@ -208,6 +213,8 @@ def powersgd_checks(rank: int, world: int) -> dict:
         "distributed_optimizer_checkpoint": functools.partial(_with_distributed_optimizer, rank, 8, "plan", True, 4),
         # the launch-order trial (plan order, reversed, finished in backward), new Q factors every step
         "distributed_optimizer_trial": functools.partial(_with_distributed_optimizer, rank, 30, None, False),
+        # 4-D convolution gradients, BatchNorm buffers broadcast at each forward while a bucket's Q is owed
+        "distributed_optimizer_cnn": functools.partial(_with_distributed_optimizer, rank, 8, "plan", name="cnn"),
     }
 
 
@@ -231,7 +238,13 @@ def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(two_ranks) 
 
 
 @pytest.mark.parametrize(
-    "case", ["distributed_optimizer", "distributed_optimizer_checkpoint", "distributed_optimizer_trial"]
+    "case",
+    [
+        "distributed_optimizer",
+        "distributed_optimizer_checkpoint",
+        "distributed_optimizer_trial",
+        "distributed_optimizer_cnn",
+    ],
 )
 def test_distributed_optimizer_equals_the_same_compression_with_a_plain_optimizer(two_ranks, case: str) -> None:
     for results in two_ranks:
