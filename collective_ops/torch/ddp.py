@@ -41,6 +41,7 @@ from ..bucketing import (
     plan_buckets,
     validate_bucket_mb,
 )
+from ..bucketing.compression import PowerSGD
 from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..comm.torch_engine import TorchEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
@@ -101,7 +102,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reduce_op: str = "avg",
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool = False,
-        compression: str | None = None,
+        compression: str | PowerSGD | None = None,
         comm_hook: CommHook | None = None,
         broadcast_buffers: bool = True,
         rebuild_buckets: bool = True,
@@ -887,8 +888,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         """As DDP's: ``hook(state, bucket)`` reduces each bucket and returns a ``torch.futures.Future`` of the
         reduced flat buffer (it averages itself, as under DDP). torch's own hooks work, e.g.
         ``model.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook)``
-        (tested with fp16_compress_hook and allreduce_hook; PowerSGD is not). Once, before the first backward,
-        as with DDP."""
+        (tested with fp16_compress_hook and allreduce_hook). For PowerSGD use ``compression=co.PowerSGD(...)``:
+        torch's ``powerSGD_hook`` launches its later allreduces from completion callbacks, where on Gloo they can
+        cross another bucket's between ranks. Once, before the first backward, as with DDP."""
         manager = self.manager
         if manager.steps_synced or manager.in_progress or manager.deferred_pending:
             raise RuntimeError("register_comm_hook() must be called before the first backward, as with DDP")
