@@ -212,6 +212,12 @@ class PowerSGDHook:
             if not ctx.prescaled:
                 engine.divide_(ctx.buffer, divisor)
             return engine.allreduce(ctx.buffer, "sum", async_op=True)
+        if not hasattr(engine, "orthogonalize_"):
+            raise NotImplementedError(
+                f"PowerSGD needs the low-rank operations of the engine (bmm_, orthogonalize_, fill_normal_, ...), "
+                f"which the {getattr(engine, 'framework', '') or type(engine).__name__} engine does not offer yet: "
+                "use compression='fp16'/'bf16' with it"
+            )
         handle = self._launch(ctx, divisor)
         self._pending.append(handle)
         return handle
@@ -424,8 +430,10 @@ class _PowerSGDHandle:
         return self._ctx.buffer
 
     def is_completed(self) -> bool:
-        """True once waited for, or once the second allreduce has completed (launching it is left to
-        ``wait`` and the next launch, which run in the same order on every rank)."""
+        """True once waited for, or once the second allreduce has completed. False before that allreduce is
+        launched: launching it is left to ``wait`` and the next bucket's launch, which come in the same order
+        on every rank, so a poll for ready buckets (whose answer depends on each rank's timing, as
+        DistributedOptimizer.step's) never leads a rank to launch a collective its peers do not."""
         if self._done:
             return True
         return self._staged and (self._second is None or self._second.is_completed())
