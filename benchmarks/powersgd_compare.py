@@ -3,8 +3,8 @@
     python benchmarks/powersgd_compare.py --link 1gbit --models transformer-5m --rank 4
     python benchmarks/powersgd_compare.py --models mlp --rounds 1 --block 2 --loss-steps 4   # a smoke run
 
-Two phases on the same ranks. Loss: each setup trains ``--loss-steps`` steps from the same weights on the same
-batches (compression from step ``--start-iter``), and the mean training loss over ranks and the last
+Two phases on the same ranks. Loss: each setup (DDP at ``--loss-ddp-mb``) trains ``--loss-steps`` steps from the
+same weights on the same batches (compression from step ``--start-iter``), and the mean training loss over ranks and the last
 10 steps is printed. Time: the setups alternate in blocks of steps (benchmarks/ddp_compare.py's
 ``alternate_steps``, compressed from the first timed step on): compute alone (no communication), torch DDP
 with ``powerSGD_hook`` at each bucket size of ``--ddp-mb`` (its best printed), ``wrap`` + PowerSGD with a plain
@@ -76,7 +76,7 @@ def _setups(args, name: str, batches: list, start_iter: int) -> dict:
             None, matrix_approximation_rank=args.rank, start_powerSGD_iter=start_iter, random_seed=0
         )
         ddp.register_comm_hook(state, hook)
-        setups[f"DDP {mb:g} MiB + powerSGD_hook"] = (ddp, _optimizer(args, ddp), batches)
+        setups[_ddp_label(mb)] = (ddp, _optimizer(args, ddp), batches)
     compression = co.PowerSGD(rank=args.rank, start_iter=start_iter, random_seed=0)
     model, _ = build_model(name)
     wrapped = co.wrap(model, bucket_size_mb=args.bucket_mb, compression=compression)
@@ -85,6 +85,10 @@ def _setups(args, name: str, batches: list, start_iter: int) -> dict:
     wrapped = co.wrap(model, bucket_size_mb=args.bucket_mb, compression=compression)
     setups[OVERLAPPED] = (wrapped, _optimizer(args, wrapped, wrapped), batches)
     return setups
+
+
+def _ddp_label(mb: float) -> str:
+    return f"DDP {mb:g} MiB + powerSGD_hook"
 
 
 def _final_losses(args, name: str, rank: int) -> dict[str, float]:
@@ -97,7 +101,7 @@ def _final_losses(args, name: str, rank: int) -> dict[str, float]:
     batches = [batch(gen) for _ in range(args.loss_steps)]
     losses = {}
     for key, (model, optimizer, _) in _setups(args, name, [], args.start_iter).items():
-        if key == COMPUTE_ALONE:
+        if key == COMPUTE_ALONE or (key.startswith("DDP") and key != _ddp_label(args.loss_ddp_mb)):
             continue
         tail = []
         for x, y in batches:
@@ -171,10 +175,10 @@ def _report(args, results: dict) -> None:
             ratio = f"  {value / ms[best]:.3f}x best DDP ({best})" if best and key != COMPUTE_ALONE else ""
             print(f"    {key:<40} {value:>7.1f} ms  {value / bound:.2f}x max(compute, wire){ratio}")
         if r["loss"]:
-            reference = r["loss"].get(best) if best else None
+            reference = r["loss"].get(_ddp_label(args.loss_ddp_mb))
             print(f"    training loss, mean of the last 10 of {args.loss_steps} steps (mean over ranks):")
             for key, value in r["loss"].items():
-                versus = f"  {value / reference - 1:+.2%} against {best}" if reference else ""
+                versus = f"  {value / reference - 1:+.2%} against DDP" if reference else ""
                 print(f"      {key:<40} {value:.4f}{versus}")
 
 
@@ -187,6 +191,7 @@ def main(argv=None) -> int:
     parser.add_argument("--start-iter", type=int, default=10, help="the loss phase's plain steps before compression")
     parser.add_argument("--loss-steps", type=int, default=300, help="steps of the loss phase (0: none)")
     parser.add_argument("--ddp-mb", type=float, nargs="+", default=[1, 5, 25], help="DDP bucket_cap_mb sweep")
+    parser.add_argument("--loss-ddp-mb", type=float, default=25, help="the DDP bucket_cap_mb of the loss phase")
     parser.add_argument("--bucket-mb", type=float, default=25, help="wrap's bucket_size_mb")
     parser.add_argument(
         "--ddp-hook",
