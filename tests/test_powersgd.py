@@ -30,8 +30,9 @@ def _serial(hook):
     return serial
 
 
-def _reduced_gradients(rank: int, model, model_cls, steps: int = STEPS) -> list[list]:
-    """Each step's reduced gradients (SGD by hand in between, the same on both sides)."""
+def _reduced_gradients(rank: int, model, model_cls, steps: int = STEPS, client_loop: bool = False) -> list[list]:
+    """Each step's reduced gradients (SGD by hand in between, the same on both sides). ``client_loop``: each
+    step starts with an evaluation on rank 0 alone, then accumulates a micro-batch under no_sync()."""
     import torch
 
     from tests.models import rank_batch
@@ -41,6 +42,14 @@ def _reduced_gradients(rank: int, model, model_cls, steps: int = STEPS) -> list[
     for step in range(steps):
         x, y = rank_batch(model_cls, step, rank)
         model.zero_grad()
+        if client_loop:
+            if rank == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+            with model.no_sync():
+                torch.nn.functional.cross_entropy(model(x.flip(0)), y.flip(0)).backward()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         out.append([p.grad.detach().clone().numpy() for p in params])
         with torch.no_grad():
@@ -50,7 +59,13 @@ def _reduced_gradients(rank: int, model, model_cls, steps: int = STEPS) -> list[
 
 
 def _against_ddp(
-    rank: int, name: str, matrix_rank: int, ddp_cap: float, our_cap: float, warm_start: bool = True
+    rank: int,
+    name: str,
+    matrix_rank: int,
+    ddp_cap: float,
+    our_cap: float,
+    warm_start: bool = True,
+    client_loop: bool = False,
 ) -> tuple[list, list]:
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
@@ -69,7 +84,10 @@ def _against_ddp(
         first_bucket_mb=our_cap,
         compression=co.PowerSGD(rank=matrix_rank, start_iter=START, random_seed=SEED, warm_start=warm_start),
     )
-    return _reduced_gradients(rank, ddp, MODELS[name]), _reduced_gradients(rank, ours, MODELS[name])
+    cls = MODELS[name]
+    return _reduced_gradients(rank, ddp, cls, client_loop=client_loop), _reduced_gradients(
+        rank, ours, cls, client_loop=client_loop
+    )
 
 
 def _bytes_per_step(rank: int) -> tuple[int, int]:
@@ -205,6 +223,7 @@ def powersgd_checks(rank: int, world: int) -> dict:
         "ddp_transformer": functools.partial(_against_ddp, rank, "transformer", 4, 25, 25),
         # new Q factors every step: each bucket's seed is drawn in bucket order, as DDP's buckets run
         "ddp_no_warm_start": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, False),
+        "ddp_client_loop": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, client_loop=True),
         "resumed": functools.partial(_resumed, rank),
         "bytes": functools.partial(_bytes_per_step, rank),
         "errors": functools.partial(_errors, rank),
@@ -223,7 +242,7 @@ def two_ranks() -> list:
     return run_checks(2, powersgd_checks, timeout=240)
 
 
-@pytest.mark.parametrize("case", ["ddp_rank2", "ddp_rank4", "ddp_transformer", "ddp_no_warm_start"])
+@pytest.mark.parametrize("case", ["ddp_rank2", "ddp_rank4", "ddp_transformer", "ddp_no_warm_start", "ddp_client_loop"])
 def test_reduced_gradients_bit_equal_to_ddp_powersgd_hook(two_ranks, case: str) -> None:
     for results in two_ranks:
         ddp, ours = results[case]
