@@ -30,6 +30,18 @@ def _serial(hook):
     return serial
 
 
+def _zigzag():
+    """MLP-shaped (16 in, 4 out), its 64 x 64 and 64 x 16 weights apart in the bucket: torch's hook compresses
+    same-shaped gradients side by side (their factors and their random draws in that order)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    sizes = (16, 64, 64, 16, 64, 64, 4)
+    layers = [nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]
+    return nn.Sequential(*(m for layer in layers for m in (layer, nn.Tanh())))
+
+
 def _reduced_gradients(rank: int, model, model_cls, steps: int = STEPS, client_loop: bool = False) -> list[list]:
     """Each step's reduced gradients (SGD by hand in between, the same on both sides). ``client_loop``: each
     step starts with an evaluation on rank 0 alone, then accumulates a micro-batch under no_sync()."""
@@ -73,18 +85,21 @@ def _against_ddp(
     import collective_ops as co
     from tests.models import MODELS, build
 
-    ddp = torch.nn.parallel.DistributedDataParallel(build(name), bucket_cap_mb=ddp_cap)
+    def build_model():
+        return _zigzag() if name == "zigzag" else build(name)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build_model(), bucket_cap_mb=ddp_cap)
     state = torch_powersgd.PowerSGDState(
         None, matrix_approximation_rank=matrix_rank, start_powerSGD_iter=START, random_seed=SEED, warm_start=warm_start
     )
     ddp.register_comm_hook(state, _serial(torch_powersgd.powerSGD_hook))
     ours = co.wrap(
-        build(name),
+        build_model(),
         bucket_size_mb=our_cap,
         first_bucket_mb=our_cap,
         compression=co.PowerSGD(rank=matrix_rank, start_iter=START, random_seed=SEED, warm_start=warm_start),
     )
-    cls = MODELS[name]
+    cls = MODELS["mlp" if name == "zigzag" else name]
     return _reduced_gradients(rank, ddp, cls, client_loop=client_loop), _reduced_gradients(
         rank, ours, cls, client_loop=client_loop
     )
@@ -221,6 +236,7 @@ def powersgd_checks(rank: int, world: int) -> dict:
         "ddp_rank4": functools.partial(_against_ddp, rank, "mlp", 4, DDP_CAP_MB, OUR_CAP_MB),
         # one bucket: every gradient of the transformer in it, same-shaped ones compressed side by side
         "ddp_transformer": functools.partial(_against_ddp, rank, "transformer", 4, 25, 25),
+        "ddp_same_shapes_apart": functools.partial(_against_ddp, rank, "zigzag", 1, 25, 25),
         # new Q factors every step: each bucket's seed is drawn in bucket order, as DDP's buckets run
         "ddp_no_warm_start": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, False),
         "ddp_client_loop": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, client_loop=True),
@@ -242,7 +258,17 @@ def two_ranks() -> list:
     return run_checks(2, powersgd_checks, timeout=240)
 
 
-@pytest.mark.parametrize("case", ["ddp_rank2", "ddp_rank4", "ddp_transformer", "ddp_no_warm_start", "ddp_client_loop"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "ddp_rank2",
+        "ddp_rank4",
+        "ddp_transformer",
+        "ddp_same_shapes_apart",
+        "ddp_no_warm_start",
+        "ddp_client_loop",
+    ],
+)
 def test_reduced_gradients_bit_equal_to_ddp_powersgd_hook(two_ranks, case: str) -> None:
     for results in two_ranks:
         ddp, ours = results[case]
