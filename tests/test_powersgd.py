@@ -310,3 +310,22 @@ def test_settings_it_cannot_honour_are_refused_with_what_to_do(two_ranks) -> Non
     assert "reduce_op='avg'" in errors["sum"]
     assert "without shard=True" in errors["shard"]
     assert "same PowerSGD options" in errors["other_options"]
+
+
+def test_layout_compresses_matrices_that_pay_grouped_by_shape_as_torch_does() -> None:
+    from collective_ops.bucketing.compression.powersgd import bucket_layout
+
+    # a bias, a 64 x 64 weight, a 4-D convolution weight (16 x 3*3*8), another 64 x 64, a 4 x 64 head
+    shapes = [(64,), (64, 64), (16, 8, 3, 3), (64, 64), (4, 64)]
+    offsets = [0, 64, 64 + 4096, 64 + 4096 + 1152, 64 + 2 * 4096 + 1152]
+    layout = bucket_layout(offsets, shapes, rank=2, min_compression_rate=2)
+    # the head: (4 + 64) * 2 * 2 = 272 elements would not pay for its 256; the bias never does
+    assert layout.uncompressed == ((0, 64), (offsets[4], 256))
+    assert [(m.offset, m.rows, m.cols, m.rank) for m in layout.matrices] == [
+        (64, 64, 64, 2),
+        (offsets[3], 64, 64, 2),  # beside the first 64 x 64, ahead of the convolution
+        (offsets[2], 16, 72, 2),
+    ]
+    assert [m.p_offset for m in layout.matrices] == [0, 128, 256]
+    assert [m.q_offset for m in layout.matrices] == [0, 128, 256]
+    assert (layout.p_numel, layout.q_numel) == (128 + 128 + 32, 128 + 128 + 144)
