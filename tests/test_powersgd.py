@@ -129,18 +129,17 @@ def _train(rank: int, model, optimizer, steps: range, name: str = "mlp") -> None
         optimizer.step()
 
 
-def _powersgd_mlp(seed: int = 0, warm_start: bool = True, name: str = "mlp"):
+def _powersgd_mlp(seed: int = 0, warm_start: bool = True, name: str = "mlp", cap_mb: float = OUR_CAP_MB):
     import collective_ops as co
     from tests.models import build
 
     compression = co.PowerSGD(rank=2, start_iter=START, random_seed=SEED, warm_start=warm_start)
-    return co.wrap(
-        build(name, seed=seed), bucket_size_mb=OUR_CAP_MB, first_bucket_mb=OUR_CAP_MB, compression=compression
-    )
+    return co.wrap(build(name, seed=seed), bucket_size_mb=cap_mb, first_bucket_mb=cap_mb, compression=compression)
 
 
-def _resumed(rank: int) -> tuple[dict, dict]:
-    """(uninterrupted, resumed from a checkpoint after step 4 into a new model and optimizer)."""
+def _resumed(rank: int, cap_mb: float = OUR_CAP_MB) -> tuple[dict, dict]:
+    """(uninterrupted, resumed from a checkpoint after step 4 into a new model, its buckets of ``cap_mb``, and a
+    new optimizer)."""
     import io
 
     import torch
@@ -160,13 +159,30 @@ def _resumed(rank: int) -> tuple[dict, dict]:
     )
     saved.seek(0)
     checkpoint = torch.load(saved, weights_only=False)
-    model = _powersgd_mlp(seed=7)  # other weights: all of them come from the checkpoint
+    model = _powersgd_mlp(seed=7, cap_mb=cap_mb)  # other weights: all of them come from the checkpoint
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optim"])
     model.load_compression_state_dict(checkpoint["compression"])
     _train(rank, model, optimizer, range(4, 7))
     return uninterrupted, snapshot(model.module)
+
+
+def _replanned(rank: int) -> tuple[dict, dict]:
+    """(uninterrupted, the same with its buckets replanned into one after step 4: memory carried over)."""
+    import torch
+
+    runs = []
+    for replan in (False, True):
+        model = _powersgd_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _train(rank, model, optimizer, range(4))
+        if replan:
+            model.set_bucket_size(25, first_bucket_mb=25)
+            assert len(model.manager.plan.buckets) == 1
+        _train(rank, model, optimizer, range(4, 7))
+        runs.append(snapshot(model.module))
+    return runs[0], runs[1]
 
 
 def _with_distributed_optimizer(
@@ -241,6 +257,9 @@ def powersgd_checks(rank: int, world: int) -> dict:
         "ddp_no_warm_start": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, False),
         "ddp_client_loop": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, client_loop=True),
         "resumed": functools.partial(_resumed, rank),
+        # the two buckets' memory loaded into one (the state is kept by parameter)
+        "resumed_other_buckets": functools.partial(_resumed, rank, 25),
+        "replanned": functools.partial(_replanned, rank),
         "bytes": functools.partial(_bytes_per_step, rank),
         "errors": functools.partial(_errors, rank),
         # overlapped: each bucket's update lands in the next forward
@@ -276,9 +295,10 @@ def test_reduced_gradients_bit_equal_to_ddp_powersgd_hook(two_ranks, case: str) 
             assert_identical(a, b, f"{case}, rank {results.rank}, step {step}")
 
 
-def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(two_ranks) -> None:
+@pytest.mark.parametrize("case", ["resumed", "resumed_other_buckets", "replanned"])
+def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(two_ranks, case: str) -> None:
     for results in two_ranks:
-        uninterrupted, resumed = results["resumed"]
+        uninterrupted, resumed = results[case]
         assert_identical(uninterrupted, resumed, f"rank {results.rank}")
 
 

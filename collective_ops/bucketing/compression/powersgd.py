@@ -14,7 +14,6 @@ collectives pair up without any agreement between ranks.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,9 +145,9 @@ class _BucketState:
     """What one bucket keeps between steps: its layout, error-feedback memory, Q factors, the first allreduce's
     buffer (uncompressed gradients and P factors)."""
 
-    def __init__(self, signature: tuple, layout: BucketLayout | None) -> None:
+    def __init__(self, signature: tuple, layout: BucketLayout) -> None:
         self.signature = signature
-        self.layout = layout  # None for a loaded state, until its first launch lays it out
+        self.layout = layout
         self.error: Any = None
         self.q: Any = None
         self.wire: Any = None
@@ -167,6 +166,11 @@ class PowerSGDHook:
         self.iteration = 0  # synchronised steps reduced so far (torch's state.iter)
         self._shapes: list[tuple[int, ...]] | None = None
         self._states: dict[int, _BucketState] = {}
+        # Per parameter (index): error-feedback memory and Q factor not in a bucket's state, from a checkpoint or a
+        # replan; a bucket laid out with the parameter takes them in (views of the old buffers, so a reduction
+        # still in flight writes into them).
+        self._carried: dict[int, dict[str, Any]] = {}
+        self._engine: Any = None
         self._seen: set[int] = set()  # buckets reduced in this step: one seen again starts the next step
         self._seeds: list[int] = []  # this step's seeds for new Q factors, by bucket index
         self._rng: Any = None  # numpy RandomState(random_seed), made on first use
@@ -185,26 +189,61 @@ class PowerSGDHook:
         bucket = ctx.bucket
         signature = (bucket.param_indices, bucket.offsets, bucket.numel)
         state = self._states.get(bucket.index)
-        if state is not None and state.signature == signature and state.layout is not None:
+        if state is not None and state.signature == signature:
             return state.layout
-        if state is not None and state.signature != signature and (state.error is not None or state.q is not None):
-            warnings.warn(
-                f"PowerSGD: bucket {bucket.index} changed its members after compression began (a new bucket size); "
-                "its error-feedback memory and Q factors start afresh",
-                stacklevel=2,
-            )
+        if state is not None:  # replanned: every bucket's memory goes by parameter into the new buckets
+            for old in self._states.values():
+                self._carried.update(self._by_parameter(old))
+            self._states.clear()
         shapes = [self._shapes[i] for i in bucket.param_indices]
         layout = bucket_layout(bucket.offsets, shapes, self.options.rank, self.options.min_compression_rate, signature)
-        if state is not None and state.signature == signature:  # loaded from a checkpoint: its memory stays
-            state.layout = layout
-        else:
-            self._states[bucket.index] = _BucketState(signature, layout)
+        self._states[bucket.index] = state = _BucketState(signature, layout)
+        self._take_carried(state, ctx)
         return layout
+
+    def _by_parameter(self, state: _BucketState) -> dict[int, dict[str, Any]]:
+        """A bucket's memory by parameter: views of its error buffer and Q factors."""
+        engine, layout = self._engine, state.layout
+        q_at = {m.offset: m for m in layout.matrices}
+        out = {}
+        for index, offset in zip(state.signature[0], state.signature[1]):
+            numel = _numel(self._shapes[index])
+            matrix = q_at.get(offset)
+            out[index] = {
+                "error": None if state.error is None else engine.segment(state.error, offset, numel),
+                "q": None
+                if state.q is None or matrix is None
+                else engine.segment(state.q, matrix.q_offset, matrix.cols * matrix.rank),
+            }
+        return out
+
+    def _take_carried(self, state: _BucketState, ctx: BucketContext) -> None:
+        """A new bucket's memory from its parameters' carried memory (zeros where a parameter has none; Q factors
+        only if every compressed one has them, else all are drawn anew)."""
+        members = [i for i in state.signature[0] if i in self._carried]
+        if not members:
+            return
+        engine, layout = ctx.engine, state.layout
+        numel, dtype, device = engine.describe(ctx.buffer)
+        carried = {i: self._carried.pop(i) for i in members}
+        offsets = dict(zip(state.signature[0], state.signature[1]))
+        errors = [(offsets[i], c["error"]) for i, c in carried.items() if c["error"] is not None]
+        if errors and self.options.error_feedback:
+            state.error = engine.zeros(numel, dtype, device)
+            for offset, error in errors:
+                engine.copy_(engine.segment(state.error, offset, engine.describe(error)[0]), error)
+        param_at = {offset: index for index, offset in offsets.items()}
+        qs = [(m, carried.get(param_at[m.offset], {}).get("q")) for m in layout.matrices]
+        if qs and all(q is not None for _, q in qs) and self.options.warm_start:
+            state.q = engine.zeros(layout.q_numel, dtype, device)
+            for m, q in qs:
+                engine.copy_(engine.segment(state.q, m.q_offset, m.cols * m.rank), q)
 
     # -- the hook ----------------------------------------------------------------------
     def __call__(self, ctx: BucketContext) -> Handle:
         if ctx.reduce_op != "avg":
             raise ValueError(f"PowerSGD averages gradients: it needs reduce_op='avg', got {ctx.reduce_op!r}")
+        self._engine = ctx.engine
         self._count_step(ctx.bucket.index)
         self.advance_pending(ctx.stall_timeout_s)
         engine, divisor = ctx.engine, ctx.divisor or ctx.world_size
@@ -285,7 +324,7 @@ class PowerSGDHook:
         """The bytes this step's reduction of ``bucket`` (a BucketSpec) sends: its uncompressed gradients and
         factors once compression has started; None (the whole bucket) before."""
         state = self._states.get(bucket.index)
-        if self.iteration < self.options.start_iter or state is None or state.layout is None:
+        if self.iteration < self.options.start_iter or state is None:
             return None
         return state.layout.compressed_numel * (bucket.nbytes // max(bucket.numel, 1))
 
@@ -304,59 +343,49 @@ class PowerSGDHook:
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Iteration count, random state and each bucket's error-feedback memory and Q factors (the engine's
-        tensors, as they are: ``torch.save`` them with the model's state). Finish the step in flight first."""
+        """Iteration count, random state and, by parameter index, error-feedback memory and Q factor (copies, in
+        the engine's tensors: ``torch.save`` them with the model's state). By parameter, so a checkpoint loads
+        into other buckets (another bucket size, or the plan before its first-step rebuild). Between steps only."""
         if self._pending:
             raise RuntimeError(
                 "PowerSGD state_dict() during a step in flight: finish the step (optimizer.step()) first"
             )
         rng = None if self._rng is None else self._rng.get_state()
+        params = dict(self._carried)
+        for state in self._states.values():
+            params.update(self._by_parameter(state))
         return {
             "options": dict(self.options.__dict__),
-            "iteration": self.iteration,
-            "seen": sorted(self._seen),
-            "seeds": list(self._seeds),
+            # the step the next launch belongs to (the counter moves at a step's first launch)
+            "iteration": self.iteration + (1 if self._seen else 0),
             "rng": None if rng is None else [rng[0], rng[1].tolist(), int(rng[2]), int(rng[3]), float(rng[4])],
-            "buckets": {
-                index: {"signature": _plain(state.signature), "error": state.error, "q": state.q}
-                for index, state in self._states.items()
+            "params": {
+                index: {key: None if t is None else _copied(self._engine, t) for key, t in entry.items()}
+                for index, entry in sorted(params.items())
             },
         }
 
     def load_state_dict(self, state: dict[str, Any], engine: Any) -> None:
-        """Restore :meth:`state_dict`'s output (on ``engine``'s device: each tensor copied into a new one)."""
+        """Restore :meth:`state_dict`'s output (its tensors copied onto ``engine``'s device at each bucket's next
+        launch)."""
         if state["options"] != dict(self.options.__dict__):
             raise ValueError(
                 f"PowerSGD state saved with {state['options']}, loaded into PowerSGD with {dict(self.options.__dict__)}: "
                 "wrap the model with the same PowerSGD options as the checkpoint's"
             )
         self.iteration = int(state["iteration"])
-        self._seen = set(state["seen"])
-        self._seeds = list(state["seeds"])
-        self._rng = None
+        self._seen, self._seeds, self._rng = set(), [], None
         if state["rng"] is not None:
             import numpy as np
 
             name, keys, pos, has_gauss, cached = state["rng"]
             self._rng = np.random.RandomState()
             self._rng.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-        self._states = {}
-        for index, saved in state["buckets"].items():
-            members, offsets, numel = saved["signature"]
-            self._states[int(index)] = loaded = _BucketState((tuple(members), tuple(offsets), numel), None)
-            loaded.error = _copied(engine, saved["error"])
-            loaded.q = _copied(engine, saved["q"])
-        self._pending = []
-
-
-def _plain(signature: tuple) -> list:
-    members, offsets, numel = signature
-    return [list(members), list(offsets), numel]
+        self._states, self._pending, self._engine = {}, [], engine
+        self._carried = {int(index): dict(entry) for index, entry in state["params"].items()}
 
 
 def _copied(engine: Any, tensor: Any) -> Any:
-    if tensor is None:
-        return None
     copy = engine.zeros(*engine.describe(tensor))
     engine.copy_(copy, tensor)
     return copy
