@@ -36,7 +36,8 @@ class PowerSGD:
     start_iter: int = 10
     """Steps reduced by a plain allreduce before compression starts (torch: ``start_powerSGD_iter``): the first
     steps of training are the most sensitive to approximate gradients. At least 2 with ``error_feedback`` or
-    ``warm_start``: the buckets are rebuilt after the first step."""
+    ``warm_start``, as torch's hook requires (DDP rebuilds its buckets after the first step; here the state
+    follows its parameters into new buckets, but the first steps run as under DDP)."""
 
     min_compression_rate: float = 2.0
     """A gradient is compressed only where its elements exceed its factors' by this factor:
@@ -64,7 +65,7 @@ class PowerSGD:
         if (self.error_feedback or self.warm_start) and self.start_iter < 2:
             raise ValueError(
                 f"PowerSGD start_iter={self.start_iter}: with error_feedback or warm_start it must be at least 2 "
-                "(the buckets are rebuilt after the first step; their state would not fit the new ones)"
+                "(as torch's PowerSGDState requires: the first steps, before the buckets' rebuild, reduce uncompressed)"
             )
         if self.min_compression_rate < 0 or self.orthogonalization_epsilon < 0:
             raise ValueError("PowerSGD min_compression_rate and orthogonalization_epsilon must be >= 0")
