@@ -268,6 +268,9 @@ class PowerSGDHook:
             self.iteration += 1
             self._seen.clear()
             self._seeds.clear()
+            # Left by a step given up after a failure (every finished bucket advanced them): their second
+            # allreduce is never launched, where a peer that gave up elsewhere would not expect it.
+            self._pending.clear()
         self._seen.add(bucket_index)
 
     def _seed(self, bucket_index: int) -> int:
