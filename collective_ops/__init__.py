@@ -9,6 +9,7 @@ from typing import Any
 
 from .bucketing import DEFAULT_BUCKET_MB
 from .bucketing import GradientBucket as _CoreGradientBucket
+from .bucketing.compression import PowerSGD
 from .primitives import allgather, allreduce, broadcast, reduce_scatter
 from .runtime import (
     DistContext,
@@ -64,6 +65,7 @@ __all__ = [
     "DistContext",
     "DistributedOptimizer",
     "GradientBucket",
+    "PowerSGD",
     "allgather",
     "allreduce",
     "barrier",

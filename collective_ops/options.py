@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .bucketing import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, CommHook, hook_for_compression, validate_bucket_mb
+from .bucketing.compression import PowerSGD
 from .ops import parse_reduce_op
 
 FRAMEWORKS = ("torch", "mindspore")
@@ -54,9 +55,10 @@ class WrapOptions:
     """As DDP's: allow parameters that receive no gradient in a step (a parameter unused on one rank gets the
     average of the others'; one no rank used gets no gradient)."""
 
-    compression: str | None = None
+    compression: str | PowerSGD | None = None
     """Send gradients in a narrower dtype: ``"fp16"``/``"float16"`` or ``"bf16"``/``"bfloat16"`` (a built-in
-    ``comm_hook``); None sends them as they are."""
+    ``comm_hook``); or low-rank: :class:`PowerSGD` options (torch only; DDP's ``powerSGD_hook`` algorithm, each
+    bucket's state kept by the wrapper: ``compression_state_dict()``). None sends them as they are."""
 
     comm_hook: CommHook | None = None
     """A custom reduction of each bucket (``collective_ops.bucketing.CommHook``); give it or ``compression``,
@@ -154,6 +156,12 @@ class WrapOptions:
         """The options of a ``wrap()`` call on ``framework``: an unknown keyword raises ``TypeError`` (with the
         closest names), one the other framework alone takes raises ``TypeError`` with what to use instead."""
         check_keywords(cls, framework, keywords, "wrap()")
+        compression = keywords.get("compression")
+        if framework != "torch" and compression is not None and not isinstance(compression, str):
+            raise TypeError(
+                f"wrap(compression={compression!r}) on {framework}: low-rank compression runs on torch models only; "
+                "give compression='fp16' or 'bf16' (or None)"
+            )
         return cls(bucket_size_mb=bucket_size_mb, **keywords)
 
     def keywords(self, framework: str) -> dict[str, Any]:

@@ -4,10 +4,11 @@ Nothing here imports a deep-learning framework; adapters pass a ``BucketEngine``
 """
 
 from .alignment import StepAlignment, StepMisalignedError
+from .compression import hook_for_compression
 from .diagnosis import CommHookError, CommunicationError, StallError
 from .fusion import fused_collective
 from .gradient_bucket import GradientBucket
-from .hooks import BucketContext, CommHook, allreduce_hook, compression_hook, hook_for_compression
+from .hooks import BucketContext, CommHook, allreduce_hook, compression_hook
 from .interfaces import BucketEngine, CompletedHandle, Handle, ThenHandle
 from .manager import BucketManager
 from .plan import (

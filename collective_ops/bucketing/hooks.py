@@ -206,12 +206,3 @@ def _copy(engine: BucketEngine, tensor: Any) -> Any:
 
 
 COMPRESSIONS = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-
-
-def hook_for_compression(compression: str | None) -> CommHook:
-    """The built-in hook for ``compression`` (None, "fp16" or "bf16")."""
-    if compression is None or compression == "none":
-        return allreduce_hook
-    if isinstance(compression, str) and compression.lower() in COMPRESSIONS:
-        return compression_hook(COMPRESSIONS[compression.lower()])
-    raise ValueError(f"unknown compression {compression!r}; use None, 'fp16' or 'bf16'")

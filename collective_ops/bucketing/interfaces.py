@@ -82,6 +82,25 @@ class BucketEngine(Protocol):
     def copy_(self, dst: Any, src: Any) -> None:
         """``dst[:] = src`` (converting dtype if they differ)."""
 
+    # -- low-rank compression (compression/powersgd.py; only engines that offer PowerSGD) --------------------
+    def divide_(self, tensor: Any, divisor: int) -> None:
+        """Divide ``tensor`` in place."""
+
+    def add_(self, dst: Any, src: Any) -> None:
+        """``dst += src``."""
+
+    def sub_(self, dst: Any, src: Any) -> None:
+        """``dst -= src``."""
+
+    def bmm_(self, out: Any, a: Any, b: Any, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        """``out = a @ b`` on batches of matrices (batch, rows, cols), either operand transposed."""
+
+    def orthogonalize_(self, matrices: Any, epsilon: float = 0.0) -> None:
+        """Orthonormal columns, in place, for a batch of (batch, rows, rank) matrices."""
+
+    def fill_normal_(self, tensors: Sequence[Any], seed: int) -> None:
+        """Standard normal draws into ``tensors`` in turn, from ``seed``, the same on every rank and device."""
+
     # -- collectives --------------------------------------------------------------
     def allreduce(self, buffer: Any, op: str = "sum", async_op: bool = False, group: Any = None) -> Handle | None:
         """In-place allreduce of a flat buffer; a handle when ``async_op``; on ``group`` (None: the default one)."""

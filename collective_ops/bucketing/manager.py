@@ -447,8 +447,11 @@ class BucketManager:
         return getattr(self.comm_hook, "wire_itemsize", None)
 
     def _wire_nbytes(self, bucket: Any) -> int:
-        """What reducing ``bucket`` puts on the wire: its bytes, or its elements at a compressing hook's size."""
-        return wire_nbytes(bucket, {}, self.wire_itemsize)
+        """What reducing ``bucket`` puts on the wire: its bytes, or its elements at a compressing hook's size, or
+        what a low-rank hook says it sent (its ``wire_nbytes``)."""
+        sent = getattr(self.comm_hook, "wire_nbytes", None)
+        nbytes = None if sent is None else sent(bucket)
+        return wire_nbytes(bucket, {}, self.wire_itemsize) if nbytes is None else nbytes
 
     def _scale_the_rest(self, bucket_index: int) -> bool:
         """Scale, one segment each, the members not scaled on copy-in; True if the bucket had any that were.

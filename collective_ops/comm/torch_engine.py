@@ -70,6 +70,20 @@ def _sum_in_rank_order(parts: list[torch.Tensor], rank: int) -> torch.Tensor:
     return shard.copy_(total)
 
 
+def _gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
+    """Gram-Schmidt over the columns of a batch of matrices, in place (torch's powerSGD_hook's arithmetic)."""
+    columns = matrices.shape[2]
+    for i in range(columns):
+        col = matrices[:, :, i : i + 1]
+        if epsilon == 0:
+            col /= torch.norm(col, dim=1, keepdim=True)
+        else:
+            col /= torch.norm(col, dim=1, keepdim=True) + epsilon
+        if i + 1 < columns:
+            rest = matrices[:, :, i + 1 :]
+            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+
+
 class _Works:
     """Several collectives waited for as one."""
 
@@ -305,6 +319,40 @@ class TorchEngine(Engine):
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    # -- low-rank compression (bucketing/compression/powersgd.py): torch's powerSGD_hook's own operations ---------
+    def divide_(self, tensor: torch.Tensor, divisor: int) -> None:
+        tensor.div_(divisor)
+
+    def add_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.add_(src)
+
+    def sub_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.sub_(src)
+
+    def bmm_(
+        self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, transpose_a: bool = False, transpose_b: bool = False
+    ) -> None:
+        """``out = a @ b`` on batches of matrices (either operand transposed), written into ``out``."""
+        torch.bmm(a.transpose(1, 2) if transpose_a else a, b.transpose(1, 2) if transpose_b else b, out=out)
+
+    def orthogonalize_(self, matrices: torch.Tensor, epsilon: float = 0.0) -> None:
+        """Orthonormal columns, in place, for a batch of matrices (batch, rows, rank), as torch's hook does:
+        Gram-Schmidt at rank 1-2 or in half precision, else a QR factorisation (``epsilon`` then unused)."""
+        batch, _, rank = matrices.shape
+        if rank <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
+            _gram_schmidt_(matrices, epsilon)
+        else:
+            r = torch.empty(batch, rank, rank, device=matrices.device, dtype=matrices.dtype)
+            torch.linalg.qr(matrices, out=(matrices, r))
+
+    def fill_normal_(self, tensors: Sequence[torch.Tensor], seed: int) -> None:
+        """Standard normal draws into ``tensors``, one after another from ``seed`` (drawn on the CPU, as torch's
+        hook, so every device gets the same values), the global random state left as it was."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for tensor in tensors:
+                tensor.copy_(torch.randn(*tensor.shape, device="cpu", dtype=tensor.dtype))
 
     # -- sharded buckets -------------------------------------------------------------
     def shard_of(self, buffer: torch.Tensor) -> torch.Tensor:

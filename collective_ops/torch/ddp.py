@@ -20,7 +20,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -93,6 +93,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket_size_mb, first_bucket_mb, o.reduce_op, o.compression, o.comm_hook
         )
         check_step_alignment = o.check_step_alignment is not False  # (WrapOptions: None is on for torch)
+        if hasattr(hook, "bind_shapes") and reduce_op != "avg":
+            raise ValueError(
+                f"compression={o.compression!r} averages gradients: it needs reduce_op='avg', got {reduce_op!r}"
+            )
         self.auto_tune_report = None
         # with a DistributedOptimizer planning its order: (size, first bucket) -> simulated overlapped step
         self.auto_tune_overlapped: dict[tuple[float, float], float] = {}
@@ -126,9 +130,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         plan = plan_with_rows(named, tables, bucket_size_mb, first_bucket_mb)
         collective_options = {name: getattr(o, name) for name in COLLECTIVE_OPTIONS}
         collective_options.update(check_step_alignment=check_step_alignment, reduce_op=reduce_op)
-        collective_options.update({"compression": o.compression, "comm_hook": o.comm_hook})
+        compression = o.compression if o.compression is None or isinstance(o.compression, str) else repr(o.compression)
+        collective_options.update({"compression": compression, "comm_hook": o.comm_hook})
         collective_options["bucket_size_mb auto"] = self._auto_tune_at
         self._verify_and_broadcast(plan, options_entry(collective_options), o.init_sync)
+        if hasattr(hook, "bind_shapes"):  # a compression that works on each gradient's matrix (PowerSGD)
+            hook.bind_shapes([tuple(p.shape) for p in self._params])
         self.manager = BucketManager(
             plan,
             self.engine,
@@ -167,9 +174,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._outputs_reached_at: float | None = None
         self.backward_began: float | None = None
         self._buffer_group: Any = None  # buffers broadcast on a group of their own (attach_optimizer)
-        # Each bucket's gradient tensors while a DistributedOptimizer owns them, from the end of backward until
-        # it has consumed them, against in-place changes by other code (check_gradients_untouched).
-        self._owned = OwnedGradients(self.manager, self._params, self._param_names, self.gradient_as_bucket_view)
+        # gradients a DistributedOptimizer owns (end of backward to its update), guarded against in-place changes
+        self.owned_gradients = OwnedGradients(
+            self.manager, self._params, self._param_names, self.gradient_as_bucket_view
+        )
         self._nonfinite = NonfiniteWatch(self._param_names, self._params, self.engine.rank)  # (check_finite)
         self._warned_local_step = False  # a plain optimizer stepped on gradients never averaged: warned once
         self._warned_gradient_kept = False  # a kept p.grad about to be overwritten by its bucket: warned once
@@ -326,9 +334,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._contribute_kept_gradients()
         # With a DistributedOptimizer the step ends bucket by bucket (finish_bucket), as updates need them.
         self.manager.finalize(defer=self.optimizer is not None and self.optimizer.defers)
-        self._owned.forget()
+        self.owned_gradients.forget()
         if self.manager.deferred_pending or self._owns_reduced_gradients():
-            self.note_gradients_owned(range(len(self.manager.plan.buckets)))
+            self.owned_gradients.note(range(len(self.manager.plan.buckets)))
         if self.manager.deferred_pending:
             # (where that finishes every bucket, the last finish_bucket ran _after_step; the settling then
             # waits for the next forward's end, a point every rank shares)
@@ -369,10 +377,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def finish_bucket(self, bucket_index: int) -> list[int]:
         """Finish one bucket of a deferred step; the indices of its parameters (their gradients now final)."""
         members = list(self.manager.plan.buckets[bucket_index].param_indices)
-        self.check_gradients_untouched([bucket_index])
+        self.owned_gradients.check_untouched([bucket_index])
         self.manager.wait_bucket(bucket_index)
         if self._owns_reduced_gradients():
-            self.note_gradients_owned([bucket_index])
+            self.owned_gradients.note([bucket_index])
         self._give_unused_their_gradient(members)
         if not self.manager.deferred_pending:
             self._after_step()
@@ -383,25 +391,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         """True where the optimizer owns gradients after their reduction too: sharded, ``p.grad`` is averaged
         only in this rank's shard until the optimizer binds it (unsharded, reduced gradients are final)."""
         return self.optimizer is not None and self.optimizer.shards
-
-    def note_gradients_owned(self, buckets: Iterable[int]) -> None:
-        """These buckets' gradients are the optimizer's until it consumes them: their version counters are
-        noted (an in-place change by other code, as ``clip_grad_norm_``'s, moves them)."""
-        self._owned.note(buckets)
-
-    def forget_gradients_owned(self) -> None:
-        """The optimizer handed the gradients to other code (final and the same on every rank): changes are theirs."""
-        self._owned.forget()
-
-    def check_gradients_untouched(self, buckets: Iterable[int]) -> None:
-        """Raise where code outside the optimizer changed these buckets' gradients in place since they were
-        noted: while their reduction was in flight (it races the reduction), or, sharded, where only this
-        rank's shard is averaged. Either way the update would be silently wrong. (A bucket is checked once.)"""
-        self._owned.check_untouched(buckets)
-
-    def bucket_members_text(self, bucket: int) -> str:
-        """The names of a bucket's parameters, for errors: the first five."""
-        return self._owned.members_text(bucket)
 
     def _owns_any(self, optimizer: torch.optim.Optimizer) -> bool:
         """True if ``optimizer`` (any torch optimizer) holds a parameter of this model."""
@@ -431,10 +420,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     def joined(self) -> bool:
         """True inside ``model.join()`` (a rank out of data shadows its peers' steps without forwards)."""
         return self._join_config.enable
-
-    def gradient_tensors(self, bucket: int) -> list[torch.Tensor]:
-        """What other code changes this bucket's gradients through (:meth:`OwnedGradients.tensors`)."""
-        return self._owned.tensors(bucket)
 
     def attach_optimizer(self, optimizer: UpdateParticipant) -> None:
         """Called by DistributedOptimizer: its updates follow this model's buckets (one optimizer per model)."""
@@ -662,8 +647,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         """As DDP's: ``hook(state, bucket)`` reduces each bucket and returns a ``torch.futures.Future`` of the
         reduced flat buffer (it averages itself, as under DDP). torch's own hooks work, e.g.
         ``model.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook)``
-        (tested with fp16_compress_hook and allreduce_hook; PowerSGD is not). Once, before the first backward,
-        as with DDP."""
+        (tested with fp16_compress_hook and allreduce_hook). For PowerSGD use ``compression=co.PowerSGD(...)``:
+        torch's ``powerSGD_hook`` launches its later allreduces from completion callbacks, where on Gloo they can
+        cross another bucket's between ranks. Once, before the first backward, as with DDP."""
         manager = self.manager
         if manager.steps_synced or manager.in_progress or manager.deferred_pending:
             raise RuntimeError("register_comm_hook() must be called before the first backward, as with DDP")
@@ -696,10 +682,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return ShadowingHook(self)
 
     def _count_active_ranks(self, active: bool) -> None:
-        """Inside join(divide_by_initial_world_size=False): this step averages over the ranks still active.
-
-        One small collective per step, which ranks that joined shadow with 0 (as DDP's forward does).
-        """
+        """Inside join(divide_by_initial_world_size=False): one small collective per step (joined ranks add 0,
+        as DDP's forward does), so the step averages over the ranks still active."""
         if self._join_config.enable and not self._divide_by_initial_world_size:
             count = int(self.engine.reduce_floats([1.0 if active else 0.0], "sum")[0])
             if active:
@@ -752,12 +736,29 @@ class DistributedDataParallel(nn.Module, Joinable):
             return getattr(module, name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        if self.optimizer is not None and self.optimizer.in_flight:
-            self.optimizer.synchronize()  # updates still owed by a DistributedOptimizer land first
+        self._finish_owed_updates()  # updates still owed by a DistributedOptimizer land first
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def compression_state_dict(self) -> dict[str, Any]:
+        """The compression's state between steps, for a checkpoint beside the model's and the optimizer's:
+        with ``compression=co.PowerSGD(...)`` each bucket's error-feedback memory and Q factors, the step
+        count and the random state (``{}`` for the stateless compressions)."""
+        hook = self.manager.comm_hook
+        if not hasattr(hook, "state_dict"):
+            return {}
+        self._finish_owed_updates()  # the step's last buckets land (and their error) before it is read
+        return hook.state_dict()
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`compression_state_dict` (a model wrapped with the same options, before its next step)."""
+        hook = self.manager.comm_hook
+        if hasattr(hook, "load_state_dict"):
+            hook.load_state_dict(state, self.engine)
+        elif state:
+            raise ValueError("this model's compression keeps no state: the checkpoint's is for another one")
 
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (the model keeps working unwrapped)."""

@@ -87,7 +87,7 @@ def ddp_comm_hook(
     def comm_hook(ctx: BucketContext) -> FutureHandle:
         # The same memory under a version counter of its own: the hook writes the reduced values back in place
         # from a completion callback, at any time, and those writes are the reduction's, not the in-place
-        # changes by other code that the gradient guard looks for (model.check_gradients_untouched).
+        # changes by other code that the gradient guard looks for (model.owned_gradients.check_untouched).
         buffer = ctx.buffer.data
         bucket = GradBucketView(ctx, buffer, params_of(ctx.bucket.param_indices), bucket_count())
         return FutureHandle(hook(state, bucket), buffer)

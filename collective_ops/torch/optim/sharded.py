@@ -393,7 +393,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """Each piece's ``.grad``: its part of the reduced shard (cast to the piece's dtype where it differs).
         ``note``: bound before step() (where other code may change them): their version counters are noted."""
         manager = self.model.manager
-        self.model.check_gradients_untouched([bucket])  # p.grad averaged only in this shard: not for other code
+        self.model.owned_gradients.check_untouched([bucket])  # p.grad averaged only in this shard: not for other code
         source = self._kept.pop(bucket, None)
         if source is None:
             source = self.model.engine.shard_of(manager.buffers[bucket])
@@ -413,7 +413,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """What other code changes a bucket's bound gradients through: its pieces' ``.grad`` (in
         ``param_groups``) and the model's gradient buffer (each ``p.grad`` a view of it)."""
         pieces = [tensor.grad for _, tensor in self._bucket_pieces[bucket] if tensor.grad is not None]
-        return pieces + self.model.gradient_tensors(bucket)
+        return pieces + self.model.owned_gradients.tensors(bucket)
 
     def _note_bound(self, bucket: int) -> None:
         self._bound_guard.note(bucket, self._bound_gradients(bucket))
@@ -438,7 +438,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             if self._bound_after_gather
             else ""
         )
-        raise bound_gradients_changed(changed[0], self.model.bucket_members_text(changed[0]), order)
+        raise bound_gradients_changed(changed[0], self.model.owned_gradients.members_text(changed[0]), order)
 
     def _wait_gather(self, bucket: int, module: str = "") -> None:
         with self._reads.paused():  # (its own reads of the parameters are not a forward's)
@@ -621,7 +621,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if not self._allreduce_first_step:  # (the first step is all-reduced, as by DDP: whole already)
             self._gather_gradients()
         self._bound_guard.clear()
-        self.model.forget_gradients_owned()
+        self.model.owned_gradients.forget()
         self._gradients_gathered = True
 
     def _reduced_off_buffers(self) -> bool:

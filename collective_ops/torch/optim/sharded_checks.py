@@ -70,6 +70,11 @@ def refuse_unsupported(model: Any, grad_reduce_dtype: str | None) -> None:
             "shard=True reduce-scatters gradients and replaces the model's comm hook; a custom comm_hook cannot be "
             "used with it (compression='fp16'/'bf16' can)"
         )
+    if model.compression and not isinstance(model.compression, str):  # co.PowerSGD: whole matrices, not shards
+        raise ValueError(
+            f"shard=True reduce-scatters each bucket, and compression={model.compression!r} reduces whole gradient "
+            "matrices: use DistributedOptimizer without shard=True, or compression='fp16'/'bf16'"
+        )
     if grad_reduce_dtype is not None and model.compression:
         raise ValueError("pass either compression (on wrap) or grad_reduce_dtype, not both")
 

@@ -1,0 +1,225 @@
+"""PowerSGD: torch DDP + powerSGD_hook against wrap(compression=co.PowerSGD(...)), with and without DistributedOptimizer.
+
+    python benchmarks/powersgd_compare.py --link 1gbit --models transformer-5m --rank 4
+    python benchmarks/powersgd_compare.py --models mlp --rounds 1 --block 2 --loss-steps 4   # a smoke run
+
+Two phases on the same ranks. Loss: each setup (DDP at ``--loss-ddp-mb``) trains ``--loss-steps`` steps from the
+same weights on the same batches (compression from step ``--start-iter``), and the mean training loss over ranks and the last
+10 steps is printed. Time: the setups alternate in blocks of steps (benchmarks/ddp_compare.py's
+``alternate_steps``, compressed from the first timed step on): compute alone (no communication), torch DDP
+with ``powerSGD_hook`` at each bucket size of ``--ddp-mb`` (its best printed), ``wrap`` + PowerSGD with a plain
+optimizer, and ``wrap`` + PowerSGD + ``DistributedOptimizer``. Printed beside each step: the wire time of
+one compressed step's bytes at the link's rate (the factors and the uncompressed gradients: the same
+elements under every bucketing), and the step as a multiple of max(compute alone, wire).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import run_benchmark, where  # noqa: E402
+from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa: E402
+from benchmarks.optimizer_compare import _link_seconds  # noqa: E402
+
+COMPUTE_ALONE = "compute alone (no communication)"
+WRAP = "wrap + PowerSGD"
+OVERLAPPED = "wrap + PowerSGD + DistributedOptimizer"
+
+
+def _serial(hook):
+    """torch's hook waited for inside the hook (--ddp-hook serial): its later allreduces, launched from Gloo's
+    completion callbacks, cannot then cross another bucket's between ranks."""
+
+    def serial(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    return serial
+
+
+def _optimizer(args, model: nn.Module, wrapped=None):
+    import collective_ops as co
+
+    cls, kwargs = (
+        (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9})
+        if args.optimizer == "sgd"
+        else (torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01})
+    )
+    if wrapped is not None:
+        return co.DistributedOptimizer(wrapped, cls, **kwargs)
+    return cls(model.parameters(), **kwargs)
+
+
+def _setups(args, name: str, batches: list, start_iter: int) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    import collective_ops as co
+
+    model, _ = build_model(name)
+    setups = {COMPUTE_ALONE: (model, _optimizer(args, model), batches)}
+    hook = torch_powersgd.powerSGD_hook if args.ddp_hook == "torch" else _serial(torch_powersgd.powerSGD_hook)
+    for mb in args.ddp_mb:
+        model, _ = build_model(name)
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
+        state = torch_powersgd.PowerSGDState(
+            None, matrix_approximation_rank=args.rank, start_powerSGD_iter=start_iter, random_seed=0
+        )
+        ddp.register_comm_hook(state, hook)
+        setups[_ddp_label(mb)] = (ddp, _optimizer(args, ddp), batches)
+    compression = co.PowerSGD(rank=args.rank, start_iter=start_iter, random_seed=0)
+    model, _ = build_model(name)
+    wrapped = co.wrap(model, bucket_size_mb=args.bucket_mb, compression=compression)
+    setups[WRAP] = (wrapped, _optimizer(args, wrapped), batches)
+    model, _ = build_model(name)
+    wrapped = co.wrap(model, bucket_size_mb=args.bucket_mb, compression=compression)
+    setups[OVERLAPPED] = (wrapped, _optimizer(args, wrapped, wrapped), batches)
+    return setups
+
+
+def _ddp_label(mb: float) -> str:
+    return f"DDP {mb:g} MiB + powerSGD_hook"
+
+
+def _final_losses(args, name: str, rank: int) -> dict[str, float]:
+    """Each communicating setup trained ``--loss-steps`` steps on the same batches: the mean loss of the last
+    10 steps, averaged over ranks."""
+    from collective_ops.runtime import get_engine
+
+    _, batch = build_model(name)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = [batch(gen) for _ in range(args.loss_steps)]
+    losses = {}
+    for key, (model, optimizer, _) in _setups(args, name, [], args.start_iter).items():
+        if key == COMPUTE_ALONE or (key.startswith("DDP") and key != _ddp_label(args.loss_ddp_mb)):
+            continue
+        tail = []
+        for x, y in batches:
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            tail = (tail + [loss.item()])[-10:]
+        getattr(optimizer, "synchronize", lambda: None)()
+        losses[key] = statistics.mean(tail)
+    world = get_engine("torch").world_size
+    summed = get_engine("torch").reduce_floats(list(losses.values()), "sum")
+    return {key: value / world for key, value in zip(losses, summed)}
+
+
+def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    import collective_ops as co
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    results = {}
+    for name in args.models:
+        losses = _final_losses(args, name, rank) if args.loss_steps else {}
+        _, batch = build_model(name)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [batch(gen) for _ in range(4)]
+        setups = _setups(args, name, batches, start_iter=2)  # every timed step compressed (3 warm-up steps)
+        times = alternate_steps(setups, args.rounds, args.block)
+        ours = setups[WRAP][0]
+        plan = ours.manager.plan
+        sent = ours.manager.comm_hook.step_wire_nbytes(plan.buckets)
+        full = sum(b.nbytes for b in plan.buckets)
+        # compute alone from one setup's own steps (the plain model, no communication), timed in the alternation
+        compute = statistics.median(times[COMPUTE_ALONE])
+        link = _link_seconds(sent)
+        results[name] = {
+            "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
+            "compute_alone_ms": compute * 1e3,
+            "wire_ms": link * 1e3 if link else None,
+            "uncompressed_wire_ms": _link_seconds(full) * 1e3 if link else None,
+            "bytes_per_step": [sent, full],
+            "loss": losses,
+            "params_m": sum(p.numel() for p in ours.module.parameters()) / 1e6,
+            "buckets": len(plan.buckets),
+        }
+        del setups
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put(results)
+
+
+def _report(args, results: dict) -> None:
+    for name, r in results.items():
+        ms = r["median_step_ms"]
+        ddp = {k: v for k, v in ms.items() if k.startswith("DDP")}
+        best = min(ddp, key=ddp.get) if ddp else None
+        compute, wire = r["compute_alone_ms"], r["wire_ms"]
+        sent, full = r["bytes_per_step"]
+        bound = max(compute, wire or 0.0)
+        print(
+            f"  {name} ({r['params_m']:.1f}M params, {r['buckets']} buckets of {args.bucket_mb:g} MiB): compute alone "
+            f"{compute:.0f} ms; one compressed step sends {sent / 2**20:.2f} MiB of {full / 2**20:.2f}"
+            + (
+                f", wire {wire:.1f} ms at the link's rate (uncompressed {r['uncompressed_wire_ms']:.0f} ms)"
+                if wire
+                else ""
+            )
+        )
+        for key, value in sorted(ms.items(), key=lambda kv: kv[1]):
+            ratio = f"  {value / ms[best]:.3f}x best DDP ({best})" if best and key != COMPUTE_ALONE else ""
+            print(f"    {key:<40} {value:>7.1f} ms  {value / bound:.2f}x max(compute, wire){ratio}")
+        if r["loss"]:
+            reference = r["loss"].get(_ddp_label(args.loss_ddp_mb))
+            print(f"    training loss, mean of the last 10 of {args.loss_steps} steps (mean over ranks):")
+            for key, value in r["loss"].items():
+                versus = f"  {value / reference - 1:+.2%} against DDP" if reference else ""
+                print(f"      {key:<40} {value:.4f}{versus}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["transformer-5m"])
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank (torch: matrix_approximation_rank)")
+    parser.add_argument("--start-iter", type=int, default=10, help="the loss phase's plain steps before compression")
+    parser.add_argument("--loss-steps", type=int, default=300, help="steps of the loss phase (0: none)")
+    parser.add_argument("--ddp-mb", type=float, nargs="+", default=[1, 5, 25], help="DDP bucket_cap_mb sweep")
+    parser.add_argument("--loss-ddp-mb", type=float, default=25, help="the DDP bucket_cap_mb of the loss phase")
+    parser.add_argument("--bucket-mb", type=float, default=25, help="wrap's bucket_size_mb")
+    parser.add_argument(
+        "--ddp-hook",
+        choices=["torch", "serial"],
+        default="serial",
+        help="serial (default): torch's hook waited for inside the hook, so DDP's buckets reduce one after another; "
+        "torch: the hook as torch ships it, which launches its later allreduces from Gloo's completion callbacks, "
+        "where they cross another bucket's between ranks (seen here: gloo EnforceNotMet, an abort, with several "
+        "buckets)",
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
+    parser.add_argument("--block", type=int, default=10, help="steps per configuration per round")
+    parser.add_argument("--json")
+    started = time.monotonic()
+    outcome = run_benchmark(parser, argv, rank_main)
+    if isinstance(outcome, int):
+        return outcome
+    args, results = outcome
+    print(
+        f"# powersgd_compare: {args.world} Gloo ranks, {where()}, {args.optimizer}, PowerSGD rank {args.rank}, "
+        f"DDP's hook {args.ddp_hook}; "
+        f"median step, {args.rounds} rounds x {args.block} steps alternating ({time.monotonic() - started:.0f} s)"
+    )
+    _report(args, results)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""compression=co.PowerSGD(...) against torch DDP + powerSGD_hook, through a checkpoint, under DistributedOptimizer."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.harness import run_checks
+from tests.reference import assert_identical, snapshot
+
+STEPS = 6
+START = 2  # two plain steps, then four compressed: warm start and error feedback carry over three times
+SEED = 3
+# The MLP's buckets as DDP lays them out with bucket_cap_mb=0.004 after its rebuild: [b2, w2, b1, w1] and
+# [b0, w0] (a DDP bucket closes after the parameter that passes the cap); wrap's planner closes before it,
+# so a cap of the first bucket's 17680 bytes gives the same two buckets.
+DDP_CAP_MB, OUR_CAP_MB = 0.004, 0.0169
+
+
+def _serial(hook):
+    """torch's hook, waited for inside the hook: it launches its later allreduces from Gloo's completion
+    callbacks, where two buckets' collectives can cross between ranks (a size mismatch or a hang on Gloo)."""
+
+    def serial(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    return serial
+
+
+def _zigzag():
+    """MLP-shaped (16 in, 4 out), its 64 x 64 and 64 x 16 weights apart in the bucket: torch's hook compresses
+    same-shaped gradients side by side (their factors and their random draws in that order)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    sizes = (16, 64, 64, 16, 64, 64, 4)
+    layers = [nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]
+    return nn.Sequential(*(m for layer in layers for m in (layer, nn.Tanh())))
+
+
+def _reduced_gradients(rank: int, model, model_cls, steps: int = STEPS, client_loop: bool = False) -> list[list]:
+    """Each step's reduced gradients (SGD by hand in between, the same on both sides). ``client_loop``: each
+    step starts with an evaluation on rank 0 alone, then accumulates a micro-batch under no_sync()."""
+    import torch
+
+    from tests.models import rank_batch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for step in range(steps):
+        x, y = rank_batch(model_cls, step, rank)
+        model.zero_grad()
+        if client_loop:
+            if rank == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+            with model.no_sync():
+                torch.nn.functional.cross_entropy(model(x.flip(0)), y.flip(0)).backward()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        out.append([p.grad.detach().clone().numpy() for p in params])
+        with torch.no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+    return out
+
+
+def _against_ddp(
+    rank: int,
+    name: str,
+    matrix_rank: int,
+    ddp_cap: float,
+    our_cap: float,
+    warm_start: bool = True,
+    client_loop: bool = False,
+) -> tuple[list, list]:
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    import collective_ops as co
+    from tests.models import MODELS, build
+
+    def build_model():
+        return _zigzag() if name == "zigzag" else build(name)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build_model(), bucket_cap_mb=ddp_cap)
+    state = torch_powersgd.PowerSGDState(
+        None, matrix_approximation_rank=matrix_rank, start_powerSGD_iter=START, random_seed=SEED, warm_start=warm_start
+    )
+    ddp.register_comm_hook(state, _serial(torch_powersgd.powerSGD_hook))
+    ours = co.wrap(
+        build_model(),
+        bucket_size_mb=our_cap,
+        first_bucket_mb=our_cap,
+        compression=co.PowerSGD(rank=matrix_rank, start_iter=START, random_seed=SEED, warm_start=warm_start),
+    )
+    cls = MODELS["mlp" if name == "zigzag" else name]
+    return _reduced_gradients(rank, ddp, cls, client_loop=client_loop), _reduced_gradients(
+        rank, ours, cls, client_loop=client_loop
+    )
+
+
+def _bytes_per_step(rank: int) -> tuple[int, int]:
+    """comm_stats' bytes of the last plain step and of a compressed one (the MLP at rank 2)."""
+    import torch
+
+    model = _powersgd_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(rank, model, optimizer, range(START))
+    plain = model.comm_stats()["bytes_per_step"]
+    _train(rank, model, optimizer, range(START, START + 1))
+    return plain, model.comm_stats()["bytes_per_step"]
+
+
+def _train(rank: int, model, optimizer, steps: range, name: str = "mlp") -> None:
+    import torch
+
+    from tests.models import MODELS, rank_batch
+
+    for step in steps:
+        x, y = rank_batch(MODELS[name], step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def _powersgd_mlp(seed: int = 0, warm_start: bool = True, name: str = "mlp", cap_mb: float = OUR_CAP_MB):
+    import collective_ops as co
+    from tests.models import build
+
+    compression = co.PowerSGD(rank=2, start_iter=START, random_seed=SEED, warm_start=warm_start)
+    return co.wrap(build(name, seed=seed), bucket_size_mb=cap_mb, first_bucket_mb=cap_mb, compression=compression)
+
+
+def _resumed(rank: int, cap_mb: float = OUR_CAP_MB) -> tuple[dict, dict]:
+    """(uninterrupted, resumed from a checkpoint after step 4 into a new model, its buckets of ``cap_mb``, and a
+    new optimizer)."""
+    import io
+
+    import torch
+
+    model = _powersgd_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(rank, model, optimizer, range(7))
+    uninterrupted = snapshot(model.module)
+
+    model = _powersgd_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(rank, model, optimizer, range(4))
+    saved = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict(), "compression": model.compression_state_dict()},
+        saved,
+    )
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    model = _powersgd_mlp(seed=7, cap_mb=cap_mb)  # other weights: all of them come from the checkpoint
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optim"])
+    model.load_compression_state_dict(checkpoint["compression"])
+    _train(rank, model, optimizer, range(4, 7))
+    return uninterrupted, snapshot(model.module)
+
+
+def _replanned(rank: int) -> tuple[dict, dict]:
+    """(uninterrupted, the same with its buckets replanned into one after step 4: memory carried over)."""
+    import torch
+
+    runs = []
+    for replan in (False, True):
+        model = _powersgd_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _train(rank, model, optimizer, range(4))
+        if replan:
+            model.set_bucket_size(25, first_bucket_mb=25)
+            assert len(model.manager.plan.buckets) == 1
+        _train(rank, model, optimizer, range(4, 7))
+        runs.append(snapshot(model.module))
+    return runs[0], runs[1]
+
+
+def _with_distributed_optimizer(
+    rank: int,
+    steps: int,
+    schedule: str | None = None,
+    warm_start: bool = True,
+    checkpoint_at: int | None = None,
+    name: str = "mlp",
+) -> tuple[dict, dict]:
+    """(wrap + torch AdamW, wrap + DistributedOptimizer(AdamW)), both compressed alike. ``checkpoint_at``: the
+    second saved after that many steps (its updates still owed to the next forward), resumed in a new model."""
+    import io
+
+    import torch
+
+    import collective_ops as co
+
+    def build(seed: int = 0):
+        model = _powersgd_mlp(seed, warm_start, name)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, schedule=schedule)
+
+    plain_model = _powersgd_mlp(warm_start=warm_start, name=name)
+    _train(rank, plain_model, torch.optim.AdamW(plain_model.parameters(), lr=1e-2), range(steps), name)
+    model, optimizer = build()
+    first = steps if checkpoint_at is None else checkpoint_at
+    _train(rank, model, optimizer, range(first), name)
+    if checkpoint_at is not None:
+        assert optimizer.in_flight == (schedule == "plan"), "the checkpoint is meant to be taken with updates owed"
+        saved = io.BytesIO()
+        compression = model.compression_state_dict()  # first: it lands the owed updates and their errors
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "compression": compression}, saved)
+        saved.seek(0)
+        checkpoint = torch.load(saved, weights_only=False)
+        model, optimizer = build(seed=7)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optim"])
+        model.load_compression_state_dict(checkpoint["compression"])
+        _train(rank, model, optimizer, range(first, steps), name)
+    return snapshot(plain_model.module), snapshot(model.module)
+
+
+def _errors(rank: int) -> dict:
+    import torch
+
+    import collective_ops as co
+    from tests.models import build
+    from tests.reference import collect_errors
+
+    other = co.wrap(build("mlp"), compression=co.PowerSGD(rank=1, start_iter=START))
+    return collect_errors(
+        {
+            "start_iter": lambda: co.PowerSGD(start_iter=1),
+            "rank": lambda: co.PowerSGD(rank=0),
+            "sum": lambda: co.wrap(build("mlp"), reduce_op="sum", compression=co.PowerSGD()),
+            "shard": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp"), compression=co.PowerSGD()), torch.optim.SGD, lr=0.1, shard=True
+            ),
+            "other_options": lambda: other.load_compression_state_dict(_powersgd_mlp().compression_state_dict()),
+        }
+    )
+
+
+def powersgd_checks(rank: int, world: int) -> dict:
+    return {
+        "ddp_rank2": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB),
+        "ddp_rank4": functools.partial(_against_ddp, rank, "mlp", 4, DDP_CAP_MB, OUR_CAP_MB),
+        # one bucket: every gradient of the transformer in it, same-shaped ones compressed side by side
+        "ddp_transformer": functools.partial(_against_ddp, rank, "transformer", 4, 25, 25),
+        "ddp_same_shapes_apart": functools.partial(_against_ddp, rank, "zigzag", 1, 25, 25),
+        # new Q factors every step: each bucket's seed is drawn in bucket order, as DDP's buckets run
+        "ddp_no_warm_start": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, False),
+        "ddp_client_loop": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, client_loop=True),
+        "resumed": functools.partial(_resumed, rank),
+        # the two buckets' memory loaded into one (the state is kept by parameter)
+        "resumed_other_buckets": functools.partial(_resumed, rank, 25),
+        "replanned": functools.partial(_replanned, rank),
+        "bytes": functools.partial(_bytes_per_step, rank),
+        "errors": functools.partial(_errors, rank),
+        # overlapped: each bucket's update lands in the next forward
+        "distributed_optimizer": functools.partial(_with_distributed_optimizer, rank, 8, "plan"),
+        "distributed_optimizer_checkpoint": functools.partial(_with_distributed_optimizer, rank, 8, "plan", True, 4),
+        # the launch-order trial (plan order, reversed, finished in backward), new Q factors every step
+        "distributed_optimizer_trial": functools.partial(_with_distributed_optimizer, rank, 30, None, False),
+        # 4-D convolution gradients, BatchNorm buffers broadcast at each forward while a bucket's Q is owed
+        "distributed_optimizer_cnn": functools.partial(_with_distributed_optimizer, rank, 8, "plan", name="cnn"),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list:
+    return run_checks(2, powersgd_checks, timeout=240)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "ddp_rank2",
+        "ddp_rank4",
+        "ddp_transformer",
+        "ddp_same_shapes_apart",
+        "ddp_no_warm_start",
+        "ddp_client_loop",
+    ],
+)
+def test_reduced_gradients_bit_equal_to_ddp_powersgd_hook(two_ranks, case: str) -> None:
+    for results in two_ranks:
+        ddp, ours = results[case]
+        for step, (a, b) in enumerate(zip(ddp, ours, strict=True)):
+            assert_identical(a, b, f"{case}, rank {results.rank}, step {step}")
+
+
+@pytest.mark.parametrize("case", ["resumed", "resumed_other_buckets", "replanned"])
+def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(two_ranks, case: str) -> None:
+    for results in two_ranks:
+        uninterrupted, resumed = results[case]
+        assert_identical(uninterrupted, resumed, f"rank {results.rank}")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "distributed_optimizer",
+        "distributed_optimizer_checkpoint",
+        "distributed_optimizer_trial",
+        "distributed_optimizer_cnn",
+    ],
+)
+def test_distributed_optimizer_equals_the_same_compression_with_a_plain_optimizer(two_ranks, case: str) -> None:
+    for results in two_ranks:
+        plain, distributed = results[case]
+        assert_identical(plain, distributed, f"rank {results.rank}")
+
+
+def test_comm_stats_count_the_compressed_bytes(two_ranks) -> None:
+    # bucket [b2, w2, b1, w1]: w1 (64 x 64) alone compresses at rank 2 (w2, 4 x 64, would send 272 > 256
+    # elements): 324 uncompressed + P 128 + Q 128; bucket [b0, w0]: 64 + P 128 + Q 32
+    assert two_ranks[0]["bytes"] == (5508 * 4, (580 + 224) * 4)
+
+
+def test_settings_it_cannot_honour_are_refused_with_what_to_do(two_ranks) -> None:
+    errors = two_ranks[0]["errors"]
+    assert "start_iter=1" in errors["start_iter"] and "at least 2" in errors["start_iter"]
+    assert "positive int" in errors["rank"]
+    assert "reduce_op='avg'" in errors["sum"]
+    assert "without shard=True" in errors["shard"]
+    assert "same PowerSGD options" in errors["other_options"]
+
+
+def test_layout_compresses_matrices_that_pay_grouped_by_shape_as_torch_does() -> None:
+    from collective_ops.bucketing.compression.powersgd import bucket_layout
+
+    # a bias, a 64 x 64 weight, a 4-D convolution weight (16 x 3*3*8), another 64 x 64, a 4 x 64 head
+    shapes = [(64,), (64, 64), (16, 8, 3, 3), (64, 64), (4, 64)]
+    offsets = [0, 64, 64 + 4096, 64 + 4096 + 1152, 64 + 2 * 4096 + 1152]
+    layout = bucket_layout(offsets, shapes, rank=2, min_compression_rate=2)
+    # the head: (4 + 64) * 2 * 2 = 272 elements would not pay for its 256; the bias never does
+    assert layout.uncompressed == ((0, 64), (offsets[4], 256))
+    assert [(m.offset, m.rows, m.cols, m.rank) for m in layout.matrices] == [
+        (64, 64, 64, 2),
+        (offsets[3], 64, 64, 2),  # beside the first 64 x 64, ahead of the convolution
+        (offsets[2], 16, 72, 2),
+    ]
+    assert [m.p_offset for m in layout.matrices] == [0, 128, 256]
+    assert [m.q_offset for m in layout.matrices] == [0, 128, 256]
+    assert (layout.p_numel, layout.q_numel) == (128 + 128 + 32, 128 + 128 + 144)
