@@ -15,9 +15,19 @@ pytestmark = requires_mindspore
 # a start costs ~15-20 s here. The PyNative adapter runs last: it starts the trace its test reads. The
 # GRAPH adapter sets MindSpore's data-parallel context (for nn.TrainOneStepCell's own reducer) and leaves it.
 SUITES = {
-    ("pynative", 2): ("primitives", "bench", "join", "model_train", "loss_scale", "alignment", "sharded", "adapter"),
+    ("pynative", 2): (
+        "primitives",
+        "bench",
+        "join",
+        "model_train",
+        "model_wrap",
+        "loss_scale",
+        "alignment",
+        "sharded",
+        "adapter",
+    ),
     ("pynative", 3): ("join", "sharded", "adapter:1e-06"),
-    ("graph", 2): ("model_train", "loss_scale", "adapter"),
+    ("graph", 2): ("model_train", "model_wrap", "loss_scale", "adapter"),
 }
 
 
@@ -165,6 +175,42 @@ def test_model_train_equals_model_under_mindspores_data_parallel(mode: str) -> N
             assert_identical(out["loaded"], out["ours"], "checkpoint loaded into a plain network")
         else:
             assert out["checkpoint_files"] == []
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_model_over_the_wrapper_equals_model_under_mindspores_data_parallel(mode: str) -> None:
+    """Model(co.wrap(net), loss_fn, opt), the one-line form: the wrapper is a Cell, Model's TrainOneStepCell reduces
+    through it, bit-equal to Model(net, loss_fn, opt) under DATA_PARALLEL; so do nn.TrainOneStepCell built by hand,
+    amp_level="O2" with a static loss scale, and a dynamic loss scale (MindSpore's CPU build refuses it; our
+    loss-scale cell trains it). Checkpoints of the wrapper load into the plain network and back."""
+    for rank, out in enumerate(results_of(mode, 2, "model_wrap")):
+        what = f"({mode}), rank {rank}"
+        assert out["wrapped_is_cell"] and out["names"], "the wrapper is a Cell, its parameters named as the network's"
+        assert_identical(out["ours"], out["reference"], f"Model(co.wrap(net), loss_fn, opt) {what}")
+        assert out["reducer"] == ("_EagerReducer" if mode == "pynative" else "CompiledReduction")
+        assert out["steps_reduced"] == (3 if mode == "pynative" else 0)  # GRAPH's steps run inside one graph
+        assert_identical(out["train_one_step"], out["reference"], f"nn.TrainOneStepCell over the wrapper {what}")
+        assert_identical(out["o2"], out["reference_o2"], f'amp_level="O2", static loss scale {what}')
+        assert out["dynamic_cell"] == "TrainOneStepWithLossScaleCell"
+        assert_identical(out["dynamic"], out["dynamic_by_hand"], f"dynamic loss scale vs our cell by hand {what}")
+        assert_identical(out["dynamic"], out["reference"], f"dynamic loss scale 2**10, no overflow {what}")
+        assert out["plain_not_loaded"] == [] and out["wrapper_not_loaded"] == []
+        assert_identical(out["plain_loaded"], out["ours"], f"save_checkpoint(wrapped) into a plain network {what}")
+        assert_identical(out["wrapper_loaded"], out["ours"], f"the checkpoint into a new wrapper {what}")
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_training_the_bare_network_or_joining_around_model_is_refused_before_any_step(mode: str) -> None:
+    """Model(wrapped.network, ...) trained each rank on its own gradients, silently: refused at construction, as is
+    nn.TrainOneStepCell over it; join() around Model.train is refused before any collective (weights untouched)."""
+    for rank, out in enumerate(results_of(mode, 2, "model_wrap")):
+        errors = out["errors"]
+        for form in ("bare_model", "bare_cell"):
+            assert errors[form] is not None, f"{form}: trains without a reduction ({mode}, rank {rank})"
+            assert f"rank {rank}:" in errors[form] and "Model(wrapped, loss_fn, optimizer)" in errors[form]
+        expected = "not supported" if mode == "pynative" else "needs PyNative mode"
+        assert errors["join"] is not None and expected in errors["join"], errors["join"]
+        assert out["uneven_untouched"], "join() around Model.train changed the weights before refusing"
 
 
 @pytest.mark.parametrize("mode", ["pynative", "graph"])
