@@ -353,3 +353,22 @@ def test_sharded_optimizer_refuses_what_it_cannot_do() -> None:
         assert "not in the order of the parameters" in errors["wrong_order"], errors["wrong_order"]
         assert errors["bad_state"].startswith("KeyError") and "moment1." in errors["bad_state"]
         assert "join() with DistributedOptimizer(shard=True) is not supported" in errors["join"]
+
+
+def test_the_torch_wrappers_keywords_name_what_mindspore_does_instead() -> None:
+    """check_finite, broadcast_buffers, bucket_size_mb="auto" and tune() on a MindSpore network: a message saying
+    what to do on MindSpore, before anything is initialised or run, not a raw TypeError from the signature."""
+    from mindspore import nn
+
+    import collective_ops as co
+
+    net = nn.Dense(4, 2)
+    with pytest.raises(TypeError, match=r"takes no 'check_finite': .*loss_scale_manager=DynamicLossScaleManager"):
+        co.wrap(net, check_finite=True)
+    with pytest.raises(TypeError, match=r"takes no 'broadcast_buffers': .*broadcast_parameters=True"):
+        co.wrap(net, broadcast_buffers=False)
+    with pytest.raises(ValueError, match=r"bucket_size_mb='auto'.*torch only; on MindSpore give a number"):
+        co.wrap(net, bucket_size_mb="auto")
+    wrapper = type("DataParallel", (), {"__module__": "collective_ops.mindspore.data_parallel"})()
+    with pytest.raises(NotImplementedError, match=r"tunes torch models only"):
+        co.tune(wrapper, lambda: pytest.fail("tune ran a step before refusing"))

@@ -619,8 +619,43 @@ def _build_train_network(network: nn.Cell, optimizer: Any, loss_fn: Any = None, 
 amp.build_train_network = _build_train_network
 
 
+# keywords of collective_ops' torch wrapper that MindSpore's has not: what a MindSpore user does instead
+_TORCH_ONLY_KEYWORDS = {
+    "check_finite": "skipping a step whose gradients hold an inf or NaN is a loss-scale cell's job on MindSpore: "
+    "Model(wrapped, loss_fn, optimizer, loss_scale_manager=DynamicLossScaleManager()) or "
+    "collective_ops.mindspore.TrainOneStepWithLossScaleCell skip such a step on every rank alike",
+    "broadcast_buffers": "MindSpore keeps a network's state in Parameters: broadcast_parameters=True (the default) "
+    "sends rank 0's parameters, non-trainable ones such as BatchNorm's moving statistics included, at wrap time; "
+    "MindSpore's nn.SyncBatchNorm synchronises those statistics every step",
+    "gradient_as_bucket_view": "MindSpore tensors have no views into a flat buffer: gradients are copied into the "
+    "buckets and reduce() returns new tensors; leave the keyword out",
+    "auto_tune_step": "bucket_size_mb='auto' is not available on MindSpore: give bucket_size_mb a number of MiB "
+    "(default 25)",
+    "row_sparse_embeddings": "MindSpore gradients reach the wrapper dense; leave the keyword out",
+}
+
+
+def _refuse_torch_only(bucket_size_mb: Any, options: dict[str, Any]) -> None:
+    """A clear message, naming what MindSpore does instead, for the torch wrapper's keywords."""
+    if isinstance(bucket_size_mb, str):
+        raise ValueError(
+            f"bucket_size_mb={bucket_size_mb!r}: choosing the size automatically (bucket_size_mb='auto', "
+            "collective_ops.tune) is available for torch only; on MindSpore give a number of MiB (default 25; "
+            "larger buckets mean fewer collectives, a smaller first_bucket_mb starts communication earlier with "
+            "overlap=True)"
+        )
+    torch_only = [name for name in options if name in _TORCH_ONLY_KEYWORDS]
+    if torch_only:
+        raise TypeError(
+            "; ".join(
+                f"wrap() of a MindSpore Cell takes no {name!r}: {_TORCH_ONLY_KEYWORDS[name]}" for name in torch_only
+            )
+        )
+
+
 def wrap(network: nn.Cell, bucket_size_mb: float = 25.0, **options: Any) -> DataParallel:
     """``DataParallel(network, bucket_size_mb, **options)``."""
+    _refuse_torch_only(bucket_size_mb, options)
     return DataParallel(network, bucket_size_mb, **options)
 
 
