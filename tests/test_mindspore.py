@@ -188,15 +188,56 @@ def test_model_over_the_wrapper_equals_model_under_mindspores_data_parallel(mode
         assert out["wrapped_is_cell"] and out["names"], "the wrapper is a Cell, its parameters named as the network's"
         assert_identical(out["ours"], out["reference"], f"Model(co.wrap(net), loss_fn, opt) {what}")
         assert out["reducer"] == ("_EagerReducer" if mode == "pynative" else "CompiledReduction")
-        assert out["steps_reduced"] == (3 if mode == "pynative" else 0)  # GRAPH's steps run inside one graph
+        assert out["steps_reduced"] == (3 if mode == "pynative" else 2)  # GRAPH: the first call compiles
         assert_identical(out["train_one_step"], out["reference"], f"nn.TrainOneStepCell over the wrapper {what}")
         assert_identical(out["o2"], out["reference_o2"], f'amp_level="O2", static loss scale {what}')
         assert out["dynamic_cell"] == "TrainOneStepWithLossScaleCell"
         assert_identical(out["dynamic"], out["dynamic_by_hand"], f"dynamic loss scale vs our cell by hand {what}")
         assert_identical(out["dynamic"], out["reference"], f"dynamic loss scale 2**10, no overflow {what}")
+        assert out["mindspores_cell"] == "TrainOneStepWithLossScaleCell"  # nn's, built over the wrapper: ours now
+        assert out["mindspores_cell_module"] == "collective_ops.mindspore.data_parallel"
+        assert_identical(out["dynamic_mindspores_cell"], out["dynamic_by_hand"], f"nn's loss-scale cell {what}")
         assert out["plain_not_loaded"] == [] and out["wrapper_not_loaded"] == []
         assert_identical(out["plain_loaded"], out["ours"], f"save_checkpoint(wrapped) into a plain network {what}")
         assert_identical(out["wrapper_loaded"], out["ours"], f"the checkpoint into a new wrapper {what}")
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_model_steps_with_the_distributed_optimizer_equal_mindspores_data_parallel(mode: str) -> None:
+    """co.DistributedOptimizer is an nn.Optimizer: Model(wrapped, loss_fn, DistributedOptimizer(wrapped, nn.Adam))
+    is bit-equal to Model(net, loss_fn, nn.Adam) under DATA_PARALLEL (Momentum too; shard=True in PyNative), and
+    nn.TrainOneStepCell over it reduces once per step, the optimizer's reduction (not a second one before it)."""
+    steps = 3 if mode == "pynative" else 2  # GRAPH: the first call compiles
+    for rank, out in enumerate(results_of(mode, 2, "model_wrap")):
+        what = f"({mode}), rank {rank}"
+        assert_identical(out["dist_opt_momentum"], out["reference"], f"Model + DistributedOptimizer(Momentum) {what}")
+        assert_identical(out["dist_opt_adam"], out["reference_adam"], f"Model + DistributedOptimizer(Adam) {what}")
+        assert_identical(out["dist_opt_cell"], out["reference"], f"nn.TrainOneStepCell + DistributedOptimizer {what}")
+        for form in ("momentum", "adam", "cell"):
+            assert out[f"dist_opt_{form}_steps"] == steps, f"{form}: reduced more than once a step {what}"
+        if mode == "pynative":
+            assert_identical(
+                out["dist_opt_shard"], out["reference"], f"Model + DistributedOptimizer(shard=True) {what}"
+            )
+
+
+def test_graph_mode_steps_of_model_are_in_comm_stats_and_the_trace_and_compilation_is_not_wait_skew() -> None:
+    """GRAPH mode: Model's step is one compiled graph with our reduction inside. Each call after the one that
+    compiled is a step of comm_stats and of the trace (a step event, one per bucket), so the heatmap reads GRAPH
+    runs; the compiling call is a "compile" event of its own, not a step whose seconds would read as wait skew."""
+    run = run_msrun_suite("graph", 2, SUITES[("graph", 2)])
+    results = run.part("model_wrap")
+    events = load_events([run.trace_file])
+    analysis = analyze(events)
+    stats = results[0]["traced_stats"]
+    assert stats["mode"] == "in-graph (compiled)" and stats["buckets"] > 1
+    assert stats["steps"] == 2 * 4 - 1, "two epochs of 4 steps, the first call compiled"
+    assert analysis.ranks == [0, 1] and len(analysis.steps) == stats["steps"]
+    assert analysis.comm_ms.shape[1] == stats["buckets"]
+    compiles = [e for e in events if e.get("cat") == "compile"]
+    assert sorted(e["pid"] for e in compiles) == [0, 1], "one compilation per rank, traced apart"
+    shortest_compile_ms = min(e["dur"] for e in compiles) / 1e3
+    assert analysis.wait_skew_ms.max() < shortest_compile_ms / 4, (analysis.wait_skew_ms, shortest_compile_ms)
 
 
 @pytest.mark.parametrize("mode", ["pynative", "graph"])

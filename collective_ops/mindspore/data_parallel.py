@@ -429,8 +429,13 @@ class TrainOneStepCell(nn.TrainOneStepCell):
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, data_parallel: DataParallel, sens: float = 1.0):
         super().__init__(network, optimizer, sens)
-        self.grad_reducer = _our_reducer(data_parallel, list(self.weights))
-        self.reducer_flag = True
+        self._distributed_over(data_parallel)
+
+    def _distributed_over(self, data_parallel: DataParallel) -> None:
+        _set_reducer(self, data_parallel)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return _recorded_step(self, super().__call__, inputs)
 
 
 _nonfinite = ms.ops.MultitypeFuncGraph("_nonfinite")
@@ -472,10 +477,12 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepWithLossScaleCell):
         self._distributed_over(data_parallel)
 
     def _distributed_over(self, data_parallel: DataParallel) -> None:
-        self.grad_reducer = _our_reducer(data_parallel, list(self.weights))
-        self.reducer_flag = True
+        _set_reducer(self, data_parallel)
         self.is_distributed = data_parallel.engine.world_size > 1  # the overflow flag summed over ranks
         self._cpu = ms.get_context("device_target") == "CPU"
+
+    def __call__(self, *inputs: Any) -> Any:
+        return _recorded_step(self, super().__call__, inputs)
 
     def construct(self, *inputs: Any) -> Any:
         loss = self.network(*inputs)
@@ -499,6 +506,38 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepWithLossScaleCell):
         if self.is_distributed:
             flags = self.allreduce(flags)
         return self.less_equal(self.base, flags)
+
+
+def _set_reducer(cell: nn.TrainOneStepCell, data_parallel: DataParallel) -> None:
+    """A training cell's reducer: the wrapper's, or none where its optimizer reduces (DistributedOptimizer)."""
+    if getattr(cell.optimizer, "reduces_gradients", False):
+        cell.grad_reducer = nn.Identity()  # the optimizer's step reduces: a second reduction would only cost
+        data_parallel._training_cells += 1
+    else:
+        cell.grad_reducer = _our_reducer(data_parallel, list(cell.weights))
+    cell.reducer_flag = True
+    object.__setattr__(cell, "_data_parallel", data_parallel)  # not a sub-cell: no part of the step's graph
+
+
+def _recorded_step(cell: nn.Cell, call: Any, inputs: tuple) -> Any:
+    """Run a training cell's step; in GRAPH mode, where the reduction runs inside the step's graph and no Python of
+    ours runs, account for it as one compiled step (comm_stats, trace: a step event and one per bucket). A call
+    that compiled a graph (the first, or a new input shape) is traced as a compilation, not as a step: its
+    seconds of compiling would read as one rank's wait skew. PyNative steps are recorded by reduce() itself."""
+    if _pynative():
+        return call(*inputs)
+    compiled = len(cell.compile_cache)
+    start = time.perf_counter()
+    out = call(*inputs)
+    end = time.perf_counter()
+    manager = cell._data_parallel.manager
+    if len(cell.compile_cache) > compiled:
+        traced = getattr(manager.observer, "graph_compiled", None)
+        if traced is not None:
+            traced(type(cell).__name__, start, end)
+    else:
+        manager.record_compiled_step(start, end)
+    return out
 
 
 def _our_reducer(data_parallel: DataParallel, weights: Sequence[Any]) -> nn.Cell:
@@ -562,12 +601,13 @@ def _adopt(cell: nn.TrainOneStepCell) -> None:
             )
         return
     kind = type(cell)
-    if kind is nn.TrainOneStepWithLossScaleCell:  # its construct unscales before reducing: ours reduces first
+    # the same object, as ours: our reducer, GRAPH steps recorded; the loss-scale one also reduces before unscaling
+    if kind is nn.TrainOneStepWithLossScaleCell:
         cell.__class__ = TrainOneStepWithLossScaleCell
         cell._distributed_over(wrapper)
     elif kind is nn.TrainOneStepCell:
-        cell.grad_reducer = _our_reducer(wrapper, list(cell.weights))
-        cell.reducer_flag = True
+        cell.__class__ = TrainOneStepCell
+        cell._distributed_over(wrapper)
     else:  # a subclass with a step of its own (boost, gradient accumulation): where to reduce is unknown
         raise ValueError(
             f"{kind.__name__} over a collective_ops wrapper is not supported: its step is its own, and the "
@@ -576,20 +616,23 @@ def _adopt(cell: nn.TrainOneStepCell) -> None:
         )
 
 
-_TRAIN_ONE_STEP_INIT = nn.TrainOneStepCell.__init__
+def _adopting(init: Any, adopts_in_subclass: type | None) -> Any:
+    """``init``, then ``_adopt`` (ours set their reducer themselves; a loss-scale cell once its own init is done)."""
 
+    def adopting_init(self: nn.TrainOneStepCell, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        ours = isinstance(self, (TrainOneStepCell, TrainOneStepWithLossScaleCell))
+        if not ours and not (adopts_in_subclass is not None and isinstance(self, adopts_in_subclass)):
+            _adopt(self)
 
-def _train_one_step_init(self: nn.TrainOneStepCell, network: nn.Cell, optimizer: Any, *args: Any, **kw: Any) -> None:
-    """``nn.TrainOneStepCell.__init__``, then ``_adopt`` (ours set their reducer themselves)."""
-    _TRAIN_ONE_STEP_INIT(self, network, optimizer, *args, **kw)
-    if not isinstance(self, (TrainOneStepCell, TrainOneStepWithLossScaleCell)):
-        _adopt(self)
+    return adopting_init
 
 
 # Model(net, ...) builds nn.TrainOneStepCell (or its loss-scale subclass) in mindspore.train.amp.build_train_network
 # and takes its reducer from MindSpore's parallel context alone; every construction of one passes through here so
 # that a wrapper in its network supplies the reduction. Networks without a wrapper are left exactly as they were.
-nn.TrainOneStepCell.__init__ = _train_one_step_init
+nn.TrainOneStepCell.__init__ = _adopting(nn.TrainOneStepCell.__init__, nn.TrainOneStepWithLossScaleCell)
+nn.TrainOneStepWithLossScaleCell.__init__ = _adopting(nn.TrainOneStepWithLossScaleCell.__init__, None)
 
 
 _BUILD_TRAIN_NETWORK = amp.build_train_network

@@ -78,9 +78,13 @@ def _group_list(params: Any, default: list) -> tuple[list[dict], list[Parameter]
     return groups, order if order is not None else flat
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(nn.Optimizer):
     """A MindSpore optimizer over a wrapped network: ``opt(grads)`` reduces and updates, as
     ``optimizer(net.reduce(grads))`` does; with ``shard=True`` each rank keeps the state of its shards only.
+
+    An ``nn.Optimizer`` (a ``Cell``): ``Model(wrapped, loss_fn, opt)`` and ``nn.TrainOneStepCell`` take it, and
+    their step then leaves the reduction to it (no second one). In GRAPH mode (``shard=False``) its step is
+    compiled: the wrapper's compiled reduction, then the wrapped optimizer.
 
     ``optimizer_class`` is a ``mindspore.nn.Optimizer`` subclass, built with ``params`` (default:
     the network's trainable parameters; MindSpore's group dicts work) and ``kwargs``. Take
@@ -97,6 +101,7 @@ class DistributedOptimizer:
         assume_elementwise: bool = False,
         **kwargs: Any,
     ) -> None:
+        nn.Cell.__init__(self, auto_prefix=False)  # not nn.Optimizer's: the wrapped optimizer holds the state
         if not isinstance(network, DataParallel):
             raise TypeError(
                 f"DistributedOptimizer takes a network wrapped by collective_ops.wrap(), got {type(network).__name__}; "
@@ -106,14 +111,17 @@ class DistributedOptimizer:
             raise TypeError(
                 f"optimizer_class must be a mindspore.nn.Optimizer subclass (e.g. nn.Adam), got {optimizer_class!r}"
             )
-        self.network = network
+        # not through Cell.__setattr__: the network is no part of the optimizer, nor its parameters this Cell's
+        object.__setattr__(self, "network", network)
         self.shard = shard
         groups, order = _group_list(params, network.trainable_params())
-        self.parameters = tuple(order)
+        object.__setattr__(self, "parameters", tuple(order))
         self._indices = network._indices_of(self.parameters)
         if not shard:
             self.optimizer = optimizer_class(params if params is not None else list(self.parameters), **kwargs)
             self._own = {id(p) for p in self.optimizer.parameters}
+            # what a compiled step (GRAPH mode: construct) reduces with; PyNative calls reduce() from Python
+            self.grad_reducer = nn.Identity() if _pynative() else network.graph_reducer(list(self.parameters))
             return
         self._refuse_unshardable(optimizer_class, assume_elementwise)
         engine = network.engine
@@ -137,7 +145,7 @@ class DistributedOptimizer:
         self._inner_order = [piece_of[id(p)] for p in self.optimizer.parameters]  # the pieces as it lists them
         network._sharded_optimizer = True  # join() refuses: a joined rank cannot shadow this optimizer's steps
         layout = self._layout
-        self._reduce_scatter, self._all_gather = engine.compiled_shard_step(
+        reduce_scatter, all_gather = engine.compiled_shard_step(
             network._grad_params,
             [bucket.param_indices for bucket in layout.plan.buckets],
             [shards.padded_numel - shards.numel for shards in layout.buckets],
@@ -148,6 +156,8 @@ class DistributedOptimizer:
             ],
             network.manager.reduce_op,
         )
+        object.__setattr__(self, "_reduce_scatter", reduce_scatter)  # called from Python (PyNative), no sub-cells
+        object.__setattr__(self, "_all_gather", all_gather)
         self._note_written()
         self._warn_mccl()
 
@@ -200,7 +210,15 @@ class DistributedOptimizer:
             )
 
     # -- the step --------------------------------------------------------------------
+    reduces_gradients = True  # a training cell stepping with this optimizer leaves the reduction to it
+
+    def construct(self, grads: Any) -> Any:
+        """The compiled step (GRAPH mode, shard=False): the wrapper's compiled reduction, then the update."""
+        return self.optimizer(self.grad_reducer(grads))
+
     def __call__(self, grads: Sequence[ms.Tensor]) -> Any:
+        if not _pynative():
+            return super().__call__(grads)  # compiles construct (PyNative runs this method's Python instead)
         if not self.shard:
             return self.optimizer(self.network.reduce(grads, self.parameters))
         grads = tuple(grads)
@@ -345,10 +363,14 @@ class DistributedOptimizer:
         return by_prefix, scalars
 
     def __getattr__(self, name: str) -> Any:
-        # the wrapped optimizer's own attributes (learning_rate, get_lr, global_step, ...)
-        if name in ("optimizer", "network", "_own"):
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
+        try:
+            return super().__getattr__(name)  # this Cell's sub-cells: "optimizer", "grad_reducer"
+        except AttributeError:
+            # the wrapped optimizer's own attributes (learning_rate, get_lr, global_step, ...)
+            inner = self.__dict__.get("_cells", {}).get("optimizer")
+            if inner is None or name.startswith("__") or name in ("network", "_own"):
+                raise
+            return getattr(inner, name)
 
 
 def _written_mark(param: Parameter) -> tuple[int, int]:

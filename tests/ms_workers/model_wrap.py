@@ -16,6 +16,7 @@ from mindspore.train import Model
 from mindspore.train.loss_scale_manager import DynamicLossScaleManager, FixedLossScaleManager
 
 import collective_ops as co
+from collective_ops import runtime, tracing
 from collective_ops.mindspore import TrainOneStepWithLossScaleCell
 from tests.ms_workers.nets import batch, build, loss_fn
 from tests.msrun_harness import write_result
@@ -73,6 +74,9 @@ o2_optimizer = nn.Momentum(reference_o2.trainable_params(), 0.1, 0.9, loss_scale
 scale = FixedLossScaleManager(1024.0, drop_overflow_update=False)
 train(Model(reference_o2, loss_fn, o2_optimizer, amp_level="O2", loss_scale_manager=scale))
 out["reference_o2"] = weights(reference_o2)
+reference_adam = build(0)
+train(Model(reference_adam, loss_fn, nn.Adam(reference_adam.trainable_params(), 0.01)))
+out["reference_adam"] = weights(reference_adam)
 ms.reset_auto_parallel_context()
 
 # 1. the one-line form: every rank starts from its own weights (wrap broadcasts rank 0's)
@@ -123,6 +127,16 @@ cell = TrainOneStepWithLossScaleCell(
 )
 Model(cell).train(1, dataset(), dataset_sink_mode=False)
 out["dynamic_by_hand"] = weights(explicit)
+# MindSpore's own loss-scale cell built over the wrapper (its overflow check has no CPU kernel): it becomes ours
+mindspores = wrapped_net(rank)
+cell = nn.TrainOneStepWithLossScaleCell(
+    nn.WithLossCell(mindspores, loss_fn), momentum(mindspores), nn.DynamicLossScaleUpdateCell(2.0**10, 2, 2)
+)
+out["mindspores_cell"] = type(cell).__name__
+out["mindspores_cell_module"] = type(cell).__module__
+Model(cell).train(1, dataset(), dataset_sink_mode=False)
+out["dynamic_mindspores_cell"] = weights(mindspores)
+out["graph_steps"] = mindspores.comm_stats()["steps"]
 
 # 6. refused before any step: the bare network under a wrapper (no reduction), join() around Model.train
 bare = wrapped_net(rank)
@@ -140,5 +154,31 @@ def train_uneven() -> None:
 errors["join"] = error_of(train_uneven)
 out["errors"] = errors
 out["uneven_untouched"] = weights(uneven) == weights(wrapped_net(0))
+
+# 7. co.DistributedOptimizer is an nn.Optimizer: Model and nn.TrainOneStepCell take it, and its step reduces once
+MOMENTUM = {"learning_rate": 0.1, "momentum": 0.9}
+for name, optimizer_class, kwargs in (("momentum", nn.Momentum, MOMENTUM), ("adam", nn.Adam, {"learning_rate": 0.01})):
+    net = wrapped_net(rank)
+    train(Model(net, loss_fn, co.DistributedOptimizer(net, optimizer_class, **kwargs)))
+    out[f"dist_opt_{name}"] = weights(net)
+    out[f"dist_opt_{name}_steps"] = net.comm_stats()["steps"]
+net = wrapped_net(rank)
+cell = nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), co.DistributedOptimizer(net, nn.Momentum, **MOMENTUM))
+Model(cell).train(1, dataset(), dataset_sink_mode=False)
+out["dist_opt_cell"] = weights(net)
+out["dist_opt_cell_steps"] = net.comm_stats()["steps"]
+if MODE == "pynative":  # shard=True steps from Python
+    net = wrapped_net(rank)
+    train(Model(net, loss_fn, co.DistributedOptimizer(net, nn.Momentum, shard=True, **MOMENTUM)))
+    out["dist_opt_shard"] = weights(net)
+
+# 8. GRAPH: the steps of Model's compiled graph in comm_stats and the trace (flushed to the suite's trace file)
+if MODE == "graph":
+    traced = co.wrap(build(rank), bucket_size_mb=BUCKET_MB, first_bucket_mb=FIRST_MB, trace=True)
+    model = Model(traced, loss_fn, momentum(traced))
+    train(model, STEPS + 1)
+    train(model, STEPS + 1)  # a second epoch: the graph compiled in the first is reused
+    out["traced_stats"] = traced.comm_stats()
+    tracing.flush(runtime.get_engine("mindspore"))
 co.barrier()
 write_result(rank, out)
