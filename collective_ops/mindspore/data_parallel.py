@@ -192,7 +192,6 @@ class DataParallel(nn.Cell):
         self._joining = False
         self._own_steps = 0  # steps this rank ran inside join()
         self._sharded_optimizer = False  # a DistributedOptimizer(shard=True) reduces this network's gradients
-        self._training_cells = 0  # training cells (Model's, nn.TrainOneStepCell) that reduce through this wrapper
         _WRAPPED[id(network)] = self  # a training cell over the bare network is refused (see _adopt)
 
     def _broadcast_parameters(self, src: int) -> None:
@@ -214,21 +213,13 @@ class DataParallel(nn.Cell):
         collective counting the ranks still active; a rank that ran out of data answers 0 and
         takes part in each remaining step's bucket collectives with zero gradients, so the
         average divides by the initial world size. At the end every rank takes the parameters
-        of the (highest) rank that ran the most steps. PyNative mode, ``reduce()`` loops.
+        of the (highest) rank that ran the most steps. PyNative mode: ``reduce()`` loops, and
+        ``Model(net, ...).train`` / a training cell over ``net`` (one network call and one reduction a step).
         """
         if not _pynative():
             raise ValueError("net.join() needs PyNative mode: a rank that ran out of data shadows steps from Python")
         if self._joining:
             raise RuntimeError("already inside net.join()")
-        if self._training_cells:
-            raise ValueError(
-                f"rank {self.engine.rank}: net.join() around Model.train or a TrainOneStepCell is not supported: "
-                "the training cell runs the step (forward, gradients, reduction, update) itself, so a rank out of "
-                "data has no step to shadow and its peers' collectives would go unanswered. "
-                "Give every rank the same number of batches (e.g. drop the remainder: dataset.batch(..., "
-                "drop_remainder=True) over equal shards), or train uneven data with a functional loop inside "
-                "net.join() (grad_fn, net.reduce(grads), optimizer(grads))"
-            )
         if self._sharded_optimizer:
             raise ValueError(
                 "net.join() with DistributedOptimizer(shard=True) is not supported: a rank out of data would have "
@@ -512,7 +503,6 @@ def _set_reducer(cell: nn.TrainOneStepCell, data_parallel: DataParallel) -> None
     """A training cell's reducer: the wrapper's, or none where its optimizer reduces (DistributedOptimizer)."""
     if getattr(cell.optimizer, "reduces_gradients", False):
         cell.grad_reducer = nn.Identity()  # the optimizer's step reduces: a second reduction would only cost
-        data_parallel._training_cells += 1
     else:
         cell.grad_reducer = _our_reducer(data_parallel, list(cell.weights))
     cell.reducer_flag = True
@@ -548,7 +538,6 @@ def _our_reducer(data_parallel: DataParallel, weights: Sequence[Any]) -> nn.Cell
             f"{type(data_parallel).__name__}: net = co.wrap(network), then the cell over "
             "nn.WithLossCell(net.network, loss_fn) with net as its third argument"
         )
-    data_parallel._training_cells += 1  # join() refuses from now on: it cannot shadow such a cell's step
     if _pynative():
         return _EagerReducer(data_parallel, weights)
     return data_parallel.graph_reducer(weights)
@@ -655,7 +644,6 @@ def _build_train_network(network: nn.Cell, optimizer: Any, loss_fn: Any = None, 
         type(manager).__name__,
     )
     plain = _BUILD_TRAIN_NETWORK(network, optimizer, loss_fn, level, **{**kw, "loss_scale_manager": None})
-    wrapper._training_cells -= 1  # adopted while built; the cell that trains is the one below
     return TrainOneStepWithLossScaleCell(plain.network, optimizer, wrapper, manager.get_update_cell()).set_train()
 
 

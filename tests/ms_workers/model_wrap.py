@@ -138,24 +138,7 @@ Model(cell).train(1, dataset(), dataset_sink_mode=False)
 out["dynamic_mindspores_cell"] = weights(mindspores)
 out["graph_steps"] = mindspores.comm_stats()["steps"]
 
-# 6. refused before any step: the bare network under a wrapper (no reduction), join() around Model.train
-bare = wrapped_net(rank)
-errors = {"bare_model": error_of(lambda: Model(bare.network, loss_fn, momentum(bare)))}
-errors["bare_cell"] = error_of(lambda: nn.TrainOneStepCell(nn.WithLossCell(bare.network, loss_fn), momentum(bare)))
-uneven = wrapped_net(rank)
-uneven_model = Model(uneven, loss_fn, momentum(uneven))
-
-
-def train_uneven() -> None:
-    with uneven.join():
-        train(uneven_model, STEPS + rank)
-
-
-errors["join"] = error_of(train_uneven)
-out["errors"] = errors
-out["uneven_untouched"] = weights(uneven) == weights(wrapped_net(0))
-
-# 7. co.DistributedOptimizer is an nn.Optimizer: Model and nn.TrainOneStepCell take it, and its step reduces once
+# 6. co.DistributedOptimizer is an nn.Optimizer: Model and nn.TrainOneStepCell take it, and its step reduces once
 MOMENTUM = {"learning_rate": 0.1, "momentum": 0.9}
 for name, optimizer_class, kwargs in (("momentum", nn.Momentum, MOMENTUM), ("adam", nn.Adam, {"learning_rate": 0.01})):
     net = wrapped_net(rank)
@@ -172,7 +155,7 @@ if MODE == "pynative":  # shard=True steps from Python
     train(Model(net, loss_fn, co.DistributedOptimizer(net, nn.Momentum, shard=True, **MOMENTUM)))
     out["dist_opt_shard"] = weights(net)
 
-# 8. GRAPH: the steps of Model's compiled graph in comm_stats and the trace (flushed to the suite's trace file)
+# 7. GRAPH: the steps of Model's compiled graph in comm_stats and the trace (flushed to the suite's trace file)
 if MODE == "graph":
     traced = co.wrap(build(rank), bucket_size_mb=BUCKET_MB, first_bucket_mb=FIRST_MB, trace=True)
     model = Model(traced, loss_fn, momentum(traced))
@@ -180,5 +163,22 @@ if MODE == "graph":
     train(model, STEPS + 1)  # a second epoch: the graph compiled in the first is reused
     out["traced_stats"] = traced.comm_stats()
     tracing.flush(runtime.get_engine("mindspore"))
+write_result(rank, out)  # what ran so far, kept should a refusal below fail (a GRAPH join() that goes ahead)
+
+# 8. refused before any step: the bare network under a wrapper (no reduction); join() around Model in GRAPH mode
+bare = wrapped_net(rank)
+errors = {"bare_model": error_of(lambda: Model(bare.network, loss_fn, momentum(bare)))}
+errors["bare_cell"] = error_of(lambda: nn.TrainOneStepCell(nn.WithLossCell(bare.network, loss_fn), momentum(bare)))
+if MODE == "graph":  # join() shadows steps from Python: in GRAPH mode refused before any collective
+    uneven = wrapped_net(rank)
+    uneven_model = Model(uneven, loss_fn, momentum(uneven))
+
+    def train_uneven() -> None:
+        with uneven.join():
+            train(uneven_model, STEPS + rank)
+
+    errors["join"] = error_of(train_uneven)
+    out["uneven_untouched"] = weights(uneven) == weights(wrapped_net(0))
+out["errors"] = errors
 co.barrier()
 write_result(rank, out)
