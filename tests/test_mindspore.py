@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from collective_ops.tools.heatmap import analyze, load_events
-from tests.msrun_harness import requires_mindspore, run_msrun_suite
+from tests.msrun_harness import SuiteRun, requires_mindspore, run_msrun_suite
 from tests.reference import OPS, assert_identical, check_allreduce, check_gather_and_scatter
 
 pytestmark = requires_mindspore
@@ -20,15 +20,20 @@ SUITES = {
         "bench",
         "join",
         "model_train",
-        "model_wrap",
         "loss_scale",
         "alignment",
         "sharded",
         "adapter",
     ),
     ("pynative", 3): ("join", "sharded", "adapter:1e-06"),
-    ("graph", 2): ("model_train", "model_wrap", "loss_scale", "adapter"),
+    ("graph", 2): ("model_train", "loss_scale", "adapter"),
 }
+MODEL_WRAP_TIMEOUT_S = 500  # its own start: ~15 Model builds (a graph compiled for each in GRAPH mode)
+
+
+def model_wrap_run(mode: str) -> SuiteRun:
+    """ms_workers/model_wrap.py (Model over the wrapper) at 2 workers, in an msrun start of its own."""
+    return run_msrun_suite(mode, 2, ("model_wrap",), MODEL_WRAP_TIMEOUT_S)
 
 
 def results_of(mode: str, world: int, part: str) -> list[dict]:
@@ -183,7 +188,7 @@ def test_model_over_the_wrapper_equals_model_under_mindspores_data_parallel(mode
     through it, bit-equal to Model(net, loss_fn, opt) under DATA_PARALLEL; so do nn.TrainOneStepCell built by hand,
     amp_level="O2" with a static loss scale, and a dynamic loss scale (MindSpore's CPU build refuses it; our
     loss-scale cell trains it). Checkpoints of the wrapper load into the plain network and back."""
-    for rank, out in enumerate(results_of(mode, 2, "model_wrap")):
+    for rank, out in enumerate(model_wrap_run(mode).part("model_wrap")):
         what = f"({mode}), rank {rank}"
         assert out["wrapped_is_cell"] and out["names"], "the wrapper is a Cell, its parameters named as the network's"
         assert_identical(out["ours"], out["reference"], f"Model(co.wrap(net), loss_fn, opt) {what}")
@@ -208,7 +213,7 @@ def test_model_steps_with_the_distributed_optimizer_equal_mindspores_data_parall
     is bit-equal to Model(net, loss_fn, nn.Adam) under DATA_PARALLEL (Momentum too; shard=True in PyNative), and
     nn.TrainOneStepCell over it reduces once per step, the optimizer's reduction (not a second one before it)."""
     steps = 3 if mode == "pynative" else 2  # GRAPH: the first call compiles
-    for rank, out in enumerate(results_of(mode, 2, "model_wrap")):
+    for rank, out in enumerate(model_wrap_run(mode).part("model_wrap")):
         what = f"({mode}), rank {rank}"
         assert_identical(out["dist_opt_momentum"], out["reference"], f"Model + DistributedOptimizer(Momentum) {what}")
         assert_identical(out["dist_opt_adam"], out["reference_adam"], f"Model + DistributedOptimizer(Adam) {what}")
@@ -225,7 +230,7 @@ def test_graph_mode_steps_of_model_are_in_comm_stats_and_the_trace_and_compilati
     """GRAPH mode: Model's step is one compiled graph with our reduction inside. Each call after the one that
     compiled is a step of comm_stats and of the trace (a step event, one per bucket), so the heatmap reads GRAPH
     runs; the compiling call is a "compile" event of its own, not a step whose seconds would read as wait skew."""
-    run = run_msrun_suite("graph", 2, SUITES[("graph", 2)])
+    run = model_wrap_run("graph")
     results = run.part("model_wrap")
     events = load_events([run.trace_file])
     analysis = analyze(events)
@@ -244,8 +249,8 @@ def test_graph_mode_steps_of_model_are_in_comm_stats_and_the_trace_and_compilati
 def test_training_the_bare_network_is_refused_and_graph_join_around_model_before_any_step(mode: str) -> None:
     """Model(wrapped.network, ...) trained each rank on its own gradients, silently: refused at construction, as is
     nn.TrainOneStepCell over it. GRAPH mode: join() around Model.train is refused before any collective."""
-    for rank, out in enumerate(results_of(mode, 2, "model_wrap")):
-        failure = run_msrun_suite(mode, 2, SUITES[(mode, 2)]).failure
+    for rank, out in enumerate(model_wrap_run(mode).part("model_wrap")):
+        failure = model_wrap_run(mode).failure
         assert "errors" in out, f"the refusals did not finish (a join() that goes ahead crashes): {failure}"
         errors = out["errors"]
         for form in ("bare_model", "bare_cell"):

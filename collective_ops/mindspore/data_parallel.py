@@ -15,6 +15,11 @@ buckets, one fused collective each). ``comm_stats()['mode']`` says which path ra
 MindSpore tensors have no flat views to hand out, so gradients are copied into the
 buffers (``gradient_as_bucket_view`` does not apply) and the results are returned as
 new tensors, in the order of the gradient tuple given.
+
+The wrapper is a ``Cell``: ``mindspore.train.Model(wrapped, loss_fn, optimizer)`` builds an
+``nn.TrainOneStepCell`` (or its loss-scale subclass) over it, and every such cell built over
+a network that holds a wrapper takes the wrapper's reduction (``_adopt``); one built over the
+wrapped network without its wrapper is refused, since nothing would reduce its steps.
 """
 
 from __future__ import annotations
@@ -346,8 +351,10 @@ class DataParallel(nn.Cell):
 
         The drop-in for ``nn.DistributedGradReducer`` where the whole step is one graph (e.g.
         ``nn.TrainOneStepCell`` in GRAPH mode): the current bucket plan's reduction compiled
-        into the caller's graph. Python does not run per step there, so ``comm_stats()`` and
-        the trace do not see these steps, and a later ``set_bucket_size`` does not change it.
+        into the caller's graph. Python does not run inside that graph: the training cells of
+        this module (and MindSpore's, built over the wrapper) account for each step from their
+        call (``comm_stats()``, the trace); a step built otherwise is not seen. The plan is
+        fixed into the graph when it compiles.
         """
         params = self._grad_params if params is None else list(params)
         indices = self._indices_of(params)
