@@ -78,14 +78,21 @@ class WrapOptions:
 
     gradient_as_bucket_view: bool = field(
         default=True,
-        metadata=only("torch", mindspore="MindSpore's reduce() returns the reduced gradients: nothing to view"),
+        metadata=only(
+            "torch",
+            mindspore="MindSpore tensors have no views into a flat buffer: gradients are copied into the buckets "
+            "and reduce() returns new tensors; leave the keyword out",
+        ),
     )
     """Each ``p.grad`` is a view into its bucket (no second copy of the gradients). DDP's default is False."""
 
     broadcast_buffers: bool = field(
         default=True,
         metadata=only(
-            "torch", mindspore="a MindSpore network's parameters are broadcast once, at wrap (broadcast_parameters)"
+            "torch",
+            mindspore="MindSpore keeps a network's state in Parameters: broadcast_parameters=True (the default) "
+            "sends rank 0's parameters, non-trainable ones such as BatchNorm's moving statistics included, at wrap "
+            "time; MindSpore's nn.SyncBatchNorm synchronises those statistics every step",
         ),
     )
     """As DDP's: rank 0's buffers (BatchNorm running statistics) are broadcast before each training step's first
@@ -95,17 +102,25 @@ class WrapOptions:
         default=False,
         metadata=only(
             "torch",
-            mindspore="train with collective_ops.mindspore.TrainOneStepWithLossScaleCell, which checks the "
-            "reduced gradients for overflow and skips such steps",
+            mindspore="skipping a step whose gradients hold an inf or NaN is a loss-scale cell's job on MindSpore: "
+            "Model(wrapped, loss_fn, optimizer, loss_scale_manager=DynamicLossScaleManager()) or "
+            "collective_ops.mindspore.TrainOneStepWithLossScaleCell skip such a step on every rank alike",
         ),
     )
     """Raise a ``FloatingPointError`` naming the parameters (and the rank where the NaN/Inf began) when the
     optimizer applied a non-finite reduced gradient."""
 
-    auto_tune_step: int = field(default=2, metadata=only("torch"))
+    auto_tune_step: int = field(
+        default=2,
+        metadata=only(
+            "torch", mindspore="bucket_size_mb='auto' is not available on MindSpore: give bucket_size_mb a number"
+        ),
+    )
     """With ``bucket_size_mb="auto"``: the step whose backward is profiled for the choice (>= 1)."""
 
-    row_sparse_embeddings: bool | str = field(default="auto", metadata=only("torch"))
+    row_sparse_embeddings: bool | str = field(
+        default="auto", metadata=only("torch", mindspore="MindSpore gradients reach the wrapper dense; leave it out")
+    )
     """Reduce embedding tables' gradients by the rows the ranks looked up: ``"auto"`` (CPU tables not shared
     with another module), True (any device) or False (dense, as DDP)."""
 

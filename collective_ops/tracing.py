@@ -171,6 +171,20 @@ class Tracer:
             }
         )
 
+    def graph_compiled(self, what: str, start: float, end: float) -> None:
+        """A call that compiled a graph (and ran it once): shown apart, never as a step's communication or wait."""
+        self._add(
+            {
+                "name": f"compile {what}",
+                "cat": "compile",
+                "ph": "X",
+                "tid": TRACK_BACKWARD,
+                "ts": self.us(start),
+                "dur": max(self.us(end) - self.us(start), 0),
+                "args": {"what": what},
+            }
+        )
+
     # -- output --------------------------------------------------------------------------
     def metadata(self) -> list[dict]:
         meta = [

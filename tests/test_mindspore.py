@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from collective_ops.tools.heatmap import analyze, load_events
-from tests.msrun_harness import requires_mindspore, run_msrun_suite
+from tests.msrun_harness import SuiteRun, requires_mindspore, run_msrun_suite
 from tests.reference import OPS, assert_identical, check_allreduce, check_gather_and_scatter
 
 pytestmark = requires_mindspore
@@ -15,10 +15,25 @@ pytestmark = requires_mindspore
 # a start costs ~15-20 s here. The PyNative adapter runs last: it starts the trace its test reads. The
 # GRAPH adapter sets MindSpore's data-parallel context (for nn.TrainOneStepCell's own reducer) and leaves it.
 SUITES = {
-    ("pynative", 2): ("primitives", "bench", "join", "model_train", "loss_scale", "alignment", "sharded", "adapter"),
+    ("pynative", 2): (
+        "primitives",
+        "bench",
+        "join",
+        "model_train",
+        "loss_scale",
+        "alignment",
+        "sharded",
+        "adapter",
+    ),
     ("pynative", 3): ("join", "sharded", "adapter:1e-06"),
     ("graph", 2): ("model_train", "loss_scale", "adapter"),
 }
+MODEL_WRAP_TIMEOUT_S = 500  # its own start: ~15 Model builds (a graph compiled for each in GRAPH mode)
+
+
+def model_wrap_run(mode: str) -> SuiteRun:
+    """ms_workers/model_wrap.py (Model over the wrapper) at 2 workers, in an msrun start of its own."""
+    return run_msrun_suite(mode, 2, ("model_wrap",), MODEL_WRAP_TIMEOUT_S)
 
 
 def results_of(mode: str, world: int, part: str) -> list[dict]:
@@ -168,6 +183,85 @@ def test_model_train_equals_model_under_mindspores_data_parallel(mode: str) -> N
 
 
 @pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_model_over_the_wrapper_equals_model_under_mindspores_data_parallel(mode: str) -> None:
+    """Model(co.wrap(net), loss_fn, opt), the one-line form: the wrapper is a Cell, Model's TrainOneStepCell reduces
+    through it, bit-equal to Model(net, loss_fn, opt) under DATA_PARALLEL; so do nn.TrainOneStepCell built by hand,
+    amp_level="O2" with a static loss scale, and a dynamic loss scale (MindSpore's CPU build refuses it; our
+    loss-scale cell trains it). Checkpoints of the wrapper load into the plain network and back."""
+    for rank, out in enumerate(model_wrap_run(mode).part("model_wrap")):
+        what = f"({mode}), rank {rank}"
+        assert out["wrapped_is_cell"] and out["names"], "the wrapper is a Cell, its parameters named as the network's"
+        assert_identical(out["ours"], out["reference"], f"Model(co.wrap(net), loss_fn, opt) {what}")
+        assert out["reducer"] == ("_EagerReducer" if mode == "pynative" else "CompiledReduction")
+        assert out["steps_reduced"] == (3 if mode == "pynative" else 2)  # GRAPH: the first call compiles
+        assert_identical(out["train_one_step"], out["reference"], f"nn.TrainOneStepCell over the wrapper {what}")
+        assert_identical(out["o2"], out["reference_o2"], f'amp_level="O2", static loss scale {what}')
+        assert out["dynamic_cell"] == "TrainOneStepWithLossScaleCell"
+        assert_identical(out["dynamic"], out["dynamic_by_hand"], f"dynamic loss scale vs our cell by hand {what}")
+        assert_identical(out["dynamic"], out["reference"], f"dynamic loss scale 2**10, no overflow {what}")
+        assert out["mindspores_cell"] == "TrainOneStepWithLossScaleCell"  # nn's, built over the wrapper: ours now
+        assert out["mindspores_cell_module"] == "collective_ops.mindspore.data_parallel"
+        assert_identical(out["dynamic_mindspores_cell"], out["dynamic_by_hand"], f"nn's loss-scale cell {what}")
+        assert out["plain_not_loaded"] == [] and out["wrapper_not_loaded"] == []
+        assert_identical(out["plain_loaded"], out["ours"], f"save_checkpoint(wrapped) into a plain network {what}")
+        assert_identical(out["wrapper_loaded"], out["ours"], f"the checkpoint into a new wrapper {what}")
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_model_steps_with_the_distributed_optimizer_equal_mindspores_data_parallel(mode: str) -> None:
+    """co.DistributedOptimizer is an nn.Optimizer: Model(wrapped, loss_fn, DistributedOptimizer(wrapped, nn.Adam))
+    is bit-equal to Model(net, loss_fn, nn.Adam) under DATA_PARALLEL (Momentum too; shard=True in PyNative), and
+    nn.TrainOneStepCell over it reduces once per step, the optimizer's reduction (not a second one before it)."""
+    steps = 3 if mode == "pynative" else 2  # GRAPH: the first call compiles
+    for rank, out in enumerate(model_wrap_run(mode).part("model_wrap")):
+        what = f"({mode}), rank {rank}"
+        assert_identical(out["dist_opt_momentum"], out["reference"], f"Model + DistributedOptimizer(Momentum) {what}")
+        assert_identical(out["dist_opt_adam"], out["reference_adam"], f"Model + DistributedOptimizer(Adam) {what}")
+        assert_identical(out["dist_opt_cell"], out["reference"], f"nn.TrainOneStepCell + DistributedOptimizer {what}")
+        for form in ("momentum", "adam", "cell"):
+            assert out[f"dist_opt_{form}_steps"] == steps, f"{form}: reduced more than once a step {what}"
+        if mode == "pynative":
+            assert_identical(
+                out["dist_opt_shard"], out["reference"], f"Model + DistributedOptimizer(shard=True) {what}"
+            )
+
+
+def test_graph_mode_steps_of_model_are_in_comm_stats_and_the_trace_and_compilation_is_not_wait_skew() -> None:
+    """GRAPH mode: Model's step is one compiled graph with our reduction inside. Each call after the one that
+    compiled is a step of comm_stats and of the trace (a step event, one per bucket), so the heatmap reads GRAPH
+    runs; the compiling call is a "compile" event of its own, not a step whose seconds would read as wait skew."""
+    run = model_wrap_run("graph")
+    results = run.part("model_wrap")
+    events = load_events([run.trace_file])
+    analysis = analyze(events)
+    stats = results[0]["traced_stats"]
+    assert stats["mode"] == "in-graph (compiled)" and stats["buckets"] > 1
+    assert stats["steps"] == 2 * 4 - 1, "two epochs of 4 steps, the first call compiled"
+    assert analysis.ranks == [0, 1] and len(analysis.steps) == stats["steps"]
+    assert analysis.comm_ms.shape[1] == stats["buckets"]
+    compiles = [e for e in events if e.get("cat") == "compile"]
+    assert sorted(e["pid"] for e in compiles) == [0, 1], "one compilation per rank, traced apart"
+    shortest_compile_ms = min(e["dur"] for e in compiles) / 1e3
+    assert analysis.wait_skew_ms.max() < shortest_compile_ms / 4, (analysis.wait_skew_ms, shortest_compile_ms)
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_training_the_bare_network_is_refused_and_graph_join_around_model_before_any_step(mode: str) -> None:
+    """Model(wrapped.network, ...) trained each rank on its own gradients, silently: refused at construction, as is
+    nn.TrainOneStepCell over it. GRAPH mode: join() around Model.train is refused before any collective."""
+    for rank, out in enumerate(model_wrap_run(mode).part("model_wrap")):
+        failure = model_wrap_run(mode).failure
+        assert "errors" in out, f"the refusals did not finish (a join() that goes ahead crashes): {failure}"
+        errors = out["errors"]
+        for form in ("bare_model", "bare_cell"):
+            assert errors[form] is not None, f"{form}: trains without a reduction ({mode}, rank {rank})"
+            assert f"rank {rank}:" in errors[form] and "Model(wrapped, loss_fn, optimizer)" in errors[form]
+        if mode == "graph":
+            assert errors["join"] is not None and "needs PyNative mode" in errors["join"], errors["join"]
+            assert out["uneven_untouched"], "join() around Model.train changed the weights before refusing"
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
 def test_loss_scaled_steps_equal_mindspores_cell_and_an_overflow_is_skipped_on_every_rank(mode: str) -> None:
     """Our TrainOneStepWithLossScaleCell (dynamic scale 2**10) on each path against MindSpore's under
     DATA_PARALLEL: losses, overflow flags, scales and weights to the bit; the last rank's inf at step 2
@@ -202,10 +296,14 @@ def test_a_rank_that_skips_a_reduction_makes_every_rank_raise_before_mixing_iter
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_join_with_uneven_batches_equals_the_hand_computed_average(world: int) -> None:
-    """Ranks with 3/5(/4) batches inside net.join(): the longest rank's steps averaged over the initial world."""
+    """Ranks with 3/5(/4) batches inside net.join(): the longest rank's steps averaged over the initial world, in a
+    functional loop and under mindspore.train.Model (PyNative)."""
     results = results_of("pynative", world, "join")
     for rank, out in enumerate(results):
         assert out["steps"] == 5, "every rank takes part in every step of the longest rank"
+        # Model(wrapped, loss_fn, opt).train inside join(): the functional path's steps and bits
+        assert out["model_steps"] == 5, f"rank {rank}: Model's steps inside join()"
+        assert_identical(out["model"], out["ours"], f"Model.train inside join() vs the functional loop, rank {rank}")
         if world == 2:  # two operands: MCCL's sum and the hand-computed one agree to the bit
             assert_identical(out["ours"], out["reference"], f"rank {rank}")
         else:
@@ -307,3 +405,24 @@ def test_sharded_optimizer_refuses_what_it_cannot_do() -> None:
         assert "not in the order of the parameters" in errors["wrong_order"], errors["wrong_order"]
         assert errors["bad_state"].startswith("KeyError") and "moment1." in errors["bad_state"]
         assert "join() with DistributedOptimizer(shard=True) is not supported" in errors["join"]
+
+
+def test_the_torch_wrappers_keywords_name_what_mindspore_does_instead() -> None:
+    """check_finite, broadcast_buffers, bucket_size_mb="auto" and tune() on a MindSpore network: a message saying
+    what to do on MindSpore, before anything is initialised or run, not a raw TypeError from the signature."""
+    from mindspore import nn
+
+    import collective_ops as co
+
+    net = nn.Dense(4, 2)
+    with pytest.raises(
+        TypeError, match=r"'check_finite' is a torch option.*loss_scale_manager=DynamicLossScaleManager"
+    ):
+        co.wrap(net, check_finite=True)
+    with pytest.raises(TypeError, match=r"'broadcast_buffers' is a torch option.*broadcast_parameters=True"):
+        co.wrap(net, broadcast_buffers=False)
+    with pytest.raises(ValueError, match=r"bucket_size_mb='auto'.*torch only; on MindSpore give a number"):
+        co.wrap(net, bucket_size_mb="auto")
+    wrapper = type("DataParallel", (), {"__module__": "collective_ops.mindspore.data_parallel"})()
+    with pytest.raises(NotImplementedError, match=r"tunes torch models only"):
+        co.tune(wrapper, lambda: pytest.fail("tune ran a step before refusing"))

@@ -15,6 +15,11 @@ buckets, one fused collective each). ``comm_stats()['mode']`` says which path ra
 MindSpore tensors have no flat views to hand out, so gradients are copied into the
 buffers (``gradient_as_bucket_view`` does not apply) and the results are returned as
 new tensors, in the order of the gradient tuple given.
+
+The wrapper is a ``Cell``: ``mindspore.train.Model(wrapped, loss_fn, optimizer)`` builds an
+``nn.TrainOneStepCell`` (or its loss-scale subclass) over it, and every such cell built over
+a network that holds a wrapper takes the wrapper's reduction (``_adopt``); one built over the
+wrapped network without its wrapper is refused, since nothing would reduce its steps.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn
+from mindspore.train import amp
 
 from .. import runtime, tracing
 from ..bucketing import (
@@ -47,6 +54,9 @@ from ..options import WrapOptions, resolve_options
 logger = logging.getLogger("collective_ops")
 
 BROADCAST_BUCKET_MB = 250.0
+
+# id(wrapped network) -> its live wrapper: a training cell built over the bare network is refused (see _adopt)
+_WRAPPED: weakref.WeakValueDictionary[int, DataParallel] = weakref.WeakValueDictionary()
 
 
 def _refuse_misordered(grads: Sequence[ms.Tensor], params: Sequence[Any]) -> None:
@@ -77,11 +87,14 @@ def _pynative() -> bool:
     return ms.get_context("mode") == ms.PYNATIVE_MODE
 
 
-class DataParallel:
-    """A data-parallel MindSpore network. Call it like the network; reduce gradients with ``reduce``.
+class DataParallel(nn.Cell):
+    """A data-parallel MindSpore network: a ``Cell`` that runs the network it wraps.
 
-    ``net = collective_ops.wrap(net)``; ``loss, grads = grad_fn(x, y)``;
-    ``grads = net.reduce(grads)``; ``optimizer(grads)``.
+    Functional loops: ``net = collective_ops.wrap(net)``; ``loss, grads = grad_fn(x, y)``;
+    ``grads = net.reduce(grads)``; ``optimizer(grads)``. ``mindspore.train.Model(net, loss_fn, opt)``
+    and ``nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), opt)`` reduce through it as well (the
+    training cell's gradient reducer becomes this wrapper's, see ``_adopt``). Its parameters keep the
+    network's names, so checkpoints load into the plain network and back.
     """
 
     def __init__(
@@ -101,6 +114,7 @@ class DataParallel:
         trace: bool | None = None,
         check_step_alignment: bool = False,
     ) -> None:
+        super().__init__(auto_prefix=False)  # the parameters keep the network's names (checkpoints stay plain)
         if isinstance(network, DataParallel):
             raise ValueError("this network is already wrapped by collective_ops; wrap the original network once")
         if not isinstance(network, nn.Cell):
@@ -113,11 +127,12 @@ class DataParallel:
         self.engine: MindSporeEngine = runtime.get_engine("mindspore")
         self.network = network
         self.compression = compression
-        self._params = list(network.trainable_params())
-        if not self._params:
+        # not through Cell.__setattr__: a list of Parameters there would become parameters of this Cell
+        object.__setattr__(self, "_grad_params", list(network.trainable_params()))
+        if not self._grad_params:
             raise ValueError("the network has no trainable parameters (requires_grad=True): nothing to synchronize")
-        self._index = {p.name: i for i, p in enumerate(self._params)}
-        if len(self._index) != len(self._params):
+        self._index = {p.name: i for i, p in enumerate(self._grad_params)}
+        if len(self._index) != len(self._grad_params):
             raise ValueError("two trainable parameters share a name; give every Parameter a unique name")
 
         if overlap is None:
@@ -132,7 +147,7 @@ class DataParallel:
             first_bucket_mb = 1.0 if self.overlap else bucket_size_mb
         specs = [
             ParamSpec(p.name, int(p.size), dtype_name(p.dtype), self.engine.device, int(p.itemsize))
-            for p in self._params
+            for p in self._grad_params
         ]
         plan = plan_buckets(specs, bucket_size_mb, first_bucket_mb)
         signature = [
@@ -177,12 +192,13 @@ class DataParallel:
         self._hook_handles = []
         self._hooked: dict[int, ms.Tensor] = {}  # this step's gradients as the hooks handed them to the buckets
         if self.overlap:
-            for i, p in enumerate(self._params):
+            for i, p in enumerate(self._grad_params):
                 self._hook_handles.append(p.register_hook(self._make_hook(i)))
         self._last_mode = "overlap" if self.overlap else "fused-after-backward"
         self._joining = False
         self._own_steps = 0  # steps this rank ran inside join()
         self._sharded_optimizer = False  # a DistributedOptimizer(shard=True) reduces this network's gradients
+        _WRAPPED[id(network)] = self  # a training cell over the bare network is refused (see _adopt)
 
     def _broadcast_parameters(self, src: int) -> None:
         """Rank ``src``'s parameters to every rank, in few fused collectives."""
@@ -203,7 +219,8 @@ class DataParallel:
         collective counting the ranks still active; a rank that ran out of data answers 0 and
         takes part in each remaining step's bucket collectives with zero gradients, so the
         average divides by the initial world size. At the end every rank takes the parameters
-        of the (highest) rank that ran the most steps. PyNative mode, ``reduce()`` loops.
+        of the (highest) rank that ran the most steps. PyNative mode: ``reduce()`` loops, and
+        ``Model(net, ...).train`` / a training cell over ``net`` (one network call and one reduction a step).
         """
         if not _pynative():
             raise ValueError("net.join() needs PyNative mode: a rank that ran out of data shadows steps from Python")
@@ -247,7 +264,7 @@ class DataParallel:
         trainable parameters, as ``optimizer.parameters`` usually are). Buckets whose
         gradients arrived during backward are already in flight; the rest are reduced now.
         """
-        params = self._params if params is None else list(params)
+        params = self._grad_params if params is None else list(params)
         grads = tuple(grads)
         if len(grads) != len(params):
             raise ValueError(
@@ -260,7 +277,7 @@ class DataParallel:
         if not manager.sync_enabled:
             raise RuntimeError("reduce() inside no_sync(): leave the no_sync() block first")
         by_index = dict(zip(indices, grads))
-        if self._compile and not self._joining and not manager.in_progress and len(by_index) == len(self._params):
+        if self._compile and not self._joining and not manager.in_progress and len(by_index) == len(self._grad_params):
             compiled = self._compiled_reduction(indices)
             if compiled is not None:
                 start = time.perf_counter()
@@ -319,7 +336,7 @@ class DataParallel:
             self._compiled[key] = self.engine.compiled_reduction(
                 [[position[i] for i in b.param_indices] for b in plan.buckets],
                 [plan.params[i].numel for i in indices],
-                [tuple(self._params[i].shape) for i in indices],
+                [tuple(self._grad_params[i].shape) for i in indices],
                 [plan.params[i].dtype for i in indices],
                 self.manager.reduce_op,
                 self._wire_dtype,
@@ -335,12 +352,14 @@ class DataParallel:
 
         The drop-in for ``nn.DistributedGradReducer`` where the whole step is one graph (e.g.
         ``nn.TrainOneStepCell`` in GRAPH mode): the current bucket plan's reduction compiled
-        into the caller's graph. Python does not run per step there, so ``comm_stats()`` and
-        the trace do not see these steps, and a later ``set_bucket_size`` does not change it.
+        into the caller's graph. Python does not run inside that graph: the training cells of
+        this module (and MindSpore's, built over the wrapper) account for each step from their
+        call (``comm_stats()``, the trace); a step built otherwise is not seen. The plan is
+        fixed into the graph when it compiles.
         """
-        params = self._params if params is None else list(params)
+        params = self._grad_params if params is None else list(params)
         indices = self._indices_of(params)
-        if len(set(indices)) != len(self._params):
+        if len(set(indices)) != len(self._grad_params):
             raise ValueError("graph_reducer needs one gradient for every trainable parameter of the wrapped network")
         cell = self._compiled_reduction(indices) if self._compile else None
         if cell is None:
@@ -358,6 +377,8 @@ class DataParallel:
 
     # -- the network's face ---------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Python runs here for calls from Python (PyNative, and a GRAPH-mode top-level call); inside a compiled
+        # training step only construct() is compiled into the step's graph
         if self.manager.alignment is not None and self.network.training:
             # a training forward: each rank's count behind its next reduction is compared (a rank that skipped
             # one would pair its gradients with its peers' of another iteration)
@@ -365,15 +386,19 @@ class DataParallel:
         if self._joining:  # a step starts: counted, so ranks that ran out of data know to shadow it
             self._count_active(active=True)
             self._own_steps += 1
-        return self.network(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def construct(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.network(*inputs, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("network", "manager", "engine"):
-            raise AttributeError(name)
-        return getattr(self.network, name)
-
-    def trainable_params(self) -> list:
-        return self.network.trainable_params()
+        try:
+            return super().__getattr__(name)  # this Cell's own parameters and cells ("network")
+        except AttributeError:
+            network = self.__dict__.get("_cells", {}).get("network")
+            if network is None or name.startswith("__"):
+                raise
+            return getattr(network, name)  # the wrapped network's attributes, as before it was wrapped
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -403,8 +428,13 @@ class TrainOneStepCell(nn.TrainOneStepCell):
 
     def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, data_parallel: DataParallel, sens: float = 1.0):
         super().__init__(network, optimizer, sens)
-        self.grad_reducer = _our_reducer(data_parallel, list(self.weights))
-        self.reducer_flag = True
+        self._distributed_over(data_parallel)
+
+    def _distributed_over(self, data_parallel: DataParallel) -> None:
+        _set_reducer(self, data_parallel)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return _recorded_step(self, super().__call__, inputs)
 
 
 _nonfinite = ms.ops.MultitypeFuncGraph("_nonfinite")
@@ -443,10 +473,15 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepWithLossScaleCell):
         self, network: nn.Cell, optimizer: nn.Optimizer, data_parallel: DataParallel, scale_sense: Any
     ) -> None:
         super().__init__(network, optimizer, scale_sense)
-        self.grad_reducer = _our_reducer(data_parallel, list(self.weights))
-        self.reducer_flag = True
+        self._distributed_over(data_parallel)
+
+    def _distributed_over(self, data_parallel: DataParallel) -> None:
+        _set_reducer(self, data_parallel)
         self.is_distributed = data_parallel.engine.world_size > 1  # the overflow flag summed over ranks
         self._cpu = ms.get_context("device_target") == "CPU"
+
+    def __call__(self, *inputs: Any) -> Any:
+        return _recorded_step(self, super().__call__, inputs)
 
     def construct(self, *inputs: Any) -> Any:
         loss = self.network(*inputs)
@@ -470,6 +505,37 @@ class TrainOneStepWithLossScaleCell(nn.TrainOneStepWithLossScaleCell):
         if self.is_distributed:
             flags = self.allreduce(flags)
         return self.less_equal(self.base, flags)
+
+
+def _set_reducer(cell: nn.TrainOneStepCell, data_parallel: DataParallel) -> None:
+    """A training cell's reducer: the wrapper's, or none where its optimizer reduces (DistributedOptimizer)."""
+    if getattr(cell.optimizer, "reduces_gradients", False):
+        cell.grad_reducer = nn.Identity()  # the optimizer's step reduces: a second reduction would only cost
+    else:
+        cell.grad_reducer = _our_reducer(data_parallel, list(cell.weights))
+    cell.reducer_flag = True
+    object.__setattr__(cell, "_data_parallel", data_parallel)  # not a sub-cell: no part of the step's graph
+
+
+def _recorded_step(cell: nn.Cell, call: Any, inputs: tuple) -> Any:
+    """Run a training cell's step; in GRAPH mode, where the reduction runs inside the step's graph and no Python of
+    ours runs, account for it as one compiled step (comm_stats, trace: a step event and one per bucket). A call
+    that compiled a graph (the first, or a new input shape) is traced as a compilation, not as a step: its
+    seconds of compiling would read as one rank's wait skew. PyNative steps are recorded by reduce() itself."""
+    if _pynative():
+        return call(*inputs)
+    compiled = len(cell.compile_cache)
+    start = time.perf_counter()
+    out = call(*inputs)
+    end = time.perf_counter()
+    manager = cell._data_parallel.manager
+    if len(cell.compile_cache) > compiled:
+        traced = getattr(manager.observer, "graph_compiled", None)
+        if traced is not None:
+            traced(type(cell).__name__, start, end)
+    else:
+        manager.record_compiled_step(start, end)
+    return out
 
 
 def _our_reducer(data_parallel: DataParallel, weights: Sequence[Any]) -> nn.Cell:
@@ -496,9 +562,116 @@ class _EagerReducer(nn.Cell):
         return self._reduce(grads)
 
 
+# -- MindSpore's own training cells (Model builds them) reduce through the wrapper -------------------------------
+def _wrapper_in(network: nn.Cell) -> DataParallel | None:
+    """The one DataParallel inside ``network`` (itself included), or None."""
+    found = {id(cell): cell for _, cell in network.cells_and_names() if isinstance(cell, DataParallel)}
+    if len(found) > 1:
+        raise ValueError("a training cell over two collective_ops wrappers: wrap the whole network once")
+    return next(iter(found.values()), None)
+
+
+def _bare_wrapped_in(network: nn.Cell) -> DataParallel | None:
+    """The wrapper of a network inside ``network`` that is there without its wrapper, or None."""
+    for _, cell in network.cells_and_names():
+        wrapper = _WRAPPED.get(id(cell))
+        if wrapper is not None and wrapper.network is cell:
+            return wrapper
+    return None
+
+
+def _adopt(cell: nn.TrainOneStepCell) -> None:
+    """Give a MindSpore training cell (``nn.TrainOneStepCell`` as ``Model`` builds it, or the loss-scale one) the
+    reduction of the wrapper inside its network; refuse one over a wrapped network without its wrapper, whose
+    steps nothing would reduce (each rank would train on its own gradients, silently)."""
+    wrapper = _wrapper_in(cell.network)
+    if wrapper is None:
+        bare = _bare_wrapped_in(cell.network)
+        if bare is not None and not cell.reducer_flag:  # under DATA_PARALLEL MindSpore's own reducer runs
+            raise ValueError(
+                f"rank {bare.engine.rank}: this {type(cell).__name__} trains a network that collective_ops.wrap() "
+                "wrapped, but without its wrapper, so no step of it would be reduced (each rank would train on its "
+                "own gradients). Pass the wrapper itself: Model(wrapped, loss_fn, optimizer), "
+                "nn.TrainOneStepCell(nn.WithLossCell(wrapped, loss_fn), optimizer), or "
+                "collective_ops.mindspore.TrainOneStepCell(nn.WithLossCell(wrapped.network, loss_fn), optimizer, "
+                "wrapped)"
+            )
+        return
+    kind = type(cell)
+    # the same object, as ours: our reducer, GRAPH steps recorded; the loss-scale one also reduces before unscaling
+    if kind is nn.TrainOneStepWithLossScaleCell:
+        cell.__class__ = TrainOneStepWithLossScaleCell
+        cell._distributed_over(wrapper)
+    elif kind is nn.TrainOneStepCell:
+        cell.__class__ = TrainOneStepCell
+        cell._distributed_over(wrapper)
+    else:  # a subclass with a step of its own (boost, gradient accumulation): where to reduce is unknown
+        raise ValueError(
+            f"{kind.__name__} over a collective_ops wrapper is not supported: its step is its own, and the "
+            "gradients' reduction has no known place in it. Use Model without boost_level / gradient "
+            "accumulation, or collective_ops.mindspore.TrainOneStepCell(net_with_loss, optimizer, wrapped)"
+        )
+
+
+def _adopting(init: Any, adopts_in_subclass: type | None) -> Any:
+    """``init``, then ``_adopt`` (ours set their reducer themselves; a loss-scale cell once its own init is done)."""
+
+    def adopting_init(self: nn.TrainOneStepCell, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        ours = isinstance(self, (TrainOneStepCell, TrainOneStepWithLossScaleCell))
+        if not ours and not (adopts_in_subclass is not None and isinstance(self, adopts_in_subclass)):
+            _adopt(self)
+
+    return adopting_init
+
+
+# Model(net, ...) builds nn.TrainOneStepCell (or its loss-scale subclass) in mindspore.train.amp.build_train_network
+# and takes its reducer from MindSpore's parallel context alone; every construction of one passes through here so
+# that a wrapper in its network supplies the reduction. Networks without a wrapper are left exactly as they were.
+nn.TrainOneStepCell.__init__ = _adopting(nn.TrainOneStepCell.__init__, nn.TrainOneStepWithLossScaleCell)
+nn.TrainOneStepWithLossScaleCell.__init__ = _adopting(nn.TrainOneStepWithLossScaleCell.__init__, None)
+
+
+_BUILD_TRAIN_NETWORK = amp.build_train_network
+
+
+def _build_train_network(network: nn.Cell, optimizer: Any, loss_fn: Any = None, level: str = "O0", **kw: Any) -> Any:
+    """``mindspore.train.amp.build_train_network`` (what ``Model`` calls), except for a wrapped network with a
+    dynamic loss scale on CPU, which MindSpore refuses there (it has none of the float-status kernels its cell
+    checks overflow with): collective_ops' ``TrainOneStepWithLossScaleCell`` trains it instead, skipping a step
+    where any rank's reduced gradients hold an inf or NaN."""
+    wrapper = _wrapper_in(network)
+    manager = kw.get("loss_scale_manager", getattr(amp, "_config_level", {}).get(level, {}).get("loss_scale_manager"))
+    dynamic = manager is not None and manager.get_update_cell() is not None
+    if wrapper is None or not dynamic or ms.get_context("device_target") != "CPU" or ms.get_context("enable_ge"):
+        return _BUILD_TRAIN_NETWORK(network, optimizer, loss_fn, level, **kw)
+    logger.info(
+        "Model(wrapped, ..., loss_scale_manager=%s) on CPU: MindSpore's own loss-scale cell does not run there; "
+        "collective_ops.mindspore.TrainOneStepWithLossScaleCell trains instead (overflow: an inf or NaN in any "
+        "rank's reduced gradients)",
+        type(manager).__name__,
+    )
+    plain = _BUILD_TRAIN_NETWORK(network, optimizer, loss_fn, level, **{**kw, "loss_scale_manager": None})
+    return TrainOneStepWithLossScaleCell(plain.network, optimizer, wrapper, manager.get_update_cell()).set_train()
+
+
+amp.build_train_network = _build_train_network
+
+
+def _refuse_auto(bucket_size_mb: Any) -> None:
+    if isinstance(bucket_size_mb, str):
+        raise ValueError(
+            f"bucket_size_mb={bucket_size_mb!r}: choosing the size automatically (bucket_size_mb='auto', "
+            "collective_ops.tune) is available for torch only; on MindSpore give a number of MiB (default 25; "
+            "larger buckets mean fewer collectives, a smaller first_bucket_mb starts communication earlier with "
+            "overlap=True)"
+        )
+
+
 def wrap(network: nn.Cell, bucket_size_mb: float = DEFAULT_BUCKET_MB, **options: Any) -> DataParallel:
     """``DataParallel(network, bucket_size_mb, **options)``; the options checked against
     :class:`collective_ops.options.WrapOptions` (a torch-only one is refused with MindSpore's counterpart)."""
+    _refuse_auto(bucket_size_mb)
     given = WrapOptions.build("mindspore", bucket_size_mb, options)
     keywords = given.keywords("mindspore")
     if given.check_step_alignment is None:  # (WrapOptions: None is off on MindSpore)

@@ -78,9 +78,13 @@ def _group_list(params: Any, default: list) -> tuple[list[dict], list[Parameter]
     return groups, order if order is not None else flat
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(nn.Optimizer):
     """A MindSpore optimizer over a wrapped network: ``opt(grads)`` reduces and updates, as
     ``optimizer(net.reduce(grads))`` does; with ``shard=True`` each rank keeps the state of its shards only.
+
+    An ``nn.Optimizer`` (a ``Cell``): ``Model(wrapped, loss_fn, opt)`` and ``nn.TrainOneStepCell`` take it, and
+    their step then leaves the reduction to it (no second one). In GRAPH mode (``shard=False``) its step is
+    compiled: the wrapper's compiled reduction, then the wrapped optimizer.
 
     ``optimizer_class`` is a ``mindspore.nn.Optimizer`` subclass, built with ``params`` (default:
     the network's trainable parameters; MindSpore's group dicts work) and ``kwargs``. Take
@@ -97,6 +101,7 @@ class DistributedOptimizer:
         assume_elementwise: bool = False,
         **kwargs: Any,
     ) -> None:
+        nn.Cell.__init__(self, auto_prefix=False)  # not nn.Optimizer's: the wrapped optimizer holds the state
         if not isinstance(network, DataParallel):
             raise TypeError(
                 f"DistributedOptimizer takes a network wrapped by collective_ops.wrap(), got {type(network).__name__}; "
@@ -106,14 +111,17 @@ class DistributedOptimizer:
             raise TypeError(
                 f"optimizer_class must be a mindspore.nn.Optimizer subclass (e.g. nn.Adam), got {optimizer_class!r}"
             )
-        self.network = network
+        # not through Cell.__setattr__: the network is no part of the optimizer, nor its parameters this Cell's
+        object.__setattr__(self, "network", network)
         self.shard = shard
         groups, order = _group_list(params, network.trainable_params())
-        self.parameters = tuple(order)
+        object.__setattr__(self, "parameters", tuple(order))
         self._indices = network._indices_of(self.parameters)
         if not shard:
             self.optimizer = optimizer_class(params if params is not None else list(self.parameters), **kwargs)
             self._own = {id(p) for p in self.optimizer.parameters}
+            # what a compiled step (GRAPH mode: construct) reduces with; PyNative calls reduce() from Python
+            self.grad_reducer = nn.Identity() if _pynative() else network.graph_reducer(list(self.parameters))
             return
         self._refuse_unshardable(optimizer_class, assume_elementwise)
         engine = network.engine
@@ -137,8 +145,8 @@ class DistributedOptimizer:
         self._inner_order = [piece_of[id(p)] for p in self.optimizer.parameters]  # the pieces as it lists them
         network._sharded_optimizer = True  # join() refuses: a joined rank cannot shadow this optimizer's steps
         layout = self._layout
-        self._reduce_scatter, self._all_gather = engine.compiled_shard_step(
-            network._params,
+        reduce_scatter, all_gather = engine.compiled_shard_step(
+            network._grad_params,
             [bucket.param_indices for bucket in layout.plan.buckets],
             [shards.padded_numel - shards.numel for shards in layout.buckets],
             [shards.shard_numel for shards in layout.buckets],
@@ -148,6 +156,8 @@ class DistributedOptimizer:
             ],
             network.manager.reduce_op,
         )
+        object.__setattr__(self, "_reduce_scatter", reduce_scatter)  # called from Python (PyNative), no sub-cells
+        object.__setattr__(self, "_all_gather", all_gather)
         self._note_written()
         self._warn_mccl()
 
@@ -163,7 +173,7 @@ class DistributedOptimizer:
             )
         if network.compression is not None or network.manager.comm_hook is not allreduce_hook:
             raise ValueError("shard=True reduces in the gradients' dtype: leave compression and comm_hook unset")
-        if sorted(self._indices) != list(range(len(network._params))):
+        if sorted(self._indices) != list(range(len(network._grad_params))):
             raise ValueError("shard=True needs every trainable parameter of the network, each once, in params")
         if optimizer_class not in ELEMENTWISE_OPTIMIZERS and not assume_elementwise:
             name = optimizer_class.__name__
@@ -174,19 +184,19 @@ class DistributedOptimizer:
                 f"error. Use shard=False, or pass assume_elementwise=True if {name}'s update is element-wise (known: "
                 f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; subclasses of them too need it)"
             )
-        wrong = [p.name for p in network._params if p.dtype != ms.float32]
+        wrong = [p.name for p in network._grad_params if p.dtype != ms.float32]
         if wrong:
             raise ValueError(f"shard=True supports float32 parameters; {wrong[:3]} are not (cast them, or shard=False)")
 
     def _piece_parameter(self, piece: ShardPiece) -> Parameter:
         """A float32 Parameter holding one piece of a network parameter, named after it (so MindSpore's
         name-based weight-decay filter, 'beta'/'gamma', treats it as its parameter)."""
-        param = self.network._params[piece.param_index]
+        param = self.network._grad_params[piece.param_index]
         return Parameter(self._network_values(piece), name=f"{param.name}.shard_{piece.param_start}")
 
     def _network_values(self, piece: ShardPiece) -> ms.Tensor:
         """A float32 copy of the network parameter's elements that ``piece`` holds."""
-        param = self.network._params[piece.param_index]
+        param = self.network._grad_params[piece.param_index]
         return fresh_copy(param.value().reshape(-1)[piece.param_start : piece.param_end])
 
     def _warn_mccl(self) -> None:
@@ -200,7 +210,15 @@ class DistributedOptimizer:
             )
 
     # -- the step --------------------------------------------------------------------
+    reduces_gradients = True  # a training cell stepping with this optimizer leaves the reduction to it
+
+    def construct(self, grads: Any) -> Any:
+        """The compiled step (GRAPH mode, shard=False): the wrapper's compiled reduction, then the update."""
+        return self.optimizer(self.grad_reducer(grads))
+
     def __call__(self, grads: Sequence[ms.Tensor]) -> Any:
+        if not _pynative():
+            return super().__call__(grads)  # compiles construct (PyNative runs this method's Python instead)
         if not self.shard:
             return self.optimizer(self.network.reduce(grads, self.parameters))
         grads = tuple(grads)
@@ -210,7 +228,7 @@ class DistributedOptimizer:
         self._take_network_values()
         by_index = dict(zip(self._indices, grads))
         # one compiled graph each: op by op in PyNative they cost 5-10x the step's update (docs/sharding.md)
-        reduced = self._reduce_scatter(tuple(by_index[i] for i in range(len(self.network._params))))
+        reduced = self._reduce_scatter(tuple(by_index[i] for i in range(len(self.network._grad_params))))
         piece_grads = dict(zip(self._rank_pieces, reduced))  # both bucket by bucket, in buffer order
         result = self.optimizer(tuple(piece_grads[piece] for piece in self._inner_order))
         self._all_gather()  # every rank's updated shards, into every rank's network parameters, in place
@@ -220,7 +238,7 @@ class DistributedOptimizer:
     def _note_written(self) -> None:
         """Each network parameter's data address and version now, when its values are the pieces' (built, or
         all-gathered): a later ``set_data`` (``ms.load_param_into_net``) moves the address, ``copy_`` the version."""
-        self._written = [_written_mark(p) for p in self.network._params]
+        self._written = [_written_mark(p) for p in self.network._grad_params]
 
     def _take_network_values(self) -> None:
         """The pieces of parameters whose data was replaced or copied into since the optimizer wrote them, from
@@ -229,7 +247,7 @@ class DistributedOptimizer:
         plain optimizer. The pieces are float32 copies (MindSpore has no views): without this the step's
         all-gather wrote the old values back over the loaded ones. In-place ops that move neither mark
         (``ops.assign``, item assignment, ``add_``) are not seen: ``opt.reload_network_params()`` after them."""
-        params = self.network._params
+        params = self.network._grad_params
         changed = {i for i, (p, mark) in enumerate(zip(params, self._written)) if _written_mark(p) != mark}
         self._copy_pieces_from_network(lambda piece: piece.param_index in changed)
 
@@ -294,7 +312,7 @@ class DistributedOptimizer:
         state = {name: value.asnumpy().copy() for name, value in scalars.items()}  # asnumpy() may share memory
         for prefix, of_piece in by_prefix.items():
             for index, values in self._gather(lambda piece, of_piece=of_piece: of_piece[piece].value()):
-                param = self.network._params[index]
+                param = self.network._grad_params[index]
                 state[f"{prefix}.{param.name}"] = values.asnumpy().reshape(param.shape)
         return state
 
@@ -309,10 +327,10 @@ class DistributedOptimizer:
         by_prefix, scalars = self._state_by_prefix()
         missing = [name for name in scalars if name not in state]
         missing += [
-            f"{prefix}.{self.network._params[p.param_index].name}"
+            f"{prefix}.{self.network._grad_params[p.param_index].name}"
             for prefix, of_piece in by_prefix.items()
             for p in of_piece
-            if f"{prefix}.{self.network._params[p.param_index].name}" not in state
+            if f"{prefix}.{self.network._grad_params[p.param_index].name}" not in state
         ]
         if missing:
             raise KeyError(
@@ -322,7 +340,7 @@ class DistributedOptimizer:
             param.set_data(ms.Tensor(np.asarray(state[name]), param.dtype))
         for prefix, of_piece in by_prefix.items():
             for piece, param in of_piece.items():
-                full = np.asarray(state[f"{prefix}.{self.network._params[piece.param_index].name}"]).reshape(-1)
+                full = np.asarray(state[f"{prefix}.{self.network._grad_params[piece.param_index].name}"]).reshape(-1)
                 param.set_data(ms.Tensor(full[piece.param_start : piece.param_end].copy(), param.dtype))
 
     def _is_own(self, param: Parameter) -> bool:
@@ -345,10 +363,14 @@ class DistributedOptimizer:
         return by_prefix, scalars
 
     def __getattr__(self, name: str) -> Any:
-        # the wrapped optimizer's own attributes (learning_rate, get_lr, global_step, ...)
-        if name in ("optimizer", "network", "_own"):
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
+        try:
+            return super().__getattr__(name)  # this Cell's sub-cells: "optimizer", "grad_reducer"
+        except AttributeError:
+            # the wrapped optimizer's own attributes (learning_rate, get_lr, global_step, ...)
+            inner = self.__dict__.get("_cells", {}).get("optimizer")
+            if inner is None or name.startswith("__") or name in ("network", "_own"):
+                raise
+            return getattr(inner, name)
 
 
 def _written_mark(param: Parameter) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 from mindspore import nn
+from mindspore.train import Model
 
 import collective_ops as co
 from tests.ms_workers.nets import batch, build, loss_fn
@@ -42,6 +43,19 @@ with wrapped.join():
         optimizer(wrapped.reduce(grads))
 out["ours"] = weights(wrapped.network)
 out["steps"] = wrapped.comm_stats()["steps"]
+
+# the same inside mindspore.train.Model: Model(wrapped, loss_fn, optimizer).train(...) inside join()
+under_model = co.wrap(build(rank), bucket_size_mb=0.002, first_bucket_mb=0.001)
+batches = [batch(step, rank) for step in range(BATCHES[rank])]
+data = ms.dataset.NumpySlicesDataset(
+    {"x": np.concatenate([x.asnumpy() for x, _ in batches]), "y": np.concatenate([y.asnumpy() for _, y in batches])},
+    shuffle=False,
+).batch(4)
+model = Model(under_model, loss_fn, nn.Momentum(under_model.trainable_params(), learning_rate=0.1, momentum=0.9))
+with under_model.join():
+    model.train(1, data, dataset_sink_mode=False)
+out["model"] = weights(under_model)
+out["model_steps"] = under_model.comm_stats()["steps"]
 
 # the reference, by hand: every step of the longest rank, a rank out of data contributing zeros
 reference = build(0)
