@@ -15,6 +15,8 @@ from typing import Any
 from .bucketing import DEFAULT_BUCKET_MB, plan_buckets
 from .bucketing.cost import (
     CANDIDATES_MB,
+    COMPRESSION_FLOPS_PER_S,
+    DEFAULT_COMPRESSION_FLOPS_PER_S,
     FIRST_BUCKET_CANDIDATES_MB,
     BackwardProfile,
     CostModel,
@@ -51,8 +53,10 @@ def auto_tune_start(bucket_size_mb: float | str, auto_tune_step: int) -> tuple[i
     return auto_tune_step, DEFAULT_BUCKET_MB
 
 
-def last_backward_profile(manager: Any) -> BackwardProfile:
-    """The bucket manager's last step as the simulator's input: each gradient's ready time from backward's start."""
+def last_backward_profile(manager: Any, device_type: str = "cpu") -> BackwardProfile:
+    """The bucket manager's last step as the simulator's input: each gradient's ready time from backward's start;
+    a hook that prices buckets itself (PowerSGD's ``planned_wire``) prices each candidate's, its compute at
+    :data:`~collective_ops.bucketing.cost.COMPRESSION_FLOPS_PER_S` for ``device_type``."""
     stats = manager.last_stats
     start = stats.backward_start or 0.0
     return BackwardProfile(
@@ -61,13 +65,15 @@ def last_backward_profile(manager: Any) -> BackwardProfile:
         0.0,
         manager.wire_shares(),
         manager.wire_itemsize,
+        getattr(manager.comm_hook, "planned_wire", None),
+        COMPRESSION_FLOPS_PER_S.get(device_type, DEFAULT_COMPRESSION_FLOPS_PER_S),
     )
 
 
 def choose_online(manager: Any, engine: Any, device_type: str, overlapped_steps: OverlappedSteps) -> OnlineChoice:
     """Every candidate simulated on the step just profiled; rank 0's choice for all (every rank calls it, at the
     end of the same step: it issues collectives). ``overlapped_steps``: the optimizer's simulated steps, if any."""
-    profile = last_backward_profile(manager)
+    profile = last_backward_profile(manager, device_type)
     cost = measure.measure_alpha_beta(engine)
     contention = measure.estimated_contention(cost, device_type)
     plan = manager.plan

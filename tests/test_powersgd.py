@@ -225,6 +225,33 @@ def _with_distributed_optimizer(
     return snapshot(plain_model.module), snapshot(model.module)
 
 
+def _auto_tuned(rank: int) -> dict:
+    """bucket_size_mb='auto' under PowerSGD: the size it settled on, rank 0's prediction for it, and what the
+    hook's reductions of the settled plan send."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import build
+
+    compression = co.PowerSGD(rank=2, start_iter=START, random_seed=SEED)
+    model = co.wrap(build("mlp"), bucket_size_mb="auto", compression=compression)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(rank, model, optimizer, range(START + 2))  # tuned at the end of step 2; compressed from step 3
+    plan, hook = model.manager.plan, model.manager.comm_hook
+    chosen = next(
+        p
+        for p in model.auto_tune_report
+        if (p.bucket_size_mb, p.first_bucket_mb) == (plan.bucket_size_mb, plan.first_bucket_mb)
+    )
+    return {
+        "size": (plan.bucket_size_mb, plan.first_bucket_mb),
+        "predicted": list(chosen.nbytes),
+        "sent": [hook.wire_nbytes(bucket) for bucket in plan.buckets],
+        "bytes_per_step": model.comm_stats()["bytes_per_step"],
+        "fp32": sum(bucket.nbytes for bucket in plan.buckets),
+    }
+
+
 def _errors(rank: int) -> dict:
     import torch
 
@@ -262,6 +289,7 @@ def powersgd_checks(rank: int, world: int) -> dict:
         "replanned": functools.partial(_replanned, rank),
         "bytes": functools.partial(_bytes_per_step, rank),
         "errors": functools.partial(_errors, rank),
+        "auto": functools.partial(_auto_tuned, rank),
         # overlapped: each bucket's update lands in the next forward
         "distributed_optimizer": functools.partial(_with_distributed_optimizer, rank, 8, "plan"),
         "distributed_optimizer_checkpoint": functools.partial(_with_distributed_optimizer, rank, 8, "plan", True, 4),
@@ -323,6 +351,13 @@ def test_comm_stats_count_the_compressed_bytes(two_ranks) -> None:
     assert two_ranks[0]["bytes"] == (5508 * 4, (580 + 224) * 4)
 
 
+def test_auto_bucket_size_settles_alike_on_every_rank_on_rank_0s_compressed_prediction(two_ranks) -> None:
+    ours, peer = two_ranks[0]["auto"], two_ranks[1]["auto"]
+    assert ours["size"] == peer["size"]
+    assert ours["predicted"] == ours["sent"]  # priced as the hook sends it, not at fp32
+    assert sum(ours["predicted"]) == ours["bytes_per_step"] < ours["fp32"]
+
+
 def test_settings_it_cannot_honour_are_refused_with_what_to_do(two_ranks) -> None:
     errors = two_ranks[0]["errors"]
     assert "start_iter=1" in errors["start_iter"] and "at least 2" in errors["start_iter"]
@@ -349,3 +384,93 @@ def test_layout_compresses_matrices_that_pay_grouped_by_shape_as_torch_does() ->
     assert [m.p_offset for m in layout.matrices] == [0, 128, 256]
     assert [m.q_offset for m in layout.matrices] == [0, 128, 256]
     assert (layout.p_numel, layout.q_numel) == (128 + 128 + 32, 128 + 128 + 144)
+
+
+def _square_layers(count: int = 16, side: int = 1024) -> tuple[list, list]:
+    """``count`` layers of a ``side`` x ``side`` weight and its bias (4 MiB each in fp32): shapes and specs."""
+    from collective_ops.bucketing import ParamSpec
+
+    shapes = [shape for _ in range(count) for shape in ((side, side), (side,))]
+    return shapes, [ParamSpec(f"p{i}", _numel(s), "float32", "cpu", 4) for i, s in enumerate(shapes)]
+
+
+def _numel(shape: tuple) -> int:
+    return shape[0] * (shape[1] if len(shape) > 1 else 1)
+
+
+def _sent_by_the_hook(shapes: list, plan, options) -> list[int]:
+    """What the hook's reduction of each of ``plan``'s buckets sends once compressed (its ``wire_nbytes``, from
+    the layout it lays out at launch: a fresh hook per plan, as after a replan)."""
+    from types import SimpleNamespace
+
+    from collective_ops.bucketing.compression.powersgd import PowerSGDHook
+
+    hook = PowerSGDHook(options)
+    hook.bind_shapes(shapes)
+    for bucket in plan.buckets:
+        hook._layout(SimpleNamespace(bucket=bucket))  # what a launch lays out (the rest of the context unused)
+    hook.iteration = options.start_iter
+    return [hook.wire_nbytes(bucket) for bucket in plan.buckets]
+
+
+def test_the_bucket_size_tune_prices_what_each_candidate_sends_compressed_and_its_compute() -> None:
+    import collective_ops as co
+    from collective_ops.bucketing import plan_buckets
+    from collective_ops.bucketing.compression.powersgd import PowerSGDHook, bucket_layout, layout_flops
+    from collective_ops.bucketing.cost import BackwardProfile, CostModel, predict
+
+    shapes, specs = _square_layers()
+    order = list(range(len(specs)))[::-1]  # backward: the last layer first, a layer every 10 ms
+    ready = {i: (len(specs) - 1 - i) // 2 * 0.01 for i in range(len(specs))}
+    options = co.PowerSGD(rank=4)
+    hook = PowerSGDHook(options)
+    hook.bind_shapes(shapes)
+    # a slow link: a 4 MiB layer in fp32 takes 17 ms, longer than its backward
+    cost = CostModel(5e-4, 4e-9)
+    fp32 = predict(specs, BackwardProfile(ready, 0.151, 1.0), cost, order=order)
+    compressed = BackwardProfile(ready, 0.151, 1.0, bucket_wire=hook.planned_wire, flops_per_s=1e10)
+    powersgd = predict(specs, compressed, cost, order=order)
+    for p in powersgd:
+        plan = plan_buckets(specs, p.bucket_size_mb, p.first_bucket_mb, order=order)
+        assert list(p.nbytes) == _sent_by_the_hook(shapes, plan, options), (p.bucket_size_mb, p.first_bucket_mb)
+    # two matmuls and an orthogonalisation per compressed weight (and the reconstruction), whatever the buckets
+    flops = layout_flops(bucket_layout([0], [(1024, 1024)], 4, 2.0)) * 16
+    assert all(p.compression_s == pytest.approx(flops / 1e10) for p in powersgd)
+    assert all(p.step_s == pytest.approx(1.0 + p.compression_s + p.exposed_comm_s) for p in powersgd)  # in the step
+    # fp32 starts early in small buckets; compressed, latency dominates (two collectives per bucket): fewer
+    assert fp32[0].bucket_size_mb == 1.0 and powersgd[0].bucket_size_mb >= 10.0
+    assert powersgd[0].collectives < fp32[0].collectives
+    by_size = {(p.bucket_size_mb, p.first_bucket_mb): p for p in fp32}
+    for p in powersgd:  # what the candidate sends shrinks by the compression ratio
+        plain = sum(by_size[(p.bucket_size_mb, p.first_bucket_mb)].nbytes)
+        assert sum(p.nbytes) * 50 < plain
+
+
+def test_the_launch_order_planner_prices_what_each_bucket_sends_compressed() -> None:
+    import time
+    from types import SimpleNamespace
+
+    import collective_ops as co
+    from collective_ops.bucketing import plan_buckets
+    from collective_ops.bucketing.compression.powersgd import PowerSGDHook
+    from collective_ops.bucketing.cost import CostModel
+    from collective_ops.bucketing.update.planner import planner_inputs
+    from collective_ops.bucketing.update.timeline import ForwardTimeline
+
+    shapes, specs = _square_layers(count=4, side=256)
+    options = co.PowerSGD(rank=2)
+    hook = PowerSGDHook(options)
+    hook.bind_shapes(shapes)
+    manager = SimpleNamespace(comm_hook=hook, wire_shares=lambda plan: {}, wire_itemsize=None)
+    timeline = ForwardTimeline()  # one timed step: the forward before the backward ended, then this forward
+    timeline.settled()
+    now = time.perf_counter()
+    stats = SimpleNamespace(backward_start=now, finalize_start=now, ready_times={i: now for i in range(len(specs))})
+    timeline.forward_started(follows_backward=True)
+    timeline.needed(list(range(len(specs))))
+    timeline.forward_ended()
+    for mb in (0.25, 1.0, 25.0):  # the live plan or a candidate the bucket-size tune weighs
+        plan = plan_buckets(specs, mb, mb)
+        profile, price = planner_inputs(timeline, manager, stats, plan, CostModel(1e-3, 1e-9))
+        assert list(profile.nbytes) == _sent_by_the_hook(shapes, plan, options), mb
+        assert sum(profile.nbytes) * 10 < sum(bucket.nbytes for bucket in plan.buckets)

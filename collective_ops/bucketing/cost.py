@@ -11,23 +11,36 @@ Predicted step = compute time + communication left after backward ends (exposed)
 + ``contention`` x communication that ran during backward. ``contention`` is 0 where
 communication has engines of its own (GPU/NPU) and near 1 where it shares the CPU cores
 with backward (Gloo on CPU).
+
+A compressing hook that prices buckets itself (``planned_wire``: PowerSGD) is asked for each candidate
+bucket's collectives (a compressed bucket takes two: each costs its own ``alpha``) and for the
+floating-point operations it adds; those run on the compute device, so the step grows by them at
+``flops_per_s`` (:data:`COMPRESSION_FLOPS_PER_S`). Steady state is priced: compression on, whether or
+not it has started by the profiled step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .plan import BucketPlan, ParamSpec, plan_buckets
+from .plan import BucketPlan, BucketSpec, ParamSpec, plan_buckets
 from .row_sparse import wire_nbytes
 
 CANDIDATES_MB = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
 # first_bucket_mb candidates (besides "as large as the others"): a small first bucket starts communication
 # as soon as backward produces its first gradients; on a slow link that start is the whole head start.
 FIRST_BUCKET_CANDIDATES_MB = (0.25, 1.0)
+# What a compressing hook's extra compute (small batched fp32 matmuls and orthogonalisations) runs at, by device
+# type: documented constants, not measured (an order of magnitude each: a few CPU cores; one data-centre GPU/NPU).
+COMPRESSION_FLOPS_PER_S = {"cpu": 1e10, "cuda": 1e13, "npu": 1e13}
+DEFAULT_COMPRESSION_FLOPS_PER_S = 1e10
+
+# A hook's price of one bucket of any plan: (the bytes of each collective its reduction launches, the flops it adds)
+BucketWire = Callable[[BucketSpec], tuple[tuple[int, ...], float]]
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,8 @@ class BackwardProfile:
     # parameter index -> share of its bytes its bucket sends (row-sparse tables, bucketing/row_sparse.py)
     wire_share: dict[int, float] = field(default_factory=dict)
     wire_itemsize: int | None = None  # a compressing hook's element size on the wire (None: each bucket's own)
+    bucket_wire: BucketWire | None = None  # a hook that prices buckets itself (PowerSGDHook.planned_wire)
+    flops_per_s: float = DEFAULT_COMPRESSION_FLOPS_PER_S  # what bucket_wire's flops run at
 
     def __post_init__(self) -> None:
         if not self.ready_s:
@@ -109,6 +124,16 @@ class Prediction:
     collectives: int
     finishes_s: tuple[float, ...]
     hidden_comm_s: float  # communication that ran while backward was still running
+    nbytes: tuple[int, ...] = ()  # what each bucket sends, in plan order
+    compression_s: float = 0.0  # compute a compressing hook adds to the step (in step_s)
+
+
+def priced_wire(bucket: BucketSpec, profile: BackwardProfile) -> tuple[tuple[int, ...], float]:
+    """(the bytes of each collective reducing ``bucket`` launches, the flops its hook adds): the hook's own price
+    where it has one, else one collective of the bucket's bytes on the wire (row-sparse share, element size)."""
+    if profile.bucket_wire is not None:
+        return profile.bucket_wire(bucket)
+    return (wire_nbytes(bucket, profile.wire_share, profile.wire_itemsize),), 0.0
 
 
 def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, contention: float = 0.0) -> Prediction:
@@ -120,27 +145,34 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, conten
     if not 0.0 <= contention <= 1.0:
         raise ValueError(f"contention is a share between 0 and 1, got {contention!r}")
     channel_free = 0.0
-    finishes = []
-    comm = 0.0
+    finishes, sent = [], []
+    comm = flops = 0.0
     for bucket in plan.buckets:
         ready = max((profile.ready_s.get(i, profile.backward_end_s) for i in bucket.param_indices), default=0.0)
         start = max(ready, channel_free)
-        nbytes = wire_nbytes(bucket, profile.wire_share, profile.wire_itemsize)
-        duration = cost.cost(nbytes, queued=bool(finishes) and ready < channel_free)
+        collectives, added = priced_wire(bucket, profile)
+        # a compressed bucket's second collective waits for its first: only the first can queue
+        queued = bool(finishes) and ready < channel_free
+        duration = sum(cost.cost(n, queued=queued and k == 0) for k, n in enumerate(collectives))
         channel_free = start + duration
         finishes.append(channel_free)
+        sent.append(sum(collectives))
         comm += duration
+        flops += added
     exposed = max(0.0, channel_free - profile.backward_end_s)
     hidden = max(comm - exposed, 0.0)  # one serial channel: whatever is not exposed ran during backward
+    compression = flops / profile.flops_per_s
     return Prediction(
         plan.bucket_size_mb,
         plan.first_bucket_mb,
-        profile.step_compute_s + exposed + contention * hidden,
+        profile.step_compute_s + compression + exposed + contention * hidden,
         exposed,
         comm,
         len(plan.buckets),
         tuple(finishes),
         hidden,
+        tuple(sent),
+        compression,
     )
 
 

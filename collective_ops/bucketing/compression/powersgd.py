@@ -135,6 +135,13 @@ def bucket_layout(
     return BucketLayout(signature, tuple(matrices), tuple(uncompressed), uncompressed_numel, p_numel, q_numel)
 
 
+def layout_flops(layout: BucketLayout) -> float:
+    """Floating-point operations compression adds to one step of a bucket laid out so: per compressed ``n`` x ``m``
+    gradient at rank ``r``, three matmuls (P = M Q, Q = M^T P, M = P Q^T: ``2 n m r`` each) and the
+    orthogonalisation of Q and P (Gram-Schmidt: ``2 (m + n) r^2``)."""
+    return float(sum(6 * m.rows * m.cols * m.rank + 2 * (m.rows + m.cols) * m.rank**2 for m in layout.matrices))
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     numel = 1
     for size in shape:
@@ -331,6 +338,20 @@ class PowerSGDHook:
         if self.iteration < self.options.start_iter or state is None:
             return None
         return state.layout.compressed_numel * (bucket.nbytes // max(bucket.numel, 1))
+
+    def planned_wire(self, bucket: Any) -> tuple[tuple[int, ...], float]:
+        """What a compressed step's reduction of ``bucket`` (a BucketSpec of any plan: the live one or a candidate
+        the bucket-size tune or the launch-order planner weighs) costs: the bytes of its two allreduces
+        (uncompressed gradients and P factors, then Q factors) and the floating-point operations compression adds
+        (:func:`layout_flops`). Laid out from the bucket's members' shapes, as :meth:`wire_nbytes` will find them."""
+        if self._shapes is None:
+            raise RuntimeError("the PowerSGD hook was not given the parameters' shapes (bind_shapes)")
+        shapes = [self._shapes[i] for i in bucket.param_indices]
+        layout = bucket_layout(bucket.offsets, shapes, self.options.rank, self.options.min_compression_rate)
+        itemsize = bucket.nbytes // max(bucket.numel, 1)
+        first, second = (layout.uncompressed_numel + layout.p_numel) * itemsize, layout.q_numel * itemsize
+        collectives = tuple(n for n in (first, second) if n)  # an empty allreduce is not launched
+        return collectives, layout_flops(layout)
 
     def step_wire_nbytes(self, buckets: Sequence[Any]) -> int:
         """What one compressed step sends for ``buckets`` (the plan's), by their layouts once laid out."""

@@ -173,8 +173,10 @@ def trial_step_seconds(
 def planner_inputs(
     timeline: ForwardTimeline, manager: Any, stats: Any, plan: Any, cost: Any
 ) -> tuple[StepProfile, Price]:
-    """The timed step as the planner sees it for ``plan``, and the channel's price of a collective."""
-    profile = timeline.profile(stats, plan, manager.wire_shares(plan), manager.wire_itemsize)
+    """The timed step as the planner sees it for ``plan``, and the channel's price of a collective. A hook that
+    prices buckets itself (PowerSGD) gives each bucket's bytes: what its compressed reduction sends."""
+    bucket_wire = getattr(manager.comm_hook, "planned_wire", None)
+    profile = timeline.profile(stats, plan, manager.wire_shares(plan), manager.wire_itemsize, bucket_wire)
 
     def price(nbytes: int, queued: bool) -> float:
         return cost.cost(nbytes, queued=queued)

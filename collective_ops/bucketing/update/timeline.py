@@ -76,18 +76,27 @@ class ForwardTimeline:
         )
 
     def profile(
-        self, stats: Any, plan: Any, shares: dict[int, float] | None = None, itemsize: int | None = None
+        self,
+        stats: Any,
+        plan: Any,
+        shares: dict[int, float] | None = None,
+        itemsize: int | None = None,
+        bucket_wire: Any = None,
     ) -> StepProfile:
         """The planner's input for ``plan`` (the current bucket plan, or a candidate): the backward of ``stats``
         (which ran before this forward) and this forward; ``shares``: the row-sparse tables' sent share;
-        ``itemsize``: a compressing hook's element size on the wire."""
+        ``itemsize``: a compressing hook's element size on the wire; ``bucket_wire``: a hook that prices
+        buckets itself (PowerSGD's ``planned_wire``: each bucket's bytes are its collectives' sum)."""
         shares = shares or {}
         newest = max((t.step for t in self._timed), default=0)
         recent = [t for t in self._timed if t.step >= newest - self.RECENT]
         timed = median_step(recent) if recent else self._timed_step(stats, step=-1)
         return timed.profile(
             [bucket.param_indices for bucket in plan.buckets],
-            [wire_nbytes(bucket, shares, itemsize) for bucket in plan.buckets],
+            [
+                sum(bucket_wire(bucket)[0]) if bucket_wire is not None else wire_nbytes(bucket, shares, itemsize)
+                for bucket in plan.buckets
+            ],
         )
 
     def remember(self, stats: Any, step: int) -> None:
