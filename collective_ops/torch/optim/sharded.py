@@ -34,7 +34,7 @@ from ...bucketing.hooks import reduce_scatter_hook
 from ...bucketing.interfaces import wait_with_timeout
 from ...bucketing.plan import BucketPlan
 from ...bucketing.shard.layout import ShardLayout, ShardPiece
-from ...bucketing.shard.step import ShardStep, reduction_of, sharded_prediction
+from ...bucketing.shard.step import ShardStep, reduction_of, sharded_orders, sharded_prediction
 from ...bucketing.update.overlap import buckets_read
 from ...bucketing.update.pending import PendingUpdates
 from ...bucketing.update.schedule import OrderPrediction
@@ -111,7 +111,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         assume_elementwise: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_sharded_arguments(optimizer_class, schedule, grad_reduce_dtype, assume_elementwise)
+        check_sharded_arguments(optimizer_class, grad_reduce_dtype, assume_elementwise)
         if isinstance(model, DistributedDataParallel):
             refuse_unsupported(model, grad_reduce_dtype)
         self.grad_reduce_dtype = grad_reduce_dtype
@@ -472,19 +472,30 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._wait_gather(bucket, module)
 
     def _times_forward(self) -> bool:
-        """Until the online bucket-size tune (bucket_size_mb="auto") has run: its simulated sharded step's input."""
-        return self.overlap and self.model.tune_pending
+        """Until the online bucket-size tune (bucket_size_mb="auto") has run and the launch order is planned:
+        the input of their simulated sharded step."""
+        return self.overlap and (self.model.tune_pending or self._plans_schedule())
 
     def predict_overlapped(self, plan: BucketPlan, cost: Any) -> OrderPrediction | None:
         """For ``bucket_size_mb="auto"``: the sharded step simulated were the model bucketed as ``plan``
-        (:func:`~collective_ops.bucketing.shard.step.sharded_prediction`), from the last backward and the forward
-        after it; None without that profile."""
+        (:func:`~collective_ops.bucketing.shard.step.sharded_orders`: its best reduce-scatter order with
+        ``schedule="auto"``, else plan order), from the last backward and the forward after it; None without
+        that profile."""
         stats = self.model.manager.last_stats
         if not (self.overlap and stats.backward_start is not None and self._timeline.complete(stats.backward_start)):
             return None
+        priced = self._priced(plan, cost)
+        return sharded_orders(*priced)[0] if self.schedule == "auto" else sharded_prediction(*priced)
+
+    def _sharded_orders(self) -> Any:
+        """The launch-order planner's simulator here: every reduce-scatter order of the plan, best first."""
+        return lambda cost: sharded_orders(*self._priced(self.model.manager.plan, cost))
+
+    def _priced(self, plan: BucketPlan, cost: Any) -> tuple:
+        """The timed step as ``plan`` buckets it, and what prices its collectives (the sharded simulator's input)."""
         shares = self.model.manager.wire_shares(plan)
-        profile = self._timeline.profile(stats, plan, shares)
-        return sharded_prediction(profile, plan, shares, self._wire_dtype(), cost.cost, _itemsize)
+        profile = self._timeline.profile(self.model.manager.last_stats, plan, shares)
+        return profile, plan, shares, self._wire_dtype(), cost.cost, _itemsize
 
     # -- what the rest of the loop may call --------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -762,6 +773,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def on_plan_change(self, plan: BucketPlan) -> None:
         """The model's buckets were replanned: lay the shards out anew, moving the state with them."""
+        super().on_plan_change(plan)  # (a trial of the old plan's orders ends)
         if plan is self._layout.plan:
             return  # the same plan with fresh gradient buffers (a failed step): pieces bind lazily
         # the gradients the last step used, now in the new buffers (the old ones, freed, are not to be held here)

@@ -25,10 +25,8 @@ ELEMENTWISE_OPTIMIZERS = tuple(
 GRAD_REDUCE_DTYPES = (None, "float32")
 
 
-def check_sharded_arguments(
-    optimizer_class: Any, schedule: str | None, grad_reduce_dtype: str | None, assume_elementwise: bool
-) -> None:
-    """What shard=True takes: an element-wise optimizer class, plan order, a known gradient dtype."""
+def check_sharded_arguments(optimizer_class: Any, grad_reduce_dtype: str | None, assume_elementwise: bool) -> None:
+    """What shard=True takes: an element-wise optimizer class and a known gradient dtype."""
     if given_optimizers(optimizer_class) is not None:
         raise TypeError(
             "shard=True takes an optimizer class and its settings (DistributedOptimizer(model, torch.optim.AdamW, "
@@ -36,11 +34,6 @@ def check_sharded_arguments(
             "parameters (several classes, e.g. Muon + AdamW) run with shard=False"
         )
     refuse_non_elementwise(optimizer_class, assume_elementwise)
-    if schedule not in (None, "plan"):
-        raise ValueError(
-            f"shard=True launches in plan order (schedule='plan'), got schedule={schedule!r}: a planned order "
-            "is not supported with shard=True yet (its all-gathers have an order of their own)"
-        )
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ValueError(
             f"grad_reduce_dtype must be None (the parameters' dtype) or 'float32', got {grad_reduce_dtype!r}"
