@@ -1772,13 +1772,14 @@ def memory_and_traffic_checks(rank: int, world: int) -> dict:
         ddp = torch.nn.parallel.DistributedDataParallel(_wide_mlp())
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
 
-    def sharded():
+    def sharded(schedule: str = "auto"):
         model = co.wrap(_wide_mlp(), bucket_size_mb=3)
-        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, shard=True)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, shard=True, schedule=schedule)
 
     out = {"live_bytes": {"ddp_zero": _live_bytes_after_steps(rank, ddp_zero)}}
     out["live_bytes"]["sharded"] = _live_bytes_after_steps(rank, sharded)
-    model, optimizer = sharded()
+    # plan order: schedule="auto" measures the channel once, with allreduces, at the 4th forward (not a step's own)
+    model, optimizer = sharded("plan")
     batches = _wide_batches(rank, 5)
     for batch in batches[:2]:  # (the first step is allreduced, as DDP's, before the buckets are rebuilt)
         _wide_step(model, optimizer, batch)
