@@ -11,6 +11,7 @@ engine, the timeline, the measured cost) are passed to each call.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,6 +142,21 @@ class LaunchOrderPlanner:
             f"launch order {trial.orders[kept]}" if self.defers_now else "every bucket finished in backward",
             [round(m * 1e3, 1) for m in medians],
         )
+
+    def advance_timed(
+        self,
+        manager: Any,
+        engine: Any,
+        stats: Any,
+        backward_began: float | None,
+        forward_start: float | None,
+        step_seconds: float,
+    ) -> None:
+        """At the end of a trial step's forward: the step measured up to now (:func:`trial_step_seconds`), then
+        :meth:`advance`."""
+        now = time.perf_counter()
+        measured = trial_step_seconds(stats, self.defers_now, backward_began, forward_start, now, step_seconds)
+        self.advance(manager, engine, measured)
 
     def on_plan_change(self) -> None:
         """The model's buckets were replanned: a trial of the old plan's orders ends."""

@@ -43,7 +43,6 @@ from ...bucketing.update.planner import (
     planner_inputs,
     planning_due,
     ranked_orders,
-    trial_step_seconds,
 )
 from ...bucketing.update.schedule import OrderPrediction
 from ...bucketing.update.timeline import ForwardTimeline
@@ -755,7 +754,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not forward_ended:  # a backward that finished every bucket: what is settled here is at forward ends
             return
         if self._planner.trial is not None and not self.model.joined:
-            self._advance_trial(stats)
+            # this model's own time (its forward, backward and step()): other work between steps does not count
+            self._planner.advance_timed(
+                manager, self.model.engine, stats, self.model.backward_began, self._forward_start, self._step_seconds
+            )
             return
         if self._times_forward():
             if self.model.module.training and torch.is_grad_enabled():  # a training step's forward, not an evaluation
@@ -776,15 +778,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def _sharded_orders(self) -> Any:
         """Sharded: the step's reduce-scatter orders simulated for a fitted cost (None: allreduce orders)."""
         return None
-
-    def _advance_trial(self, stats: Any) -> None:
-        """One step of the order trial measured (its forward, backward and step(), this model's own time, so
-        other work between steps does not count); the next order set, or, once over, the fastest kept."""
-        now = time.perf_counter()
-        measured = trial_step_seconds(
-            stats, self._planner.defers_now, self.model.backward_began, self._forward_start, now, self._step_seconds
-        )
-        self._planner.advance(self.model.manager, self.model.engine, measured)
 
     @property
     def schedule_report(self) -> list[OrderPrediction] | None:

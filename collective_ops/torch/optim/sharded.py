@@ -2,7 +2,9 @@
 
 Each bucket is padded to a multiple of the world size and cut into equal contiguous shards
 (:class:`collective_ops.bucketing.shard.ShardLayout`). Gradients are reduce-scattered per
-bucket during backward, in the plan's launch order on every rank; each rank runs the wrapped
+bucket during backward, in one launch order on every rank (``schedule="auto"``, the default: planned from
+a timed step by :func:`~collective_ops.bucketing.shard.step.sharded_orders` and tried against plan order,
+as unsharded; ``"plan"``: plan order); each rank runs the wrapped
 optimizer on the pieces of parameters inside its shards only, so it keeps 1/N of the
 optimizer state; the updated shards are all-gathered per bucket into the parameters, and the
 next forward waits only for the buckets it is about to use.
@@ -46,6 +48,7 @@ from .dcp import ModelParamsGroup, dcp_asks_sharded_state
 from .grads import clip_global_norm_, gather_gradients_whole, nonfinite_params
 from .optimizer import DistributedOptimizer
 from .sharded_checks import (
+    RankArrivals,
     SteppedGradients,
     bound_gradients_changed,
     check_sharded_arguments,
@@ -53,7 +56,6 @@ from .sharded_checks import (
     params_moved,
     refuse_unsupported,
     second_backward,
-    state_gather_stalled,
 )
 from .sharded_state import (
     MASTER_KEY,
@@ -137,10 +139,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._bound_after_gather = False  # and then bound to the pieces again (param_groups read: unscale_)
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
-        # Only for "has every rank come to gather the full state?": a rank that never comes (state_dict() called
-        # on rank 0 alone, as a DDP loop saves) cannot pair it with its training collectives, as it would there.
-        self._arrival_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
-        self._arrival: Any = None  # this rank's arrival, posted and not yet matched by every rank
+        self._arrivals = RankArrivals()  # "has every rank come to gather the full state?", on a group of its own
         super().__init__(
             model, optimizer_class, *args, params=params, overlap=overlap, shard=True, schedule=schedule, **kwargs
         )
@@ -346,7 +345,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _finish_before_leaving(self) -> None:
         super()._finish_before_leaving()
-        self._gather_group = self._arrival_group = self._arrival = None
+        self._gather_group = None
+        self._arrivals.release()
 
     def synchronize(self) -> None:
         """Finish every reduction, apply every owed update, finish every all-gather (blocking)."""
@@ -495,7 +495,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """The timed step as ``plan`` buckets it, and what prices its collectives (the sharded simulator's input)."""
         shares = self.model.manager.wire_shares(plan)
         profile = self._timeline.profile(self.model.manager.last_stats, plan, shares)
-        return profile, plan, shares, self._wire_dtype(), cost.cost, _itemsize
+        return profile, plan, shares, self._wire_dtype(), cost.cost, lambda dtype: getattr(torch, dtype).itemsize
 
     # -- what the rest of the loop may call --------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -824,21 +824,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _wait_for_every_rank(self, call: str) -> None:
         """Return once every rank has come to ``call`` (which gathers the full state); raise ``StallError``
         if they do not within the stall timeout (``COLLECTIVE_OPS_STALL_TIMEOUT``), rather than block."""
-        if self._arrival_group is None:
-            return
-        timeout = self.model.manager.stall_timeout_s
-        if self._arrival is None:  # else the arrival of a call that gave up waiting, still posted: matched now
-            token = torch.zeros(1, device=self.model.engine.device)
-            self._arrival = dist.all_reduce(token, group=self._arrival_group, async_op=True)
-        try:
-            wait_with_timeout(self._arrival, timeout)
-            self._arrival = None
-        except TimeoutError as exc:
-            raise state_gather_stalled(self.model.engine.rank, timeout, call) from exc
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        engine = self.model.engine
+        self._arrivals.wait(engine.device, self.model.manager.stall_timeout_s, engine.rank, call)
 
 
 __all__ = ["ShardedDistributedOptimizer"]

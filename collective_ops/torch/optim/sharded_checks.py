@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ...bucketing.hooks import allreduce_hook
+from ...bucketing.interfaces import wait_with_timeout
 from ...bucketing.manager import StallError
 from ...options import names_text
 from .optimizer_set import given_optimizers
@@ -135,6 +137,32 @@ def state_gather_stalled(rank: int, timeout: float, call: str) -> StallError:
         "opt.consolidate_state_dict(to=0) on every rank, then opt.state_dict() on rank 0 alone (only rank 0 "
         "then holds the state, in host memory). Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
     )
+
+
+class RankArrivals:
+    """Only for "has every rank come to gather the full state?", on a group of its own: a rank that never comes
+    (state_dict() called on rank 0 alone, as a DDP loop saves) cannot pair it with its training collectives, as it
+    would on theirs. (Every rank constructs it at the same point: creating a group is a collective.)"""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
+        self._posted: Any = None  # this rank's arrival, posted and not yet matched by every rank
+
+    def wait(self, device: Any, timeout: float, rank: int, call: str) -> None:
+        """Return once every rank has come to ``call``; else raise ``StallError`` after ``timeout`` seconds."""
+        if self.group is None:
+            return
+        if self._posted is None:  # else the arrival of a call that gave up waiting, still posted: matched now
+            self._posted = dist.all_reduce(torch.zeros(1, device=device), group=self.group, async_op=True)
+        try:
+            wait_with_timeout(self._posted, timeout)
+            self._posted = None
+        except TimeoutError as exc:
+            raise state_gather_stalled(rank, timeout, call) from exc
+
+    def release(self) -> None:
+        """Let go of the group (``co.shutdown()``: destroying it joins its worker threads while Python is alive)."""
+        self.group = self._posted = None
 
 
 class SteppedGradients:
