@@ -8,7 +8,8 @@ torch DDP with each ``bucket_cap_mb`` of the hand sweep {1, 2, 5, 10, 25, 50} an
 optimizer; ``wrap(bucket_size_mb="auto")`` with a plain optimizer; and
 ``wrap(bucket_size_mb="auto")`` + ``DistributedOptimizer`` with its defaults (its planned
 launch order, ``schedule="auto"``; ``--schedule auto plan`` adds plan order; the simulator's
-step for both orders is printed beside the measured ones; ``--shard`` adds ``shard=True``;
+step for both orders is printed beside the measured ones; ``--shard`` adds ``shard=True`` (its own
+planned reduce-scatter order, ``schedule="auto"``, printed with its trial);
 ``--whole-buckets`` adds one that weighs no chunked orders). Same optimizer
 class everywhere (SGD, or AdamW with ``--optimizer adamw``; ``--optimizer muon``: Muon for the hidden
 matrices and AdamW for the rest, two plain optimizers beside DDP and ``wrap``, both given to one
@@ -195,6 +196,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             },
             "update_ms": setups[_label(args.schedule[0])][1].update_seconds * 1e3,
             "schedule": _schedule_summary(setups[_label("auto")][1]) if "auto" in args.schedule else None,
+            "shard_schedule": _schedule_summary(setups[SHARDED][1]) if args.shard else None,
             "params_m": sum(p.numel() for p in ours.module.parameters()) / 1e6,
             "contention_ms": None if contention is None else [contention[0] * 1e3, contention[1] * 1e3, contention[2]],
         }
@@ -264,6 +266,17 @@ def _print_lead_bound(r: dict, plan: dict, measured: float, best_ddp: float, def
             f"{plan['simulated_best_ms'] / tight:.2f}x; the bound is {tight / default:.3f}x DDP default, "
             f"{tight / best_ddp:.3f}x best DDP"
         )
+
+
+def _print_shard_schedule(plan: dict, measured: float, unsharded: float | None) -> None:
+    """shard=True's planned reduce-scatter launch order (schedule="auto"): kept order, simulated and tried steps."""
+    print(
+        f"    shard=True schedule auto: reduce-scatter order {plan['order']}; simulated step "
+        f"{plan['predicted_step_ms']:.1f} ms ({plan['plan_order_step_ms']:.1f} in plan order), measured "
+        f"{measured:.1f}" + (f" ({measured / unsharded:.3f}x the unsharded DistributedOptimizer)" if unsharded else "")
+    )
+    if plan["trial_ms"]:
+        print(f"    its trial (median steps: plan order, then the simulator's shortlist): {plan['trial_ms']}")
 
 
 def main(argv=None) -> int:
@@ -357,6 +370,8 @@ def main(argv=None) -> int:
                 )
             if r["link_ms"]:
                 _print_lead_bound(r, plan, measured, ms[best_key], default)
+        if r.get("shard_schedule"):
+            _print_shard_schedule(r["shard_schedule"], ms[SHARDED], ms.get(_label("auto")))
         if r["contention_ms"]:
             alone, beside, rate = r["contention_ms"]
             print(

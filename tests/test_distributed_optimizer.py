@@ -1567,10 +1567,10 @@ def test_an_evaluation_on_one_rank_alone_issues_no_collective_and_trains_as_ddp(
         for name, (weights, _) in results.items():
             assert_identical(weights, ddp, f"{name} with evaluations on rank 0 alone, rank {rank}")
         # what settles outside backward happened during the run: the online tune, the order trial (planned
-        # over several buckets, and over one after the tune)
+        # over several buckets, and over one after the tune; sharded: plan order, then the shortlist)
         assert results["wrap"][1] is False
         assert results["auto"][1][1] >= 3 and results["auto_tuned"][1] == (False, 2), results
-        assert results["plan"][1] == results["shard"][1] == (False, False)
+        assert results["plan"][1] == (False, False) and results["shard"][1][1] >= 2, results
 
 
 def test_weights_do_not_depend_on_which_order_the_trial_keeps_at_three_ranks() -> None:

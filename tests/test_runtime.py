@@ -228,7 +228,7 @@ def shutdown_with_work_in_flight(rank: int, world: int) -> dict:
     before = {"in_flight": opt.in_flight, "threads": _gloo_worker_threads()}
     co.shutdown()
     after = {"in_flight": opt.in_flight, "threads": _gloo_worker_threads()}
-    groups = [opt._gather_group, opt._arrival_group, model._buffer_group, model.manager.row_sparse]
+    groups = [opt._gather_group, opt._arrivals.group, model._buffer_group, model.manager.row_sparse]
     return {"before": before, "after": after, "groups_left": [g is not None for g in groups]}
 
 

@@ -115,6 +115,33 @@ def test_sharded_simulation_by_hand() -> None:
         simulate_sharded(_profile(), [5.0] * 3, [8.0] * 4)
 
 
+def test_sharded_simulation_of_a_launch_order_by_hand() -> None:
+    # reduce-scatters in the order 0, 1, 3, 2: bucket 3 (ready at 40) launches before 2 (ready at 30), which
+    # waits for it: done 15, 25, 45 (3), 50 (2) -> step() at 50; all-gathers 58, 66, 74, 82; the forward waits 8
+    # for bucket 3 -> 68, 78, 88, 98; exposed: 10 in step() + 8
+    prediction = simulate_sharded(_profile(), [5.0] * 4, [8.0] * 4, (0, 1, 3, 2), held_from=2)
+    assert (prediction.forward_end_s, prediction.forward_wait_s, prediction.order) == (98.0, 18.0, (0, 1, 3, 2))
+    assert not prediction.is_plan_order and prediction.held_from == 2
+
+
+def test_every_sharded_launch_order_is_simulated_and_plan_order_priced_as_the_plain_prediction() -> None:
+    from types import SimpleNamespace
+
+    from collective_ops.bucketing.shard.step import sharded_orders, sharded_prediction
+
+    profile = _profile()
+    buckets = [SimpleNamespace(dtype="float32", nbytes=10, param_indices=[b]) for b in range(4)]
+    priced = (SimpleNamespace(buckets=buckets), {}, None, lambda nbytes, queued: 1.0 + nbytes, lambda dtype: 4)
+    predictions = sharded_orders(profile, *priced)
+    assert len(predictions) == 15 and len({p.order for p in predictions}) > 1  # every (deferred, held_from)
+    assert all(sorted(p.order) == [0, 1, 2, 3] for p in predictions)
+    assert predictions == sorted(predictions, key=lambda p: p.step_s)
+    plain = next(p for p in predictions if p.is_plan_order and p.held_from == 4)
+    assert plain == sharded_prediction(profile, *priced)
+    # a bucket's reduce-scatter launched before one ready earlier holds that one back: plan order is never beaten
+    assert predictions[0].step_s == plain.step_s
+
+
 def test_simulation_with_a_measured_forward_by_hand() -> None:
     # the forward starts 5 ms after backward, needs 3 then 2 at once (0 ms apart), then 1 and 0; lead 7 ms
     profile = StepProfile(

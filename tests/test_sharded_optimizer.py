@@ -878,6 +878,45 @@ def _gan_loops(rank: int, steps: int = 4) -> dict:
     return out
 
 
+def _planned_order_forced(rank: int, world: int, opt_kind: str, steps: int = 30) -> dict:
+    """shard=True with schedule="auto" (its default): the reduce-scatter launch order planned after step 3 and
+    its shortlist tried against plan order, the trial's winner forced: plan order ("first"), then the shortlist's
+    last ("last"). Each: (weights, orders tried, kept, each step's reduce-scatter launches as the engine issued
+    them); "ddp": DDP + the same optimizer's weights."""
+    import torch
+
+    import collective_ops as co
+    from collective_ops.bucketing.update.schedule import OrderTrial
+    from tests.models import TinyTransformer
+
+    cls, kwargs = _make_optimizer(opt_kind)
+    ddp = torch.nn.parallel.DistributedDataParallel(_build("transformer"))
+    out: dict = {"ddp": _train(rank, ddp, cls(ddp.parameters(), **kwargs), TinyTransformer, steps=steps)}
+    pick = OrderTrial.pick
+    try:
+        for forced in ("first", "last"):
+            OrderTrial.pick = staticmethod(
+                lambda medians, margin=0.02, f=forced: 0 if f == "first" else len(medians) - 1
+            )
+            model = co.wrap(_build("transformer"), **BUCKET)
+            optimizer = co.DistributedOptimizer(model, cls, shard=True, **kwargs)
+            manager, launches = model.manager, {}
+            launch = manager._launch
+
+            def recorded(bucket: int, launch=launch, manager=manager, launches=launches) -> None:
+                launches.setdefault(manager.steps_synced, []).append(bucket)
+                launch(bucket)
+
+            manager._launch = recorded  # the engine's reduce-scatters, in the order it issues them
+            weights = _train(rank, model, optimizer, TinyTransformer, steps=steps)
+            trial = optimizer.schedule_trial or {}
+            orders = [list(order) for order in trial.get("orders", [])]
+            out[forced] = (weights, orders, trial.get("kept"), [launches[k] for k in sorted(launches)])
+    finally:
+        OrderTrial.pick = pick
+    return out
+
+
 def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     import torch
 
@@ -971,6 +1010,8 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
     checks["params_moved"] = functools.partial(_params_moved, rank)
 
     checks["auto_size"] = functools.partial(_auto_bucket_size, rank)
+    checks["planned_order_sgd"] = functools.partial(_planned_order_forced, rank, world, "sgd")
+    checks["planned_order_adamw"] = functools.partial(_planned_order_forced, rank, world, "adamw")
     checks[("dcp_saved", "continued", "dcp_continued")] = functools.partial(_checkpointed, rank, checkpoint)
     # torch.distributed.checkpoint maps optimizer state through param_groups (here: pieces; for it, the model's
     # parameters): resumed into a fresh model and optimizer as the run continued (it was a KeyError: 0 in torch)
@@ -1111,8 +1152,8 @@ def _refused_sharded(rank: int) -> tuple:
                 lr=0.1,
                 shard=True,
             ),
-            "schedule_auto": lambda: co.DistributedOptimizer(
-                co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True, schedule="auto"
+            "schedule_bogus": lambda: co.DistributedOptimizer(
+                co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True, schedule="held"
             ),
             "reduce_dtype": lambda: co.DistributedOptimizer(
                 co.wrap(build("mlp")), torch.optim.SGD, lr=0.1, shard=True, grad_reduce_dtype="float64"
@@ -1232,6 +1273,7 @@ def resharded_checks(rank: int, world: int, checkpoint: str) -> dict:
     if world == 3:
         out["transformer_sgd"] = _ddp_and_sharded(rank, "transformer", "sgd", steps=10)
         out["mlp_adamw"] = _ddp_and_sharded(rank, "mlp", "adamw", steps=10)
+        out["planned_order_sgd"] = _planned_order_forced(rank, world, "sgd")
         out["two_backwards_sgd"] = (_accumulated(rank, False, steps=6), _accumulated(rank, True, True, steps=6))
     return out
 
@@ -1595,6 +1637,28 @@ def test_continued_from_checkpoint_as_unsharded_at_two_ranks(two_ranks) -> None:
         assert_identical(sharded, unsharded, "4 steps after loading, 2 ranks")
 
 
+def assert_planned_order_tried_and_kept(outs: list[dict], case: str, exact: bool) -> None:
+    """The sharded trial ran plan order, then the shortlist, on every rank alike; the engine issued the kept order's
+    reduce-scatters from then on; the weights are the same whichever order was kept (and DDP's where ``exact``)."""
+    for rank, out in enumerate(outs):
+        first, last = out[case]["first"], out[case]["last"]
+        for forced, (_, orders, kept, launches) in (("first", first), ("last", last)):
+            assert (orders, launches) == (outs[0][case][forced][1], outs[0][case][forced][3])  # every rank alike
+            plan = list(range(len(orders[0])))
+            assert orders[0] == plan and plan not in orders[1:] and len(orders) >= 2, orders
+            assert kept == (0 if forced == "first" else len(orders) - 1)
+            assert all(order in launches for order in orders)  # each candidate ran, as the engine launched it
+            assert launches[-1] == orders[kept] and launches[-4:] == [orders[kept]] * 4, launches[-6:]
+        assert_identical(last[0], first[0], f"{case}: orders switched, rank {rank}")
+        if exact:
+            assert_identical(first[0], out[case]["ddp"], f"{case}: against DDP, rank {rank}")
+
+
+@pytest.mark.parametrize("case", ["planned_order_sgd", "planned_order_adamw"])
+def test_the_planned_reduce_scatter_order_is_tried_kept_and_bit_equal_to_ddp(two_ranks, case: str) -> None:
+    assert_planned_order_tried_and_kept(two_ranks, case, exact=True)
+
+
 def test_the_online_tune_simulates_the_sharded_step(two_ranks) -> None:
     steps, chosen = two_ranks[0]["auto_size"]
     assert len(steps) >= 7, steps  # every candidate size (and first bucket): the sharded step simulated
@@ -1605,7 +1669,7 @@ def test_the_online_tune_simulates_the_sharded_step(two_ranks) -> None:
 def test_bad_input_is_refused_with_what_to_do(two_ranks) -> None:
     errors = two_ranks[0]["errors"]
     assert "custom comm_hook" in errors["custom_hook"]
-    assert "not supported with shard=True" in errors["schedule_auto"]
+    assert "must be one of" in errors["schedule_bogus"]
     assert "'float32'" in errors["reduce_dtype"]
     assert "shard=True" in errors["reduce_dtype_unsharded"]
     assert "not in the gradient buffers" in errors["gather_reduced_in_fp32"], errors["gather_reduced_in_fp32"]
@@ -1634,12 +1698,16 @@ def test_checkpoint_of_two_ranks_loads_at_three_ranks(two_ranks, checkpoint) -> 
     averaged gradients all-gathered first, 1e-6 after 6). Adam divides by sqrt(v), so an element
     whose averaged gradient is near zero turns a last-bit difference into a visible step: its
     weights are compared at 1e-4 for an MLP whose gradients are not near zero."""
-    for rank, out in enumerate(run_ranks(3, resharded_checks, checkpoint, timeout=300)):
+    outs = run_ranks(3, resharded_checks, checkpoint, timeout=300)
+    # the planned reduce-scatter order: whole buckets, so any order sums alike (bit-equal whichever is kept)
+    assert_planned_order_tried_and_kept(outs, "planned_order_sgd", exact=False)
+    for rank, out in enumerate(outs):
         # torch.distributed.checkpoint's sharded save of 2 ranks, resharded by DCP: as our own resharding
         assert_identical(out["dcp_continued"]["sharded"], out["continued"][1], f"3 ranks, from DCP, rank {rank}")
         cases = (("continued", 1e-4), ("transformer_sgd", 1e-6), ("mlp_adamw", 1e-4), ("two_backwards_sgd", 1e-6))
-        for case, atol in cases:
-            reference, sharded = out[case]
+        planned = out["planned_order_sgd"]
+        for case, atol in (*cases, ("planned_order_sgd", 1e-6)):
+            reference, sharded = (planned["ddp"], planned["last"][0]) if case == "planned_order_sgd" else out[case]
             for key in reference:
                 np.testing.assert_allclose(sharded[key], reference[key], rtol=1e-5, atol=atol, err_msg=f"{case} {key}")
 
@@ -1704,13 +1772,14 @@ def memory_and_traffic_checks(rank: int, world: int) -> dict:
         ddp = torch.nn.parallel.DistributedDataParallel(_wide_mlp())
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
 
-    def sharded():
+    def sharded(schedule: str = "auto"):
         model = co.wrap(_wide_mlp(), bucket_size_mb=3)
-        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, shard=True)
+        return model, co.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, shard=True, schedule=schedule)
 
     out = {"live_bytes": {"ddp_zero": _live_bytes_after_steps(rank, ddp_zero)}}
     out["live_bytes"]["sharded"] = _live_bytes_after_steps(rank, sharded)
-    model, optimizer = sharded()
+    # plan order: schedule="auto" measures the channel once, with allreduces, at the 4th forward (not a step's own)
+    model, optimizer = sharded("plan")
     batches = _wide_batches(rank, 5)
     for batch in batches[:2]:  # (the first step is allreduced, as DDP's, before the buckets are rebuilt)
         _wide_step(model, optimizer, batch)

@@ -93,6 +93,22 @@ def test_the_trial_runs_each_order_in_turn_and_keeps_the_fastest_with_its_overla
     assert planner.defers_now is True and planner.trial is None
 
 
+def test_the_sharded_trial_starts_from_plan_order_overlapped_and_needs_another_order() -> None:
+    manager = _Manager()
+    manager.plan = SimpleNamespace(buckets=[0, 1, 2])
+    sharded = LaunchOrderPlanner()
+    sharded._start_trial(manager, [(2, 1, 0)], finished_first=False)  # no baseline that finishes in backward
+    assert sharded.trial.orders == ((0, 1, 2), (2, 1, 0)) and sharded.trial_defers == (True, True)
+    assert sharded.defers_now is True and manager.orders == [None]
+    unsharded = LaunchOrderPlanner()
+    unsharded._start_trial(manager, [(2, 1, 0)], finished_first=True)
+    assert unsharded.trial.orders == ((0, 1, 2), (0, 1, 2), (2, 1, 0)) and unsharded.trial_defers == (False, True, True)
+    assert unsharded.defers_now is False
+    alone = LaunchOrderPlanner()
+    alone._start_trial(manager, [], finished_first=False)  # nothing to try against plan order: no trial
+    assert alone.trial is None and alone.defers_now is True
+
+
 def test_a_trial_step_counts_the_backward_to_its_launch_or_its_end() -> None:
     stats = SimpleNamespace(backward_start=10.0, finalize_start=10.5, finalize_end=10.8)
     # deferred: backward returned once the last bucket was launched (finalize_start)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..update.schedule import OrderPrediction, StepProfile, simulate_sharded
+from ..update.schedule import OrderPrediction, StepProfile, best_first, held_order, simulate_sharded
 
 
 def reduction_of(steps_synced: int, deferred_pending: bool) -> int:
@@ -102,15 +102,15 @@ class ShardStep:
         return self.consumed(reduction) and self.ungathered(bucket)
 
 
-def sharded_prediction(
+def sharded_costs(
     profile: StepProfile,
     plan: Any,
     shares: Mapping[int, float],
     wire: str | None,
     cost: Callable[..., float],
     itemsize: Callable[[str], int],
-) -> OrderPrediction:
-    """The sharded step simulated for ``plan`` (:func:`simulate_sharded`) from the timed step's ``profile``.
+) -> tuple[list[float], list[float]]:
+    """Each bucket's reduce-scatter and all-gather seconds for :func:`simulate_sharded`.
 
     A reduce-scatter or all-gather of a bucket of X bytes sends (N-1)/N of X per rank, what an allreduce
     of X/2 sends: each costs the fitted allreduce cost of X/2 (``cost(nbytes, queued=...)``; a row-sparse
@@ -126,7 +126,31 @@ def sharded_prediction(
         reduced = int(sent * ratio) if by_rows else int(bucket.nbytes * ratio / 2)
         reduce_s.append(cost(reduced, queued=index > 0))
         gather_s.append(cost(bucket.nbytes // 2, queued=index != first_gathered))
-    return simulate_sharded(profile, reduce_s, gather_s)
+    return reduce_s, gather_s
 
 
-__all__ = ["ShardStep", "reduction_of", "sharded_prediction"]
+def sharded_prediction(profile: StepProfile, *priced: Any) -> OrderPrediction:
+    """The sharded step simulated for a plan in plan order, from the timed step's ``profile``; ``priced``:
+    the plan and the rest of :func:`sharded_costs`'s arguments."""
+    return simulate_sharded(profile, *sharded_costs(profile, *priced))
+
+
+def sharded_orders(profile: StepProfile, *priced: Any, max_cuts: int = 48) -> list[OrderPrediction]:
+    """Every ``(deferred, held_from)`` reduce-scatter launch order (:func:`held_order`, as ``plan_order``
+    weighs allreduce orders) of the sharded step simulated, best first (ties: the fewest buckets held).
+
+    Whole buckets only: a bucket's reduce-scatter is one collective whichever order launches it, so every
+    order sums alike at any world size (the weights never depend on which order a timed trial keeps)."""
+    reduce_s, gather_s = sharded_costs(profile, *priced)
+    count = len(profile.ready_s)
+    stride = -(-count // max_cuts)
+    cuts = sorted(set(range(0, count + 1, stride)) | {count})
+    out = []
+    for held_from in cuts:
+        for deferred in (cut for cut in cuts if cut <= held_from):
+            order = held_order(count, held_from, deferred, profile.needs())
+            out.append(simulate_sharded(profile, reduce_s, gather_s, order, held_from, deferred))
+    return best_first(out)
+
+
+__all__ = ["ShardStep", "reduction_of", "sharded_costs", "sharded_orders", "sharded_prediction"]

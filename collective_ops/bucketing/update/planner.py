@@ -11,6 +11,7 @@ engine, the timeline, the measured cost) are passed to each call.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,10 +65,12 @@ class LaunchOrderPlanner:
         compiled: bool,
         chunk_candidates_mib: Sequence[float],
         measure_cost: Callable[[], Any],
+        sharded: Callable[[Any], list[OrderPrediction]] | None = None,
     ) -> None:
         """Rank 0's simulated best order (where its timeline is complete), set on every rank (collectives).
         ``compiled``: the forward ran under torch.compile (no per-module timeline: plan order kept);
-        ``measure_cost``: the fitted alpha/beta of the channel (a collective)."""
+        ``measure_cost``: the fitted alpha/beta of the channel (a collective); ``sharded``: the sharded step's
+        reduce-scatter orders simulated for a fitted cost, best first (None: allreduce orders, unsharded)."""
         stats = manager.last_stats
         complete = timeline.complete(stats.backward_start)
         # rank 0's timeline decides, on every rank: 1 plan from it, 0 not complete yet, 2 never (compiled forwards)
@@ -80,7 +83,9 @@ class LaunchOrderPlanner:
         cost = measure_cost()  # a collective: every rank is here
         count = len(manager.plan.buckets)
         predictions = None
-        if complete:
+        if complete and sharded is not None:
+            predictions = sharded(cost)
+        elif complete:
             inputs = planner_inputs(timeline, manager, stats, manager.plan, cost)
             predictions = ranked_orders(
                 inputs, manager, manager.plan, engine.world_size, chunk_candidates_mib, chunked=True
@@ -88,24 +93,33 @@ class LaunchOrderPlanner:
             self.bound_s = step_bound(*inputs)
         orders = broadcast_orders(engine, shortlist(predictions or [], TRIAL_CANDIDATES, count))  # rank 0's
         self.report, self.planned_for = predictions, manager.plan
-        # Finishing every bucket in backward (as a plain optimizer sees it) is the first candidate: overlapping
-        # updates with the forward costs hooks and per-bucket updates, and is kept only where it measures faster.
-        plan = tuple(range(count))
-        self.trial = OrderTrial((plan, plan, *orders), TRIAL_BLOCK_STEPS, TRIAL_ROUNDS)
-        self.trial_defers = (False, True, *(True for _ in orders))
-        self.defers_now = False
-        manager.set_launch_order(None)
+        self._start_trial(manager, orders, finished_first=sharded is None)
         if predictions:
             plain = next(p for p in predictions if p.is_plan_order)
             logger.info(
                 "collective_ops: DistributedOptimizer shortlisted launch orders %s (simulated %s ms) against plan "
-                "order (%.1f ms) and every bucket finished in backward; each runs %d x %d steps, the fastest kept",
+                "order (%.1f ms)%s; each runs %d x %d steps, the fastest kept",
                 orders,
                 [round(p.step_s * 1e3, 1) for p in predictions if p.order in orders],
                 plain.step_s * 1e3,
+                "" if sharded else " and every bucket finished in backward",
                 TRIAL_ROUNDS,
                 TRIAL_BLOCK_STEPS,
             )
+
+    def _start_trial(self, manager: Any, orders: list[tuple[int, ...]], finished_first: bool) -> None:
+        """The trial of ``orders`` against plan order, from the next step. ``finished_first``: finishing every
+        bucket in backward (as a plain optimizer sees it) is the first candidate: overlapping updates with the
+        forward costs hooks and per-bucket updates, and is kept only where it measures faster. (The sharded
+        step has no such baseline: plan order, overlapped, is its first; with no other order, no trial.)"""
+        plan = tuple(range(len(manager.plan.buckets)))
+        candidates = (plan, plan, *orders) if finished_first else (plan, *orders)
+        if len(candidates) < 2:
+            return
+        self.trial = OrderTrial(candidates, TRIAL_BLOCK_STEPS, TRIAL_ROUNDS)
+        self.trial_defers = (not finished_first, *(True for _ in candidates[1:]))
+        self.defers_now = self.trial_defers[0]
+        manager.set_launch_order(None)
 
     def advance(self, manager: Any, engine: Any, step_s: float) -> None:
         """One step of the trial measured (``step_s``: :func:`trial_step_seconds`); the next order set, or,
@@ -128,6 +142,21 @@ class LaunchOrderPlanner:
             f"launch order {trial.orders[kept]}" if self.defers_now else "every bucket finished in backward",
             [round(m * 1e3, 1) for m in medians],
         )
+
+    def advance_timed(
+        self,
+        manager: Any,
+        engine: Any,
+        stats: Any,
+        backward_began: float | None,
+        forward_start: float | None,
+        step_seconds: float,
+    ) -> None:
+        """At the end of a trial step's forward: the step measured up to now (:func:`trial_step_seconds`), then
+        :meth:`advance`."""
+        now = time.perf_counter()
+        measured = trial_step_seconds(stats, self.defers_now, backward_began, forward_start, now, step_seconds)
+        self.advance(manager, engine, measured)
 
     def on_plan_change(self) -> None:
         """The model's buckets were replanned: a trial of the old plan's orders ends."""

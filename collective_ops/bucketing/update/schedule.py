@@ -236,21 +236,31 @@ def step_bound(profile: StepProfile, cost: Price) -> float:
     return profile.lead_s + forward_end
 
 
-def simulate_sharded(profile: StepProfile, reduce_s: Sequence[float], gather_s: Sequence[float]) -> OrderPrediction:
-    """The sharded step (ZeRO-1) of :mod:`collective_ops.torch.optim.sharded`, in plan order.
+def simulate_sharded(
+    profile: StepProfile,
+    reduce_s: Sequence[float],
+    gather_s: Sequence[float],
+    order: Sequence[int] | None = None,
+    held_from: int | None = None,
+    deferred: int = 0,
+) -> OrderPrediction:
+    """The sharded step (ZeRO-1) of :mod:`collective_ops.torch.optim.sharded`, its reduce-scatters launched
+    strictly in ``order`` (default: plan order; ``held_from``/``deferred``: the cuts it was made by).
 
-    Each bucket's reduce-scatter (``reduce_s[b]`` seconds) launches once it is full, on one serial
-    channel; ``step()`` returns once every one has landed (it launches every all-gather before
-    returning); the all-gathers (``gather_s[b]``) then run on a channel of their own in the
-    forward's order, and the forward, starting as ``step()`` returns, waits for each bucket's.
+    Each bucket's reduce-scatter (``reduce_s[b]`` seconds) launches once it is full and every one before it in
+    ``order`` has launched, on one serial channel; ``step()`` returns once every one has landed (it launches
+    every all-gather before returning); the all-gathers (``gather_s[b]``) then run on a channel of their own
+    in the forward's order, and the forward, starting as ``step()`` returns, waits for each bucket's.
     ``forward_wait_s`` counts the wait in ``step()`` too: both are communication left exposed.
     """
     count = len(profile.ready_s)
     if not len(reduce_s) == len(gather_s) == count:
         raise ValueError("simulate_sharded needs a reduce-scatter and an all-gather time for every bucket")
-    channel_free = 0.0
-    for bucket in range(count):
-        channel_free = max(channel_free, profile.ready_s[bucket]) + reduce_s[bucket]
+    order = tuple(range(count)) if order is None else tuple(order)
+    launched = channel_free = 0.0
+    for bucket in order:
+        launched = max(launched, profile.ready_s[bucket])
+        channel_free = max(channel_free, launched) + reduce_s[bucket]
     stepped = max(profile.backward_end_s, channel_free)
     gathered, gather_free = {}, stepped
     for bucket in profile.needs():
@@ -260,7 +270,8 @@ def simulate_sharded(profile: StepProfile, reduce_s: Sequence[float], gather_s: 
     for bucket in profile.needs():
         waited += max(0.0, gathered[bucket] - clock)
         clock = max(clock, gathered[bucket]) + profile.forward_s[bucket]
-    return OrderPrediction(tuple(range(count)), count, clock, waited, 0, profile.lead_s + clock)
+    held = count if held_from is None else held_from
+    return OrderPrediction(order, held, clock, waited, deferred, profile.lead_s + clock)
 
 
 def chunk_counts(nbytes: Sequence[int], chunkable: Sequence[bool], chunk_bytes: int) -> list[int]:

@@ -43,7 +43,6 @@ from ...bucketing.update.planner import (
     planner_inputs,
     planning_due,
     ranked_orders,
-    trial_step_seconds,
 )
 from ...bucketing.update.schedule import OrderPrediction
 from ...bucketing.update.timeline import ForwardTimeline
@@ -77,7 +76,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     ``DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)``; ``params``
     (default: the model's parameters) may be parameter groups, as for the class itself.
     ``overlap=False`` finishes every bucket in backward, as a plain optimizer sees it.
-    ``schedule``: ``"auto"`` (the default, except with ``shard=True`` or a custom comm hook)
+    ``schedule``: ``"auto"`` (the default, except with a custom comm hook)
     plans the launch order once per bucket plan from a measured step: the buckets the next
     forward needs first, ready last in backward, are sent first at its end, ahead of those
     held from earlier in backward (and, with ``bucket_size_mb="auto"``, the bucket size by the
@@ -112,7 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     ) -> None:
         refuse_unwrapped(model, DistributedDataParallel, shard and not self.shards)
         custom_hook = model.manager.comm_hook is not allreduce_hook and not model.compression
-        schedule = schedule or ("plan" if self.shards or custom_hook else "auto")
+        schedule = schedule or ("plan" if custom_hook else "auto")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self._given = given_optimizers(optimizer_class)  # optimizers built by the user, or None for a class
@@ -755,7 +754,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not forward_ended:  # a backward that finished every bucket: what is settled here is at forward ends
             return
         if self._planner.trial is not None and not self.model.joined:
-            self._advance_trial(stats)
+            # this model's own time (its forward, backward and step()): other work between steps does not count
+            self._planner.advance_timed(
+                manager, self.model.engine, stats, self.model.backward_began, self._forward_start, self._step_seconds
+            )
             return
         if self._times_forward():
             if self.model.module.training and torch.is_grad_enabled():  # a training step's forward, not an evaluation
@@ -770,16 +772,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             self._forward_compiled,
             self._chunk_candidates_mib,
             _measure_cost,
+            self._sharded_orders(),
         )
 
-    def _advance_trial(self, stats: Any) -> None:
-        """One step of the order trial measured (its forward, backward and step(), this model's own time, so
-        other work between steps does not count); the next order set, or, once over, the fastest kept."""
-        now = time.perf_counter()
-        measured = trial_step_seconds(
-            stats, self._planner.defers_now, self.model.backward_began, self._forward_start, now, self._step_seconds
-        )
-        self._planner.advance(self.model.manager, self.model.engine, measured)
+    def _sharded_orders(self) -> Any:
+        """Sharded: the step's reduce-scatter orders simulated for a fitted cost (None: allreduce orders)."""
+        return None
 
     @property
     def schedule_report(self) -> list[OrderPrediction] | None:

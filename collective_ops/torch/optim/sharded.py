@@ -2,7 +2,9 @@
 
 Each bucket is padded to a multiple of the world size and cut into equal contiguous shards
 (:class:`collective_ops.bucketing.shard.ShardLayout`). Gradients are reduce-scattered per
-bucket during backward, in the plan's launch order on every rank; each rank runs the wrapped
+bucket during backward, in one launch order on every rank (``schedule="auto"``, the default: planned from
+a timed step by :func:`~collective_ops.bucketing.shard.step.sharded_orders` and tried against plan order,
+as unsharded; ``"plan"``: plan order); each rank runs the wrapped
 optimizer on the pieces of parameters inside its shards only, so it keeps 1/N of the
 optimizer state; the updated shards are all-gathered per bucket into the parameters, and the
 next forward waits only for the buckets it is about to use.
@@ -34,7 +36,7 @@ from ...bucketing.hooks import reduce_scatter_hook
 from ...bucketing.interfaces import wait_with_timeout
 from ...bucketing.plan import BucketPlan
 from ...bucketing.shard.layout import ShardLayout, ShardPiece
-from ...bucketing.shard.step import ShardStep, reduction_of, sharded_prediction
+from ...bucketing.shard.step import ShardStep, reduction_of, sharded_orders, sharded_prediction
 from ...bucketing.update.overlap import buckets_read
 from ...bucketing.update.pending import PendingUpdates
 from ...bucketing.update.schedule import OrderPrediction
@@ -46,6 +48,7 @@ from .dcp import ModelParamsGroup, dcp_asks_sharded_state
 from .grads import clip_global_norm_, gather_gradients_whole, nonfinite_params
 from .optimizer import DistributedOptimizer
 from .sharded_checks import (
+    RankArrivals,
     SteppedGradients,
     bound_gradients_changed,
     check_sharded_arguments,
@@ -53,7 +56,6 @@ from .sharded_checks import (
     params_moved,
     refuse_unsupported,
     second_backward,
-    state_gather_stalled,
 )
 from .sharded_state import (
     MASTER_KEY,
@@ -111,7 +113,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         assume_elementwise: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_sharded_arguments(optimizer_class, schedule, grad_reduce_dtype, assume_elementwise)
+        check_sharded_arguments(optimizer_class, grad_reduce_dtype, assume_elementwise)
         if isinstance(model, DistributedDataParallel):
             refuse_unsupported(model, grad_reduce_dtype)
         self.grad_reduce_dtype = grad_reduce_dtype
@@ -137,10 +139,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._bound_after_gather = False  # and then bound to the pieces again (param_groups read: unscale_)
         # (every rank constructs the optimizer at the same point: creating a group is a collective)
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
-        # Only for "has every rank come to gather the full state?": a rank that never comes (state_dict() called
-        # on rank 0 alone, as a DDP loop saves) cannot pair it with its training collectives, as it would there.
-        self._arrival_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
-        self._arrival: Any = None  # this rank's arrival, posted and not yet matched by every rank
+        self._arrivals = RankArrivals()  # "has every rank come to gather the full state?", on a group of its own
         super().__init__(
             model, optimizer_class, *args, params=params, overlap=overlap, shard=True, schedule=schedule, **kwargs
         )
@@ -346,7 +345,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _finish_before_leaving(self) -> None:
         super()._finish_before_leaving()
-        self._gather_group = self._arrival_group = self._arrival = None
+        self._gather_group = None
+        self._arrivals.release()
 
     def synchronize(self) -> None:
         """Finish every reduction, apply every owed update, finish every all-gather (blocking)."""
@@ -472,19 +472,30 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             self._wait_gather(bucket, module)
 
     def _times_forward(self) -> bool:
-        """Until the online bucket-size tune (bucket_size_mb="auto") has run: its simulated sharded step's input."""
-        return self.overlap and self.model.tune_pending
+        """Until the online bucket-size tune (bucket_size_mb="auto") has run and the launch order is planned:
+        the input of their simulated sharded step."""
+        return self.overlap and (self.model.tune_pending or self._plans_schedule())
 
     def predict_overlapped(self, plan: BucketPlan, cost: Any) -> OrderPrediction | None:
         """For ``bucket_size_mb="auto"``: the sharded step simulated were the model bucketed as ``plan``
-        (:func:`~collective_ops.bucketing.shard.step.sharded_prediction`), from the last backward and the forward
-        after it; None without that profile."""
+        (:func:`~collective_ops.bucketing.shard.step.sharded_orders`: its best reduce-scatter order with
+        ``schedule="auto"``, else plan order), from the last backward and the forward after it; None without
+        that profile."""
         stats = self.model.manager.last_stats
         if not (self.overlap and stats.backward_start is not None and self._timeline.complete(stats.backward_start)):
             return None
+        priced = self._priced(plan, cost)
+        return sharded_orders(*priced)[0] if self.schedule == "auto" else sharded_prediction(*priced)
+
+    def _sharded_orders(self) -> Any:
+        """The launch-order planner's simulator here: every reduce-scatter order of the plan, best first."""
+        return lambda cost: sharded_orders(*self._priced(self.model.manager.plan, cost))
+
+    def _priced(self, plan: BucketPlan, cost: Any) -> tuple:
+        """The timed step as ``plan`` buckets it, and what prices its collectives (the sharded simulator's input)."""
         shares = self.model.manager.wire_shares(plan)
-        profile = self._timeline.profile(stats, plan, shares)
-        return sharded_prediction(profile, plan, shares, self._wire_dtype(), cost.cost, _itemsize)
+        profile = self._timeline.profile(self.model.manager.last_stats, plan, shares)
+        return profile, plan, shares, self._wire_dtype(), cost.cost, lambda dtype: getattr(torch, dtype).itemsize
 
     # -- what the rest of the loop may call --------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -762,6 +773,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def on_plan_change(self, plan: BucketPlan) -> None:
         """The model's buckets were replanned: lay the shards out anew, moving the state with them."""
+        super().on_plan_change(plan)  # (a trial of the old plan's orders ends)
         if plan is self._layout.plan:
             return  # the same plan with fresh gradient buffers (a failed step): pieces bind lazily
         # the gradients the last step used, now in the new buffers (the old ones, freed, are not to be held here)
@@ -812,21 +824,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _wait_for_every_rank(self, call: str) -> None:
         """Return once every rank has come to ``call`` (which gathers the full state); raise ``StallError``
         if they do not within the stall timeout (``COLLECTIVE_OPS_STALL_TIMEOUT``), rather than block."""
-        if self._arrival_group is None:
-            return
-        timeout = self.model.manager.stall_timeout_s
-        if self._arrival is None:  # else the arrival of a call that gave up waiting, still posted: matched now
-            token = torch.zeros(1, device=self.model.engine.device)
-            self._arrival = dist.all_reduce(token, group=self._arrival_group, async_op=True)
-        try:
-            wait_with_timeout(self._arrival, timeout)
-            self._arrival = None
-        except TimeoutError as exc:
-            raise state_gather_stalled(self.model.engine.rank, timeout, call) from exc
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        engine = self.model.engine
+        self._arrivals.wait(engine.device, self.model.manager.stall_timeout_s, engine.rank, call)
 
 
 __all__ = ["ShardedDistributedOptimizer"]

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ...bucketing.hooks import allreduce_hook
+from ...bucketing.interfaces import wait_with_timeout
 from ...bucketing.manager import StallError
 from ...options import names_text
 from .optimizer_set import given_optimizers
@@ -25,10 +27,8 @@ ELEMENTWISE_OPTIMIZERS = tuple(
 GRAD_REDUCE_DTYPES = (None, "float32")
 
 
-def check_sharded_arguments(
-    optimizer_class: Any, schedule: str | None, grad_reduce_dtype: str | None, assume_elementwise: bool
-) -> None:
-    """What shard=True takes: an element-wise optimizer class, plan order, a known gradient dtype."""
+def check_sharded_arguments(optimizer_class: Any, grad_reduce_dtype: str | None, assume_elementwise: bool) -> None:
+    """What shard=True takes: an element-wise optimizer class and a known gradient dtype."""
     if given_optimizers(optimizer_class) is not None:
         raise TypeError(
             "shard=True takes an optimizer class and its settings (DistributedOptimizer(model, torch.optim.AdamW, "
@@ -36,11 +36,6 @@ def check_sharded_arguments(
             "parameters (several classes, e.g. Muon + AdamW) run with shard=False"
         )
     refuse_non_elementwise(optimizer_class, assume_elementwise)
-    if schedule not in (None, "plan"):
-        raise ValueError(
-            f"shard=True launches in plan order (schedule='plan'), got schedule={schedule!r}: a planned order "
-            "is not supported with shard=True yet (its all-gathers have an order of their own)"
-        )
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ValueError(
             f"grad_reduce_dtype must be None (the parameters' dtype) or 'float32', got {grad_reduce_dtype!r}"
@@ -147,6 +142,32 @@ def state_gather_stalled(rank: int, timeout: float, call: str) -> StallError:
         "opt.consolidate_state_dict(to=0) on every rank, then opt.state_dict() on rank 0 alone (only rank 0 "
         "then holds the state, in host memory). Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
     )
+
+
+class RankArrivals:
+    """Only for "has every rank come to gather the full state?", on a group of its own: a rank that never comes
+    (state_dict() called on rank 0 alone, as a DDP loop saves) cannot pair it with its training collectives, as it
+    would on theirs. (Every rank constructs it at the same point: creating a group is a collective.)"""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
+        self._posted: Any = None  # this rank's arrival, posted and not yet matched by every rank
+
+    def wait(self, device: Any, timeout: float, rank: int, call: str) -> None:
+        """Return once every rank has come to ``call``; else raise ``StallError`` after ``timeout`` seconds."""
+        if self.group is None:
+            return
+        if self._posted is None:  # else the arrival of a call that gave up waiting, still posted: matched now
+            self._posted = dist.all_reduce(torch.zeros(1, device=device), group=self.group, async_op=True)
+        try:
+            wait_with_timeout(self._posted, timeout)
+            self._posted = None
+        except TimeoutError as exc:
+            raise state_gather_stalled(rank, timeout, call) from exc
+
+    def release(self) -> None:
+        """Let go of the group (``co.shutdown()``: destroying it joins its worker threads while Python is alive)."""
+        self.group = self._posted = None
 
 
 class SteppedGradients:
