@@ -36,10 +36,12 @@ CORE_MODULES = (
     "collective_ops.options",
 )
 
-# Modules allowed over MAX_LINES for now, each with its reason (expected to shrink: remove once it has).
+# Modules allowed a little over MAX_LINES, each with its reason and the most lines it may have: the two
+# optimizer classes are one concept each (per-bucket updates; the sharded step), already split by concept around
+# them (checks, amp, grads, owed_reads, sharded_state, sharded_checks, dcp) and in the core (update/, shard/).
 OVERSIZED = {
-    "collective_ops.torch.optim.optimizer": "being split by the core-optim work (update schedule, trial -> core)",
-    "collective_ops.torch.optim.sharded": "being split by the core-optim work (shard layout and step -> core)",
+    "collective_ops.torch.optim.optimizer": ("DistributedOptimizer's own members", 840),
+    "collective_ops.torch.optim.sharded": ("ShardedDistributedOptimizer's overrides", 840),
 }
 
 # Function-level imports that close an import circle or cross between the framework packages, with the reason
@@ -266,7 +268,7 @@ def test_the_framework_packages_do_not_import_each_other(graph) -> None:
 
 def test_no_module_over_the_line_limit() -> None:
     over = oversized()
-    unexplained = {name: lines for name, lines in over.items() if name not in OVERSIZED}
+    unexplained = {name: lines for name, lines in over.items() if lines > OVERSIZED.get(name, ("", MAX_LINES))[1]}
     assert unexplained == {}, f"modules over {MAX_LINES} lines: {unexplained}; split them by concept"
 
 
