@@ -177,7 +177,7 @@ def run(args) -> None:
         raise SystemExit("--paths times the functional loop's phases; it does not combine with --train-cell")
     if args.paths:
         kinds += ["no reduction", "fused ops.AllReduce", "per-gradient hook launch"]
-    elif args.link != "none" and not args.train_cell:  # compute alone, beside the link's wire time
+    elif _link_rate() and not args.train_cell:  # compute alone, beside the link's wire time
         kinds.append("no reduction")
     if args.step_check_cost:
         kinds.append(CHECKED)
@@ -292,8 +292,8 @@ def run(args) -> None:
                 line += f" {phases['backward']:>10.1f} {phases['reduce']:>8.1f} {phases['update']:>8.1f}"
             lines.append(line)
         lines.append(f"# ratio collective_ops / DistributedGradReducer = {ours / ref:.3f}")
-        if args.link != "none":
-            lines.append(_wire_line(args.link, ctx.world_size, setups["collective_ops"][2].parameters, median_ms))
+        if _link_rate():
+            lines.append(_wire_line(_link_rate(), ctx.world_size, setups["collective_ops"][2].parameters, median_ms))
         if SHARDED in setups:
             lines.append(_state_line(setups, median_ms, ref))
         table = "\n".join(lines)
@@ -314,6 +314,14 @@ def _cnn23m():
     convs = [(3, 64), (64, 128), (128, 256), (256, 512)]
     layers = [c for i, o in convs for c in (nn.Conv2d(i, o, 3, pad_mode="same"), nn.ReLU(), nn.MaxPool2d(2, 2))]
     return nn.SequentialCell(*layers, nn.Flatten(), nn.Dense(512 * 2 * 2, 2048), nn.ReLU(), nn.Dense(2048, 10))
+
+
+def _link_rate() -> str | None:
+    """The emulated link's tc rate in an msrun worker on it (the workers' command line has no --link)."""
+    from collective_ops.tools.link import ENV_LINK
+
+    rate = os.environ.get(ENV_LINK)
+    return rate if rate and rate != "none" else None
 
 
 def _wire_line(link: str, world: int, params, median_ms: dict) -> str:
