@@ -48,9 +48,10 @@ def parse_args(argv=None):
     parser.add_argument("--graph", action="store_true", help="GRAPH mode (both reducers run after backward)")
     parser.add_argument(
         "--model",
-        choices=["convnet", "mlp"],
+        choices=["convnet", "mlp", "cnn23m"],
         default="convnet",
-        help="convnet: compute-heavy (examples/train_mindspore.py); mlp: 24 Dense layers, communication-heavy",
+        help="convnet: compute-heavy (examples/train_mindspore.py); mlp: 24 Dense layers, communication-heavy; "
+        "cnn23m: a CNN with 22 MB of float32 gradients (a link's rate matters: use with --link)",
     )
     parser.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     parser.add_argument(
@@ -152,7 +153,7 @@ def run(args) -> None:
     ctx = co.init()
     loss_fn = nn.CrossEntropyLoss()
     rng = np.random.default_rng(ctx.rank)
-    shape = (16, 3, 32, 32) if args.model == "convnet" else (16, 256)
+    shape = (16, 256) if args.model == "mlp" else (16, 3, 32, 32)
     data = [
         (ms.Tensor(rng.standard_normal(shape).astype(np.float32)), ms.Tensor(rng.integers(0, 10, 16).astype(np.int32)))
         for _ in range(4)
@@ -161,6 +162,8 @@ def run(args) -> None:
     def build():
         if args.model == "convnet":
             return ConvNet()
+        if args.model == "cnn23m":
+            return _cnn23m()
         layers = [cell for _ in range(24) for cell in (nn.Dense(256, 256), nn.ReLU())]
         return nn.SequentialCell(*layers, nn.Dense(256, 10))
 
@@ -174,6 +177,8 @@ def run(args) -> None:
         raise SystemExit("--paths times the functional loop's phases; it does not combine with --train-cell")
     if args.paths:
         kinds += ["no reduction", "fused ops.AllReduce", "per-gradient hook launch"]
+    elif _link_rate() and not args.train_cell:  # compute alone, beside the link's wire time
+        kinds.append("no reduction")
     if args.step_check_cost:
         kinds.append(CHECKED)
     if args.shard and args.train_cell:
@@ -287,6 +292,8 @@ def run(args) -> None:
                 line += f" {phases['backward']:>10.1f} {phases['reduce']:>8.1f} {phases['update']:>8.1f}"
             lines.append(line)
         lines.append(f"# ratio collective_ops / DistributedGradReducer = {ours / ref:.3f}")
+        if _link_rate():
+            lines.append(_wire_line(_link_rate(), ctx.world_size, setups["collective_ops"][2].parameters, median_ms))
         if SHARDED in setups:
             lines.append(_state_line(setups, median_ms, ref))
         table = "\n".join(lines)
@@ -298,6 +305,37 @@ def run(args) -> None:
 
 
 SHARDED = "collective_ops shard=True"
+
+
+def _cnn23m():
+    """A CNN with 5.8 M float32 parameters (23 MB of gradients): four 3x3 convolutions, then a wide Dense."""
+    from mindspore import nn
+
+    convs = [(3, 64), (64, 128), (128, 256), (256, 512)]
+    layers = [c for i, o in convs for c in (nn.Conv2d(i, o, 3, pad_mode="same"), nn.ReLU(), nn.MaxPool2d(2, 2))]
+    return nn.SequentialCell(*layers, nn.Flatten(), nn.Dense(512 * 2 * 2, 2048), nn.ReLU(), nn.Dense(2048, 10))
+
+
+def _link_rate() -> str | None:
+    """The emulated link's tc rate in an msrun worker on it (the workers' command line has no --link)."""
+    from collective_ops.tools.link import ENV_LINK
+
+    rate = os.environ.get(ENV_LINK)
+    return rate if rate and rate != "none" else None
+
+
+def _wire_line(link: str, world: int, params, median_ms: dict) -> str:
+    """Compute alone (the step without a reduction) and the ring allreduce's wire time of one step's float32
+    gradients at the link's rate (2 (n-1)/n of the bytes each way): what a step on that link cannot go under."""
+    from collective_ops.tools.link import rate_bits
+
+    nbytes = sum(int(p.size) * p.itemsize for p in params)
+    wire_ms = 2 * (world - 1) / world * nbytes * 8 / rate_bits(link) * 1e3
+    compute = median_ms.get("no reduction", {}).get("step")
+    shown = f"{compute:.1f} ms" if compute is not None else "not timed (--train-cell)"
+    return f"# compute alone {shown}; wire time of one step's gradients ({nbytes / 1e6:.1f} MB) at {link}: {wire_ms:.1f} ms"
+
+
 CHECKED = "collective_ops check_step_alignment=True"
 
 

@@ -41,10 +41,14 @@ class GradientBucket(_CoreGradientBucket):
 def tune(model: Any, step_fn: Any, **options: Any) -> Any:
     """Choose and set ``bucket_size_mb`` for a wrapped model (see :func:`collective_ops.tuning.tune`)."""
     if type(model).__module__.startswith("collective_ops.mindspore."):  # before tune's first step, not after it
-        raise NotImplementedError(
-            "collective_ops.tune() tunes torch models only (its profile reads torch's backward); for a MindSpore "
-            "network give wrap() a bucket_size_mb (default 25) and, with overlap=True, a first_bucket_mb"
-        )
+        import mindspore as ms
+
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            raise ValueError(
+                "collective_ops.tune() on MindSpore needs PyNative mode: it replans between steps, and a GRAPH-mode "
+                "step has the bucket plan compiled into its graph. Tune in PyNative and wrap with the size it "
+                "chooses (bucket_size_mb=result.bucket_size_mb, first_bucket_mb=result.first_bucket_mb)"
+            )
     from .tuning import tune as _tune
 
     return _tune(model, step_fn, **options)

@@ -110,13 +110,9 @@ class WrapOptions:
     """Raise a ``FloatingPointError`` naming the parameters (and the rank where the NaN/Inf began) when the
     optimizer applied a non-finite reduced gradient."""
 
-    auto_tune_step: int = field(
-        default=2,
-        metadata=only(
-            "torch", mindspore="bucket_size_mb='auto' is not available on MindSpore: give bucket_size_mb a number"
-        ),
-    )
-    """With ``bucket_size_mb="auto"``: the step whose backward is profiled for the choice (>= 1)."""
+    auto_tune_step: int = 2
+    """With ``bucket_size_mb="auto"``: the step whose backward is profiled for the choice (>= 1; on MindSpore,
+    PyNative mode: the choice is made at the end of that step's ``reduce()``)."""
 
     row_sparse_embeddings: bool | str = field(
         default="auto", metadata=only("torch", mindspore="MindSpore gradients reach the wrapper dense; leave it out")

@@ -1,4 +1,4 @@
-"""``co.tune(model, step_fn)``: choose ``bucket_size_mb`` for a wrapped torch model from profiled steps and a short
+"""``co.tune(model, step_fn)``: choose ``bucket_size_mb`` for a wrapped model (torch, or MindSpore in PyNative) from profiled steps and a short
 trial of the best candidates.
 
 The cost model and simulator are :mod:`collective_ops.bucketing.cost`; the live alpha/beta fit is
@@ -128,7 +128,7 @@ def tune(
     profile_steps: int = 2,
     keep_current: bool = True,
 ) -> TuneResult:
-    """Choose ``bucket_size_mb`` and ``first_bucket_mb`` for a wrapped torch model and set them.
+    """Choose ``bucket_size_mb`` and ``first_bucket_mb`` for a wrapped model (torch, or MindSpore in PyNative) and set them.
 
     ``step_fn()`` runs one training step (forward, backward, optimizer) on the wrapped
     model. Profiled steps (:func:`profile_with_contention`) and a short allreduce sweep
@@ -145,7 +145,7 @@ def tune(
     engine = model.engine
     manager = model.manager
     step_fn()  # warm-up (and the first-step rebuild)
-    cost = cost or measure_alpha_beta()
+    cost = cost or measure.measure_alpha_beta(engine)  # the model's own engine: torch's or MindSpore's
     profile, contention = profile_with_contention(model, step_fn, cost, profile_steps)
     specs = list(manager.plan.params)
     predictions = predict(

@@ -29,6 +29,7 @@ SUITES = {
     ("graph", 2): ("model_train", "loss_scale", "adapter"),
 }
 MODEL_WRAP_TIMEOUT_S = 500  # its own start: ~15 Model builds (a graph compiled for each in GRAPH mode)
+AUTO_TUNE_TIMEOUT_S = 280  # its own start (~1 min): the pynative-2 suite is near pytest's 300 s limit already
 
 
 def model_wrap_run(mode: str) -> SuiteRun:
@@ -421,8 +422,30 @@ def test_the_torch_wrappers_keywords_name_what_mindspore_does_instead() -> None:
         co.wrap(net, check_finite=True)
     with pytest.raises(TypeError, match=r"'broadcast_buffers' is a torch option.*broadcast_parameters=True"):
         co.wrap(net, broadcast_buffers=False)
-    with pytest.raises(ValueError, match=r"bucket_size_mb='auto'.*torch only; on MindSpore give a number"):
-        co.wrap(net, bucket_size_mb="auto")
+    import mindspore as ms
+
     wrapper = type("DataParallel", (), {"__module__": "collective_ops.mindspore.data_parallel"})()
-    with pytest.raises(NotImplementedError, match=r"tunes torch models only"):
-        co.tune(wrapper, lambda: pytest.fail("tune ran a step before refusing"))
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:  # "auto" and tune() replan between steps: GRAPH mode compiles the plan into the step
+        with pytest.raises(ValueError, match=r"bucket_size_mb='auto' needs PyNative mode on MindSpore"):
+            co.wrap(net, bucket_size_mb="auto")
+        with pytest.raises(ValueError, match=r"tune\(\) on MindSpore needs PyNative mode"):
+            co.tune(wrapper, lambda: pytest.fail("tune ran a step before refusing"))
+    finally:
+        ms.set_context(mode=mode)
+
+
+def test_auto_bucket_size_settles_on_rank_0s_choice_everywhere_and_trains_as_that_size_from_the_start() -> None:
+    """bucket_size_mb="auto" (PyNative, functional loop): pending until the profiled step's reduce(), then every
+    rank on rank 0's cost-model best (rank 0's ranking reversed, so it differs from the others' own best and the
+    default), the weights bit-equal to a run wrapped at that size; co.tune leaves every rank on its result."""
+    results = run_msrun_suite("pynative", 2, ("auto_tune",), AUTO_TUNE_TIMEOUT_S).part("auto_tune")
+    chosen = results[0]["own_best"]
+    assert chosen != [25.0, 25.0], "the test needs rank 0's choice to differ from the default"
+    for rank, out in enumerate(results):
+        assert out["pending_before"] and not out["pending_after"], rank
+        assert out["settled"] == chosen, f"rank {rank} settled on {out['settled']}, rank 0 chose {chosen}"
+        assert_identical(out["auto"], out["fixed"], f"'auto' vs wrapped at {chosen} from the start, rank {rank}")
+        assert out["tune_plan"] == out["tune_result"] == results[0]["tune_result"], rank
+    assert results[1]["own_best"] != chosen, "rank 1's own ranking should differ from rank 0's"

@@ -49,7 +49,8 @@ from ..bucketing import (
 from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
-from ..options import WrapOptions, resolve_options
+from ..online_tune import auto_tune_start, choose_online
+from ..options import WrapOptions, resolve_options, validate_bucket_mb
 
 logger = logging.getLogger("collective_ops")
 
@@ -113,12 +114,16 @@ class DataParallel(nn.Cell):
         compile_reduction: bool = True,
         trace: bool | None = None,
         check_step_alignment: bool = False,
+        auto_tune_step: int = 2,
     ) -> None:
         super().__init__(auto_prefix=False)  # the parameters keep the network's names (checkpoints stay plain)
         if isinstance(network, DataParallel):
             raise ValueError("this network is already wrapped by collective_ops; wrap the original network once")
         if not isinstance(network, nn.Cell):
             raise TypeError(f"wrap() takes a mindspore.nn.Cell, got {type(network).__name__}")
+        self._auto_tune_at, bucket_size_mb = auto_tune_start(bucket_size_mb, auto_tune_step)
+        _refuse_auto_in_graph(self._auto_tune_at)
+        self.auto_tune_report: list | None = None  # with "auto": every candidate's prediction, best first
         bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
             bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
         )  # first_bucket_mb None: chosen below, once overlap is known
@@ -169,6 +174,7 @@ class DataParallel(nn.Cell):
             "reduce_op": reduce_op,
             "compression": compression,
             "comm_hook": comm_hook,
+            "bucket_size_mb auto": self._auto_tune_at,
         }
         check_same_on_all_ranks([*signature, plan_entry(plan), options_entry(options)], self.engine.allgather_bytes)
         if broadcast_parameters and self.engine.world_size > 1:
@@ -264,6 +270,14 @@ class DataParallel(nn.Cell):
         trainable parameters, as ``optimizer.parameters`` usually are). Buckets whose
         gradients arrived during backward are already in flight; the rest are reduced now.
         """
+        reduced = self._reduce(grads, params)
+        # the end of a reduction is a point every rank shares (inside join() a rank out of data shadows steps
+        # without reducing: the tune waits for the first reduction after it)
+        if self._auto_tune_at is not None and self.manager.steps_synced >= self._auto_tune_at and not self._joining:
+            self._auto_tune()
+        return reduced
+
+    def _reduce(self, grads: Sequence[ms.Tensor], params: Sequence[Any] | None) -> tuple[ms.Tensor, ...]:
         params = self._grad_params if params is None else list(params)
         grads = tuple(grads)
         if len(grads) != len(params):
@@ -297,6 +311,32 @@ class DataParallel(nn.Cell):
         for bucket_index, bucket in enumerate(manager.plan.buckets):
             flat.update(zip(bucket.param_indices, manager.bucket_results(bucket_index)))
         return tuple(flat[i].reshape(tuple(p.shape)) for i, p in zip(indices, params))
+
+    @property
+    def tune_pending(self) -> bool:
+        """True until ``bucket_size_mb="auto"`` has settled on a size (False for a fixed size)."""
+        return self._auto_tune_at is not None
+
+    def _auto_tune(self) -> None:
+        """Every candidate simulated on the step just reduced; rank 0's choice on every rank."""
+        self._auto_tune_at = None
+        # no optimizer simulation here: MindSpore's optimizers update after the reduction (nothing overlaps)
+        tuned = choose_online(self.manager, self.engine, self.engine.device.lower(), lambda *_: {})
+        self.set_bucket_size(tuned.bucket_size_mb, tuned.first_bucket_mb)
+        self.auto_tune_report = tuned.predictions
+
+    def set_bucket_size(self, bucket_size_mb: float, first_bucket_mb: float | None = None) -> None:
+        """Replan with another bucket size between steps (every rank must call it with the same value;
+        PyNative: a GRAPH-mode step compiled the plan in)."""
+        if not _pynative():
+            raise ValueError(
+                "set_bucket_size() needs PyNative mode: a GRAPH-mode training step has the bucket plan compiled "
+                "into its graph; give wrap() the bucket_size_mb instead"
+            )
+        bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
+        if first_bucket_mb is not None:
+            first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
+        self.manager.replan(bucket_size_mb, first_bucket_mb)
 
     def _refuse_changed_gradients(self, given: dict[int, ms.Tensor], hooked: dict[int, ms.Tensor]) -> None:
         """With overlap, the buckets reduced the gradients the hooks saw during backward, not those given to
@@ -357,6 +397,11 @@ class DataParallel(nn.Cell):
         call (``comm_stats()``, the trace); a step built otherwise is not seen. The plan is
         fixed into the graph when it compiles.
         """
+        if self.tune_pending:
+            raise ValueError(
+                "bucket_size_mb='auto' settles on a size after a profiled step, from PyNative reduce() calls; a "
+                "GRAPH-mode step compiles the plan in: give wrap() a number of MiB (or co.tune() in PyNative)"
+            )
         params = self._grad_params if params is None else list(params)
         indices = self._indices_of(params)
         if len(set(indices)) != len(self._grad_params):
@@ -658,20 +703,19 @@ def _build_train_network(network: nn.Cell, optimizer: Any, loss_fn: Any = None, 
 amp.build_train_network = _build_train_network
 
 
-def _refuse_auto(bucket_size_mb: Any) -> None:
-    if isinstance(bucket_size_mb, str):
+def _refuse_auto_in_graph(auto_tune_at: int | None) -> None:
+    if auto_tune_at is not None and not _pynative():
         raise ValueError(
-            f"bucket_size_mb={bucket_size_mb!r}: choosing the size automatically (bucket_size_mb='auto', "
-            "collective_ops.tune) is available for torch only; on MindSpore give a number of MiB (default 25; "
-            "larger buckets mean fewer collectives, a smaller first_bucket_mb starts communication earlier with "
-            "overlap=True)"
+            "bucket_size_mb='auto' needs PyNative mode on MindSpore: it replans after a profiled reduce(), and a "
+            "GRAPH-mode step has the bucket plan compiled into its graph. Give a number of MiB (default 25; larger "
+            "buckets mean fewer collectives), or tune in PyNative (bucket_size_mb='auto' or co.tune) and wrap "
+            "with the size it settles on"
         )
 
 
 def wrap(network: nn.Cell, bucket_size_mb: float = DEFAULT_BUCKET_MB, **options: Any) -> DataParallel:
     """``DataParallel(network, bucket_size_mb, **options)``; the options checked against
     :class:`collective_ops.options.WrapOptions` (a torch-only one is refused with MindSpore's counterpart)."""
-    _refuse_auto(bucket_size_mb)
     given = WrapOptions.build("mindspore", bucket_size_mb, options)
     keywords = given.keywords("mindspore")
     if given.check_step_alignment is None:  # (WrapOptions: None is off on MindSpore)
