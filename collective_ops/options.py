@@ -102,9 +102,9 @@ class WrapOptions:
         default=False,
         metadata=only(
             "torch",
-            mindspore="skipping a step whose gradients hold an inf or NaN is a loss-scale cell's job on MindSpore: "
-            "Model(wrapped, loss_fn, optimizer, loss_scale_manager=DynamicLossScaleManager()) or "
-            "collective_ops.mindspore.TrainOneStepWithLossScaleCell skip such a step on every rank alike",
+            mindspore="a loss-scale cell skips a step whose gradients hold an inf or NaN, on every rank alike: "
+            "Model(wrapped, loss_fn, optimizer, loss_scale_manager=DynamicLossScaleManager()), or train with "
+            "collective_ops.mindspore.TrainOneStepWithLossScaleCell",
         ),
     )
     """Raise a ``FloatingPointError`` naming the parameters (and the rank where the NaN/Inf began) when the
@@ -235,7 +235,7 @@ def check_keywords(cls: type, framework: str, keywords: Mapping[str, Any], what:
             close = difflib.get_close_matches(name, [f.name for f in fields_for(cls, framework)], n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise TypeError(
-                f"{what} got an unexpected keyword argument {name!r}{hint} (every option: docs/reference.md)"
+                f"{what} got an unexpected keyword argument {name!r}{hint} (every option: python -m collective_ops.tools.reference, or docs/reference.md)"
             )
         owner = spec.metadata.get("framework", framework)
         if owner != framework:

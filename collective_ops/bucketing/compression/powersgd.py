@@ -61,7 +61,9 @@ class PowerSGD:
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"PowerSGD rank must be a positive int, got {self.rank!r}")
+            raise ValueError(
+                f"PowerSGD rank (of the low-rank approximation) must be a positive int such as 1 or 4, got {self.rank!r}"
+            )
         if (self.error_feedback or self.warm_start) and self.start_iter < 2:
             raise ValueError(
                 f"PowerSGD start_iter={self.start_iter}: with error_feedback or warm_start it must be at least 2 "
