@@ -48,10 +48,11 @@ def parse_args(argv=None):
     parser.add_argument("--graph", action="store_true", help="GRAPH mode (both reducers run after backward)")
     parser.add_argument(
         "--model",
-        choices=["convnet", "mlp", "cnn23m"],
+        choices=["convnet", "mlp", "cnn23m", "transformer-5m"],
         default="convnet",
         help="convnet: compute-heavy (examples/train_mindspore.py); mlp: 24 Dense layers, communication-heavy; "
-        "cnn23m: a CNN with 22 MB of float32 gradients (a link's rate matters: use with --link)",
+        "cnn23m: a CNN with 22 MB of float32 gradients; transformer-5m: benchmarks/ddp_compare.py's link workload "
+        "(5.7 M parameters, 23 MB of float32 gradients in 54 tensors); use the last two with --link",
     )
     parser.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     parser.add_argument(
@@ -153,17 +154,15 @@ def run(args) -> None:
     ctx = co.init()
     loss_fn = nn.CrossEntropyLoss()
     rng = np.random.default_rng(ctx.rank)
-    shape = (16, 256) if args.model == "mlp" else (16, 3, 32, 32)
-    data = [
-        (ms.Tensor(rng.standard_normal(shape).astype(np.float32)), ms.Tensor(rng.integers(0, 10, 16).astype(np.int32)))
-        for _ in range(4)
-    ]
+    data = [_batch(args.model, rng) for _ in range(4)]
 
     def build():
         if args.model == "convnet":
             return ConvNet()
         if args.model == "cnn23m":
             return _cnn23m()
+        if args.model == "transformer-5m":
+            return _transformer_5m()
         layers = [cell for _ in range(24) for cell in (nn.Dense(256, 256), nn.ReLU())]
         return nn.SequentialCell(*layers, nn.Dense(256, 10))
 
@@ -177,8 +176,10 @@ def run(args) -> None:
         raise SystemExit("--paths times the functional loop's phases; it does not combine with --train-cell")
     if args.paths:
         kinds += ["no reduction", "fused ops.AllReduce", "per-gradient hook launch"]
-    elif _link_rate() and not args.train_cell:  # compute alone, beside the link's wire time
+    elif _link_rate():  # compute alone, beside the link's wire time
         kinds.append("no reduction")
+    if args.train_cell:
+        kinds.append(OPTIMIZER)
     if args.step_check_cost:
         kinds.append(CHECKED)
     if args.shard and args.train_cell:
@@ -195,7 +196,11 @@ def run(args) -> None:
         wrapped = None
         if kind != SHARDED:  # (the sharded setup builds its optimizer over its pieces, below)
             opt = optimizer_class(net.trainable_params(), **optimizer_kwargs)
-        if kind == SHARDED:
+        if kind == OPTIMIZER:  # the reduction inside the optimizer, which TrainOneStepCell then leaves to it
+            wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=False)
+            opt = co.DistributedOptimizer(wrapped, optimizer_class, **optimizer_kwargs)
+            reduce = lambda grads: grads  # noqa: E731  (the optimizer reduces them itself)
+        elif kind == SHARDED:
             wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=False)
             opt = co.DistributedOptimizer(wrapped, optimizer_class, shard=True, **optimizer_kwargs)
             reduce = lambda grads: grads  # noqa: E731  (the sharded optimizer reduces them itself)
@@ -220,10 +225,17 @@ def run(args) -> None:
         setups[kind] = (ms.value_and_grad(forward, None, opt.parameters), reduce, opt, wrapped)
         if args.train_cell:  # the reducer inside nn.TrainOneStepCell, where DistributedGradReducer sits
             with_loss = nn.WithLossCell(net, loss_fn)
-            if wrapped is not None:
+            if kind == OPTIMIZER:
+                cell = nn.TrainOneStepCell(nn.WithLossCell(wrapped, loss_fn), opt)
+            elif wrapped is not None:
                 from collective_ops.mindspore import TrainOneStepCell
 
                 cell = TrainOneStepCell(with_loss, opt, wrapped)
+            elif kind == "no reduction":  # built outside DATA_PARALLEL: no reducer in its graph
+                ms.reset_auto_parallel_context()
+                cell = nn.TrainOneStepCell(with_loss, opt)
+                ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+                assert not cell.reducer_flag
             else:
                 cell = nn.TrainOneStepCell(with_loss, opt)  # its own DistributedGradReducer (data-parallel mode)
                 assert isinstance(cell.grad_reducer, nn.DistributedGradReducer) and cell.reducer_flag
@@ -272,6 +284,7 @@ def run(args) -> None:
             f" ({stats['mode']})",
             CHECKED: f"{stats['buckets'] + 1} ({stats['mode']}, + the step table)",
             "no reduction": "0",
+            OPTIMIZER: f"{stats['buckets']} (inside the optimizer)",
             "fused ops.AllReduce": "1 (after backward)",
             "per-gradient hook launch": f"{n_grads} (during backward)",
             SHARDED: f"{2 * len(setups[SHARDED][3].manager.plan.buckets)} (reduce-scatter + all-gather per bucket)"
@@ -283,28 +296,32 @@ def run(args) -> None:
             f"{'GRAPH' if args.graph else 'PyNative'} "
             f"mode, {args.model} {params / 1e6:.2f} M params, bucket_size_mb={args.bucket_size_mb:g}"
             + (f", collective_ops compression={args.compression}" if args.compression else ""),
-            f"# {'reducer':<26} {'median step ms':>15} {'collectives/step':>36}"
+            f"# {'reducer':<36} {'median step ms':>15} {'x DGR':>7} {'collectives/step':>36}"
             + ("   backward   reduce   update (median ms)" if args.paths else ""),
         ]
         for kind, phases in median_ms.items():
-            line = f"  {kind:<26} {phases['step']:>15.1f} {calls[kind]:>36}"
+            line = f"  {kind:<36} {phases['step']:>15.1f} {phases['step'] / ref:>7.3f} {calls[kind]:>36}"
             if args.paths:
                 line += f" {phases['backward']:>10.1f} {phases['reduce']:>8.1f} {phases['update']:>8.1f}"
             lines.append(line)
         lines.append(f"# ratio collective_ops / DistributedGradReducer = {ours / ref:.3f}")
+        ratios = {kind: phases["step"] / ref for kind, phases in median_ms.items()}
         if _link_rate():
-            lines.append(_wire_line(_link_rate(), ctx.world_size, setups["collective_ops"][2].parameters, median_ms))
+            lines += _wire_lines(_link_rate(), ctx.world_size, setups["collective_ops"][2].parameters, median_ms)
         if SHARDED in setups:
             lines.append(_state_line(setups, median_ms, ref))
         table = "\n".join(lines)
         if args.json:
-            Path(args.json).write_text(json.dumps({"table": table, "times_s": times, "ratio": ours / ref}))
+            Path(args.json).write_text(
+                json.dumps({"table": table, "times_s": times, "ratio": ours / ref, "ratios": ratios})
+            )
         else:
             print(table)
     co.shutdown()
 
 
 SHARDED = "collective_ops shard=True"
+OPTIMIZER = "collective_ops DistributedOptimizer"
 
 
 def _cnn23m():
@@ -316,6 +333,57 @@ def _cnn23m():
     return nn.SequentialCell(*layers, nn.Flatten(), nn.Dense(512 * 2 * 2, 2048), nn.ReLU(), nn.Dense(2048, 10))
 
 
+_VOCAB, _SEQ, _ROWS = 5000, 64, 10  # as benchmarks/ddp_compare.py's transformer-5m
+
+
+def _batch(model: str, rng):
+    """One batch of ``model``'s inputs and integer labels (random, per rank)."""
+    import mindspore as ms
+    import numpy as np
+
+    if model == "transformer-5m":  # next-token labels over the flattened rows
+        tokens = rng.integers(0, _VOCAB, (_ROWS, _SEQ + 1)).astype(np.int32)
+        return ms.Tensor(tokens[:, :-1]), ms.Tensor(tokens[:, 1:].reshape(-1))
+    shape = (16, 256) if model == "mlp" else (16, 3, 32, 32)
+    return ms.Tensor(rng.standard_normal(shape).astype(np.float32)), ms.Tensor(rng.integers(0, 10, 16).astype(np.int32))
+
+
+def _transformer_5m():
+    """benchmarks/ddp_compare.py's transformer-5m in MindSpore: embedding, 4 pre-norm encoder layers (width 256,
+    4 heads, feed-forward 1024), a vocabulary head; logits flattened to (rows * seq, vocab)."""
+    from mindspore import nn, ops
+
+    dim, heads, ffn, layers = 256, 4, 1024, 4
+
+    class Layer(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm((dim,)), nn.LayerNorm((dim,))
+            self.qkv, self.out = nn.Dense(dim, 3 * dim), nn.Dense(dim, dim)
+            self.up, self.down = nn.Dense(dim, ffn), nn.Dense(ffn, dim)
+            self.act, self.softmax = nn.GELU(), nn.Softmax(-1)
+
+        def construct(self, x):
+            rows, seq, _ = x.shape
+            qkv = self.qkv(self.norm1(x)).reshape(rows, seq, 3, heads, dim // heads).transpose(2, 0, 3, 1, 4)
+            scores = ops.matmul(qkv[0], qkv[1].transpose(0, 1, 3, 2)) * (dim // heads) ** -0.5
+            mixed = ops.matmul(self.softmax(scores), qkv[2]).transpose(0, 2, 1, 3).reshape(rows, seq, dim)
+            x = x + self.out(mixed)
+            return x + self.down(self.act(self.up(self.norm2(x))))
+
+    class Transformer(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(_VOCAB, dim)
+            self.layers = nn.SequentialCell([Layer() for _ in range(layers)])
+            self.norm, self.head = nn.LayerNorm((dim,)), nn.Dense(dim, _VOCAB)
+
+        def construct(self, tokens):
+            return self.head(self.norm(self.layers(self.embed(tokens)))).reshape(-1, _VOCAB)
+
+    return Transformer()
+
+
 def _link_rate() -> str | None:
     """The emulated link's tc rate in an msrun worker on it (the workers' command line has no --link)."""
     from collective_ops.tools.link import ENV_LINK
@@ -324,16 +392,26 @@ def _link_rate() -> str | None:
     return rate if rate and rate != "none" else None
 
 
-def _wire_line(link: str, world: int, params, median_ms: dict) -> str:
-    """Compute alone (the step without a reduction) and the ring allreduce's wire time of one step's float32
-    gradients at the link's rate (2 (n-1)/n of the bytes each way): what a step on that link cannot go under."""
+def _wire_lines(link: str, world: int, params, median_ms: dict) -> list[str]:
+    """Compute alone (the step without a reduction), the ring allreduce's wire time of one step's float32
+    gradients at the link's rate (2 (n-1)/n of the bytes each way), and each step as a multiple of the larger:
+    what a step on that link cannot go under."""
     from collective_ops.tools.link import rate_bits
 
     nbytes = sum(int(p.size) * p.itemsize for p in params)
     wire_ms = 2 * (world - 1) / world * nbytes * 8 / rate_bits(link) * 1e3
     compute = median_ms.get("no reduction", {}).get("step")
-    shown = f"{compute:.1f} ms" if compute is not None else "not timed (--train-cell)"
-    return f"# compute alone {shown}; wire time of one step's gradients ({nbytes / 1e6:.1f} MB) at {link}: {wire_ms:.1f} ms"
+    if compute is None:
+        return [
+            f"# compute alone not timed; wire time of one step's gradients ({nbytes / 1e6:.1f} MB): {wire_ms:.1f} ms"
+        ]
+    limit = max(compute, wire_ms)
+    lines = [
+        f"# compute alone {compute:.1f} ms; wire time of one step's gradients ({nbytes / 1e6:.1f} MB) at {link}: "
+        f"{wire_ms:.1f} ms; each step x max(compute, wire):"
+    ]
+    lines += [f"#   {kind:<36} {phases['step'] / limit:.2f}x" for kind, phases in median_ms.items()]
+    return lines
 
 
 CHECKED = "collective_ops check_step_alignment=True"

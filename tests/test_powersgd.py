@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 
 from tests.harness import run_checks
@@ -316,11 +317,24 @@ def two_ranks() -> list:
         "ddp_client_loop",
     ],
 )
-def test_reduced_gradients_bit_equal_to_ddp_powersgd_hook(two_ranks, case: str) -> None:
+def test_reduced_gradients_equal_to_ddp_powersgd_hook_to_fp32_rounding(two_ranks, case: str) -> None:
+    """The same algorithm as torch's hook; the engine forms the factor products in another summation order
+    (faster on CPU), so each step's reduced gradients agree to fp32 rounding, relative to each gradient's size."""
     for results in two_ranks:
         ddp, ours = results[case]
         for step, (a, b) in enumerate(zip(ddp, ours, strict=True)):
-            assert_identical(a, b, f"{case}, rank {results.rank}, step {step}")
+            for name, x, y in zip(range(len(a)), a, b, strict=True):
+                x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+                scale = max(np.abs(x).max(), 1e-30)
+                assert np.abs(x - y).max() <= FP32_AGREEMENT * scale, (
+                    f"{case}, rank {results.rank}, step {step}, gradient #{name}: "
+                    f"max |ddp - ours| = {np.abs(x - y).max():.3g}, {np.abs(x - y).max() / scale:.3g} of its largest"
+                )
+
+
+# fp32 rounding: ~3e-7 of the largest gradient at the first compressed step, up to ~1.1e-6 after error feedback and
+# warm start carry it over the cases' steps (measured); a wrong algorithm (no orthogonalisation, no error feedback) misses by far more
+FP32_AGREEMENT = 1e-5
 
 
 @pytest.mark.parametrize("case", ["resumed", "resumed_other_buckets", "replanned"])
