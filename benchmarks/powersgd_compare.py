@@ -182,6 +182,50 @@ def _report(args, results: dict) -> None:
                 print(f"      {key:<40} {value:.4f}{versus}")
 
 
+def _time_factor_products(args) -> int:
+    """Thread CPU time of one step's factor products, torch's hook's ``bmm`` against the torch engine's ``bmm_``."""
+    from collective_ops.comm.torch_engine import TorchEngine
+
+    torch.set_num_threads(1)
+    engine = TorchEngine.__new__(TorchEngine)  # (bmm_ needs no process group)
+
+    def best_ms(products) -> float:
+        runs = []
+        for _ in range(5):
+            start = time.thread_time()
+            for _ in range(10):
+                products()
+            runs.append((time.thread_time() - start) / 10)
+        return min(runs) * 1e3
+
+    print(f"# factor products of one compressed step, rank {args.rank}, one thread, CPU ms (best of 5 x 10)")
+    for name in args.models:
+        model, _ = build_model(name)
+        shapes = [(p.shape[0], p[0].numel()) for p in model.parameters() if p.dim() > 1]
+        ms = [torch.randn(1, rows, cols) for rows, cols in shapes]
+        ps = [torch.randn(1, rows, args.rank) for rows, _ in shapes]
+        qs = [torch.randn(1, cols, args.rank) for _, cols in shapes]
+
+        def hook_order():
+            for m, p, q in zip(ms, ps, qs):
+                torch.bmm(m, q, out=p)
+                torch.bmm(m.transpose(1, 2), p, out=q)
+                torch.bmm(p, q.transpose(1, 2), out=m)
+
+        def engine_order():
+            for m, p, q in zip(ms, ps, qs):
+                engine.bmm_(p, m, q)
+                engine.bmm_(q, m, p, transpose_a=True)
+                engine.bmm_(m, p, q, transpose_b=True)
+
+        hook, ours = best_ms(hook_order), best_ms(engine_order)
+        print(
+            f"  {name:<16} {len(shapes)} matrices: powerSGD_hook's bmm {hook:.1f} ms, engine {ours:.1f} ms "
+            f"({hook / ours:.2f}x faster)"
+        )
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
@@ -205,6 +249,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="alternation rounds")
     parser.add_argument("--block", type=int, default=10, help="steps per configuration per round")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--factor-products",
+        action="store_true",
+        help="only time, in this process on one thread, the three factor products of one compressed step of each "
+        "model's gradient matrices (M Q, M^T P, P Q^T) as torch's hook forms them and as the engine does",
+    )
+    if parser.parse_known_args(argv)[0].factor_products:
+        return _time_factor_products(parser.parse_args(argv))
     started = time.monotonic()
     outcome = run_benchmark(parser, argv, rank_main)
     if isinstance(outcome, int):
