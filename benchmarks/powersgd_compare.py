@@ -206,13 +206,13 @@ def _time_factor_products(args) -> int:
         ps = [torch.randn(1, rows, args.rank) for rows, _ in shapes]
         qs = [torch.randn(1, cols, args.rank) for _, cols in shapes]
 
-        def hook_order():
+        def hook_order(ms=ms, ps=ps, qs=qs):
             for m, p, q in zip(ms, ps, qs):
                 torch.bmm(m, q, out=p)
                 torch.bmm(m.transpose(1, 2), p, out=q)
                 torch.bmm(p, q.transpose(1, 2), out=m)
 
-        def engine_order():
+        def engine_order(ms=ms, ps=ps, qs=qs):
             for m, p, q in zip(ms, ps, qs):
                 engine.bmm_(p, m, q)
                 engine.bmm_(q, m, p, transpose_a=True)
