@@ -164,6 +164,11 @@ def _init_torch(
         # calls init_process_group) is adopted with its own rank and size; only the values known are checked.
         return _check_existing_torch(existing, backend if requested else None, rank, world_size)
     if rank is None and world_size is None:
+        logger.warning(
+            "collective_ops.init: no launcher variables (RANK, WORLD_SIZE) and no rank=/world_size= given: this "
+            "process is a world of 1 and every collective is a local copy; launch with torchrun (or give rank= "
+            "and world_size=) to train over several processes"
+        )
         rank, world_size = 0, 1
     if rank is None or world_size is None:
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -23,10 +24,14 @@ def test_primitives_before_init_say_what_to_do() -> None:
         co.get_rank()
 
 
-def test_init_is_idempotent_and_checks_conflicts(monkeypatch) -> None:
+def test_init_is_idempotent_and_checks_conflicts(monkeypatch, caplog) -> None:
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK_ID", "RANK_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
     try:
-        ctx = co.init()  # no launcher: a single process on loopback
+        with caplog.at_level(logging.WARNING, logger="collective_ops"):
+            ctx = co.init()  # no launcher: a single process on loopback, said so (a forgotten torchrun)
+        assert "is a world of 1" in caplog.text and "torchrun" in caplog.text
         assert (ctx.rank, ctx.world_size, ctx.backend, ctx.device) == (0, 1, "gloo", "cpu")
         assert co.init() is ctx
         assert co.get_rank() == 0 and co.get_world_size() == 1 and co.is_initialized()
