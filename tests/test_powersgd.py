@@ -447,6 +447,9 @@ def test_the_bucket_size_tune_prices_what_each_candidate_sends_compressed_and_it
     for p in powersgd:
         plan = plan_buckets(specs, p.bucket_size_mb, p.first_bucket_mb, order=order)
         assert list(p.nbytes) == _sent_by_the_hook(shapes, plan, options), (p.bucket_size_mb, p.first_bucket_mb)
+        # a bucket with a compressed matrix issues two allreduces (uncompressed gradients and P, then Q)
+        issued = [len(hook.planned_wire(b)[0]) for b in plan.buckets]
+        assert p.collectives == sum(issued) > len(plan.buckets) and max(issued) == 2
     # two matmuls and an orthogonalisation per compressed weight (and the reconstruction), whatever the buckets
     flops = layout_flops(bucket_layout([0], [(1024, 1024)], 4, 2.0)) * 16
     assert all(p.compression_s == pytest.approx(flops / 1e10) for p in powersgd)

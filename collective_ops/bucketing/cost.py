@@ -147,6 +147,7 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, conten
     channel_free = 0.0
     finishes, sent = [], []
     comm = flops = 0.0
+    launched = 0  # collectives: a compressed bucket issues two
     for bucket in plan.buckets:
         ready = max((profile.ready_s.get(i, profile.backward_end_s) for i in bucket.param_indices), default=0.0)
         start = max(ready, channel_free)
@@ -157,6 +158,7 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, conten
         channel_free = start + duration
         finishes.append(channel_free)
         sent.append(sum(collectives))
+        launched += len(collectives)
         comm += duration
         flops += added
     exposed = max(0.0, channel_free - profile.backward_end_s)
@@ -168,7 +170,7 @@ def simulate(plan: BucketPlan, profile: BackwardProfile, cost: CostModel, conten
         profile.step_compute_s + compression + exposed + contention * hidden,
         exposed,
         comm,
-        len(plan.buckets),
+        launched,
         tuple(finishes),
         hidden,
         tuple(sent),
