@@ -9,7 +9,9 @@ compute with every bucket after backward (nothing overlaps) against compute at a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +21,8 @@ import numpy as np
 
 from .bucketing.cost import (  # noqa: F401  (re-exported: the names the tuner was used through)
     CANDIDATES_MB,
+    COMPRESSION_FLOPS_PER_S,
+    DEFAULT_COMPRESSION_FLOPS_PER_S,
     FIRST_BUCKET_CANDIDATES_MB,
     BackwardProfile,
     CostModel,
@@ -29,6 +33,7 @@ from .bucketing.cost import (  # noqa: F401  (re-exported: the names the tuner w
     profile_from_stats,
     simulate,
 )
+from .bucketing.plan import device_type
 from .comm import measure
 from .comm.measure import estimated_contention  # noqa: F401  (re-exported)
 
@@ -53,6 +58,18 @@ def _median_profile(model: Any, step_fn: Callable[[], None], steps: int) -> Back
             profile_from_stats(manager.last_stats, start, end, manager.wire_shares(), manager.wire_itemsize)
         )
     return sorted(profiles, key=lambda p: p.step_compute_s)[len(profiles) // 2]
+
+
+def with_compression_priced(profile: BackwardProfile, hook: Any, device: str) -> BackwardProfile:
+    """``profile`` with a compressing hook's own price of each candidate's buckets (PowerSGD's ``planned_wire``:
+    two allreduces of the compressed bytes each). Its compute is in the profiled steps' measured compute once
+    compression has started; before ``start_iter`` it is added at the device's fixed rate, as the online tune does."""
+    planned = getattr(hook, "planned_wire", None)
+    if planned is None:
+        return profile
+    measured = getattr(hook, "compressing", False)
+    rate = math.inf if measured else COMPRESSION_FLOPS_PER_S.get(device, DEFAULT_COMPRESSION_FLOPS_PER_S)
+    return dataclasses.replace(profile, bucket_wire=planned, flops_per_s=rate)
 
 
 def profile_with_contention(
@@ -147,6 +164,7 @@ def tune(
     step_fn()  # warm-up (and the first-step rebuild)
     cost = cost or measure.measure_alpha_beta(engine)  # the model's own engine: torch's or MindSpore's
     profile, contention = profile_with_contention(model, step_fn, cost, profile_steps)
+    profile = with_compression_priced(profile, manager.comm_hook, device_type(str(engine.device)).lower())
     specs = list(manager.plan.params)
     predictions = predict(
         specs, profile, cost, candidates_mb, FIRST_BUCKET_CANDIDATES_MB, manager.plan.order, contention

@@ -491,3 +491,23 @@ def test_the_launch_order_planner_prices_what_each_bucket_sends_compressed() -> 
         profile, price = planner_inputs(timeline, manager, stats, plan, CostModel(1e-3, 1e-9))
         assert list(profile.nbytes) == _sent_by_the_hook(shapes, plan, options), mb
         assert sum(profile.nbytes) * 10 < sum(bucket.nbytes for bucket in plan.buckets)
+
+
+def test_the_offline_tune_prices_compressed_buckets_and_counts_compute_once() -> None:
+    """co.tune's profile (measured steps) gets the hook's price of each candidate; the compression's compute is
+    added at the device's rate only where the profiled steps ran before start_iter (once started, it is measured)."""
+    import collective_ops as co
+    from collective_ops.bucketing.compression.powersgd import PowerSGDHook
+    from collective_ops.bucketing.cost import BackwardProfile
+    from collective_ops.tuning import with_compression_priced
+
+    shapes, _ = _square_layers()
+    hook = PowerSGDHook(co.PowerSGD(rank=4, start_iter=10))
+    hook.bind_shapes(shapes)
+    profile = BackwardProfile({0: 0.01}, 0.1, 0.2)
+    assert with_compression_priced(profile, None, "cpu") is profile  # no compressing hook: as measured
+    before = with_compression_priced(profile, hook, "cpu")
+    assert before.bucket_wire == hook.planned_wire and before.flops_per_s == 1e10
+    hook.iteration = 10  # compressing: the profiled steps' compute holds the compression's
+    started = with_compression_priced(profile, hook, "cuda")
+    assert started.bucket_wire == hook.planned_wire and started.flops_per_s == float("inf")

@@ -333,6 +333,11 @@ class PowerSGDHook:
         first = engine.allreduce(wire, "sum", async_op=True) if wire_numel else None
         return _PowerSGDHandle(self, ctx, state, divisor, matrices, ps, qs, first)
 
+    @property
+    def compressing(self) -> bool:
+        """True from ``start_iter`` on: steps reduce compressed (before, plain allreduces)."""
+        return self.iteration >= self.options.start_iter
+
     def wire_nbytes(self, bucket: Any) -> int | None:
         """The bytes this step's reduction of ``bucket`` (a BucketSpec) sends: its uncompressed gradients and
         factors once compression has started; None (the whole bucket) before."""
