@@ -7,6 +7,7 @@ from typing import Any
 
 from .bucketing import DEFAULT_BUCKET_MB
 from .ddp_keywords import translate_ddp_keywords
+from .factory import factory_type
 
 
 def _framework_of(model: Any) -> str | None:
@@ -44,17 +45,7 @@ def _loaded_optimizer_classes() -> list[type]:
     return [module.DistributedOptimizer for module in modules if module is not None]
 
 
-class _OptimizerFactory(type):
-    """``isinstance(opt, collective_ops.DistributedOptimizer)``: true for either framework's optimizer."""
-
-    def __instancecheck__(cls, instance: Any) -> bool:
-        return any(isinstance(instance, loaded) for loaded in _loaded_optimizer_classes())
-
-    def __subclasscheck__(cls, subclass: type) -> bool:
-        return any(issubclass(subclass, loaded) for loaded in _loaded_optimizer_classes())
-
-
-class DistributedOptimizer(metaclass=_OptimizerFactory):
+class DistributedOptimizer(metaclass=factory_type(_loaded_optimizer_classes)):
     """``DistributedOptimizer(model, optimizer_class, ..., shard=False, ...)`` for a model made by :func:`wrap`:
     torch's (:mod:`collective_ops.torch.optim`) for a torch model, MindSpore's (:mod:`collective_ops.mindspore.optim`)
     for a MindSpore network; each takes the settings its framework's optimizers take."""

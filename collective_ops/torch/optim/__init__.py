@@ -9,23 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...factory import factory_type
 from ..ddp import DistributedDataParallel
 from .checks import check_settings_agree
 from .optimizer import DistributedOptimizer as PerBucketOptimizer
 from .sharded import ShardedDistributedOptimizer
 
 
-class _Factory(type):
-    """``isinstance(opt, DistributedOptimizer)`` and ``issubclass``: true for the classes the factory builds."""
-
-    def __instancecheck__(cls, instance: Any) -> bool:
-        return isinstance(instance, PerBucketOptimizer)
-
-    def __subclasscheck__(cls, subclass: type) -> bool:
-        return issubclass(subclass, PerBucketOptimizer)
-
-
-class DistributedOptimizer(metaclass=_Factory):
+class DistributedOptimizer(metaclass=factory_type(lambda: (PerBucketOptimizer,))):
     """``DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)``: per-bucket updates of a wrapped model
     (:class:`~collective_ops.torch.optim.optimizer.DistributedOptimizer`); with ``shard=True``, the optimizer
     state sharded across ranks (:class:`~collective_ops.torch.optim.sharded.ShardedDistributedOptimizer`)."""
