@@ -476,3 +476,7 @@ def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equal
             assert applied["forward"] > 0 and applied["forward cells"] > 1 and applied["read"] > 0, (what, applied)
             assert_identical(out[f"model_{name}"], out[f"model_{name}_reference"], f"Model.train ({what})")
             assert out[f"model_{name}_steps"] == 4, f"Model.train reduced more than once a step ({what})"
+        # parameter groups: weight decay in one (narrowed per bucket), learning rates of their own (at the step)
+        for name in ("groups", "group_lrs"):
+            assert_identical(out[name], out[f"{name}_reference"], f"Momentum with {name}, rank {rank}")
+        assert out["groups_applied"]["forward"] > 0 and out["group_lrs_applied"]["forward"] == 0, rank

@@ -22,7 +22,8 @@ state stays one, named as a plain optimizer's. Its step counters (``global_step`
 values at the step (``PendingUpdates``' frozen settings), so every bucket's arithmetic is the
 plain optimizer's, element for element. Where the wrapper's compiled reduction ran (one graph:
 every bucket lands at once) the whole optimizer updates everything at the step, as without
-overlap.
+overlap; so it does for parameter groups with learning rates of their own (MindSpore names them by
+the group's position, which an optimizer over one bucket's groups does not keep).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class BucketUpdates:
         self.optimizer = optimizer  # the whole: it owns the state, which every bucket's optimizer shares
         self._build = build  # ids of a bucket's parameters -> an optimizer of the class over them
         self._own = {id(p) for p in optimizer.parameters}
+        # learning rates of their own in some parameter groups: MindSpore names them by group position, which an
+        # optimizer over one bucket's groups would not keep: updated after the whole reduction, at the step
+        self._per_group_lr = bool(getattr(optimizer, "is_group_lr", False))
         state = [p for _, p in _parameters_and_names(optimizer) if id(p) not in self._own]
         self._state = {p.name: p for p in state}
         trained = {p.name for p in optimizer.parameters}
@@ -89,6 +93,8 @@ class BucketUpdates:
     def step(self, grads: Sequence[ms.Tensor], params: Sequence[Parameter]) -> Any:
         """Reduce; apply the buckets whose reductions landed, owe the others."""
         self.synchronize()
+        if self._per_group_lr:
+            return self.optimizer(self.network.reduce(grads, params))
         reduced = self.network.reduce_deferred(grads, params)
         if reduced is not None:  # reduced at once (compiled, first step, join): every bucket landed
             self.applied["step"] += len(self.network.manager.plan.buckets)

@@ -76,6 +76,27 @@ for name, (optimizer_class, kwargs) in OPTIMIZERS.items():
     out[f"{name}_buckets"] = len(wrapped.manager.plan.buckets)
 
 
+def groups(params: list, lrs: bool) -> list[dict]:
+    """Parameter groups: weight decay in one (the per-bucket updates narrow them), or learning rates of their own
+    (updated at the step: MindSpore names those by group position)."""
+    if lrs:
+        return [{"params": params[:2], "lr": 0.05}, {"params": params[2:4], "lr": 0.02}, {"params": params[4:]}]
+    return [{"params": params[:4], "weight_decay": 0.01}, {"params": params[4:]}]
+
+
+for name, lrs in (("groups", False), ("group_lrs", True)):
+    reference = build(0)
+    reducer = nn.DistributedGradReducer(reference.trainable_params(), mean=True, degree=world)
+    opt = nn.Momentum(groups(reference.trainable_params(), lrs), 0.1, 0.9)
+    out[f"{name}_reference"] = loop(reference, opt, lambda grads, reducer=reducer: reducer(grads), name)
+    wrapped = co.wrap(build(rank), bucket_size_mb=BUCKET_MB, first_bucket_mb=FIRST_MB, overlap=True)
+    optimizer = co.DistributedOptimizer(
+        wrapped, nn.Momentum, groups(wrapped.trainable_params(), lrs), learning_rate=0.1, momentum=0.9
+    )
+    out[name] = loop(wrapped.network, optimizer, lambda grads: grads, f"{name}-ours")
+    out[f"{name}_applied"] = dict(optimizer._updates.applied)
+
+
 def dataset() -> ms.dataset.Dataset:
     batches = [batch(step, rank) for step in range(STEPS)]
     x = np.concatenate([b[0].asnumpy() for b in batches])
