@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, nn
 
 from ..bucketing.update.overlap import ForwardReads, buckets_read
@@ -72,6 +73,9 @@ class BucketUpdates:
         trained = {p.name for p in optimizer.parameters}
         # what every bucket's update reads and writes alike (step counters, powers, learning rates), frozen at a step
         self._counters = {name: p for name, p in self._state.items() if name.partition(".")[2] not in trained}
+        self._advancing: dict[str, Parameter] | None = None  # those a step changes (global_step, beta1_power, ...)
+        self._step_counters = self._counters  # what the step in flight froze
+        self._first_update = False
         self._index = {id(p): i for i, p in enumerate(network._grad_params)}
         self._bucket_optimizers: list[nn.Optimizer | None] = []
         self._built_for: str | None = None
@@ -101,7 +105,10 @@ class BucketUpdates:
             return self.optimizer(reduced)
         self._build_for_plan()
         manager = self.network.manager
-        self._pending = PendingUpdates.start(len(manager.plan.buckets), [self._counters], _copy)
+        # only the counters a step advances are put back before each bucket's update: an assign costs ~ms in PyNative
+        self._step_counters = self._counters if self._advancing is None else self._advancing
+        self._pending = PendingUpdates.start(len(manager.plan.buckets), [self._step_counters], _copy)
+        self._first_update = True  # the counters are at their values at the step until a bucket's update
         _OWING.add(self)
         self._hook_forward()
         self._finish([b for b in self._pending.buckets if manager.bucket_ready(b)], "step")
@@ -141,11 +148,20 @@ class BucketUpdates:
         optimizer = self._bucket_optimizers[bucket]
         if optimizer is None:  # none of the bucket's parameters is this optimizer's
             return
-        for name, value in (pending.settings_for(self._counters) or {}).items():
-            ms.ops.assign(self._counters[name], value)
+        frozen = pending.settings_for(self._step_counters) or {}
+        first, self._first_update = self._first_update, False
+        if not first:  # (the step's first update starts from them as they are)
+            for name, value in frozen.items():
+                ms.ops.assign(self._step_counters[name], value)
         order = [self._index[id(p)] for p in optimizer.parameters]
         with _no_grad():  # inside a forward being differentiated: the update is no part of it
             optimizer(tuple(grads[i] for i in order))
+        if first and self._advancing is None:  # learnt once: which counters the class's step advances
+            self._advancing = {
+                name: param
+                for name, param in self._counters.items()
+                if not np.array_equal(param.asnumpy(), frozen[name].asnumpy())
+            }
 
     # -- one optimizer a bucket, sharing the whole's state -----------------------------------
     def _build_for_plan(self) -> None:
