@@ -49,8 +49,9 @@ def _settling_parameters_and_names(self: nn.Cell, *args: Any, **kwargs: Any) -> 
     """``Cell.parameters_and_names`` (every parameter read of MindSpore's checkpoint, load and listing functions
     passes through it), after applying every owed update: a checkpoint saved between a step and the next
     forward holds the step's weights."""
-    for owing in list(_OWING):
-        owing.synchronize()
+    if _OWING:  # (empty unless a step's updates are owed: MindSpore lists parameters often)
+        for owing in list(_OWING):
+            owing.synchronize()
     return _parameters_and_names(self, *args, **kwargs)
 
 

@@ -19,7 +19,9 @@ Element-wise optimizers only (Momentum, SGD, Adam, AdamWeightDecay, ...): ``Lamb
 ``grad_centralization``. PyNative mode; the wrapper must reduce after backward
 (``overlap=False``), since the optimizer does the reduction itself.
 
-``shard=False`` is the same call on the network's parameters after ``net.reduce(grads)``.
+``shard=False`` is the same call on the network's parameters after ``net.reduce(grads)``; in PyNative, where the
+wrapper reduces bucket by bucket (``overlap=True``), each bucket's update is owed to the next forward
+(:mod:`.bucket_updates`). ``shard=True`` updates after the whole reduction.
 """
 
 from __future__ import annotations
@@ -85,7 +87,10 @@ class DistributedOptimizer(nn.Optimizer):
 
     An ``nn.Optimizer`` (a ``Cell``): ``Model(wrapped, loss_fn, opt)`` and ``nn.TrainOneStepCell`` take it, and
     their step then leaves the reduction to it (no second one). In GRAPH mode (``shard=False``) its step is
-    compiled: the wrapper's compiled reduction, then the wrapped optimizer.
+    compiled: the wrapper's compiled reduction, then the wrapped optimizer. In PyNative over a wrapper that reduces
+    bucket by bucket (``overlap=True``) a step owes each bucket's update to the next forward, which applies it
+    before the first cell that reads the bucket's parameters (:mod:`.bucket_updates`; ``synchronize()`` applies
+    every owed update at once; checkpoints and parameter listings do so themselves).
 
     ``optimizer_class`` is a ``mindspore.nn.Optimizer`` subclass, built with ``params`` (default:
     the network's trainable parameters; MindSpore's group dicts work) and ``kwargs``. Take
