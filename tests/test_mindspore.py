@@ -457,7 +457,8 @@ DIST_OPT_OVERLAP_TIMEOUT_S = 200  # its own start (~30 s here): the pynative-2 s
 def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equals_distributed_grad_reducer() -> None:
     """PyNative, the wrapper reducing bucket by bucket (overlap=True): a step owes its buckets' updates, the next
     forward applies them cell by cell. Over 4 steps with an evaluation on rank 0 between steps and a checkpoint
-    saved (and loaded back) right after a step, every rank's evaluations, checkpoint and weights are bit-equal to
+    saved (and loaded back) right after a step, then Model.eval on rank 0 with the last step's updates owed, every
+    rank's evaluations, checkpoint and weights are bit-equal to
     DistributedGradReducer + the same optimizer (Momentum, Adam); Model.train with it equals Model under
     MindSpore's DATA_PARALLEL, one reduction a step."""
     for rank, out in enumerate(
@@ -469,6 +470,8 @@ def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equal
             assert_identical(ours["evals"], reference["evals"], f"evaluations on rank 0 between steps ({what})")
             assert_identical(ours["checkpoint"], reference["checkpoint"], f"checkpoint saved after a step ({what})")
             assert_identical(ours["weights"], reference["weights"], f"weights at the end ({what})")
+            evaluated = (ours.get("model_eval"), ours.get("hand_loss"))
+            assert evaluated == (reference.get("hand_loss"),) * 2, f"Model.eval after the last step ({what})"
             applied = out[f"{name}_applied"]
             # the first step (its rebuild) updates at once; later ones owe every bucket (MindSpore's handles cannot
             # be polled), which a forward applied over several of its cells, or a parameter read (the checkpoint)
