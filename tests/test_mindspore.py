@@ -449,3 +449,37 @@ def test_auto_bucket_size_settles_on_rank_0s_choice_everywhere_and_trains_as_tha
         assert_identical(out["auto"], out["fixed"], f"'auto' vs wrapped at {chosen} from the start, rank {rank}")
         assert out["tune_plan"] == out["tune_result"] == results[0]["tune_result"], rank
     assert results[1]["own_best"] != chosen, "rank 1's own ranking should differ from rank 0's"
+
+
+DIST_OPT_OVERLAP_TIMEOUT_S = 200  # its own start (~30 s here): the pynative-2 suite is near pytest's 300 s limit
+
+
+def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equals_distributed_grad_reducer() -> None:
+    """PyNative, the wrapper reducing bucket by bucket (overlap=True): a step owes its buckets' updates, the next
+    forward applies them cell by cell. Over 4 steps with an evaluation on rank 0 between steps and a checkpoint
+    saved (and loaded back) right after a step, then Model.eval on rank 0 with the last step's updates owed, every
+    rank's evaluations, checkpoint and weights are bit-equal to
+    DistributedGradReducer + the same optimizer (Momentum, Adam); Model.train with it equals Model under
+    MindSpore's DATA_PARALLEL, one reduction a step."""
+    for rank, out in enumerate(
+        run_msrun_suite("pynative", 2, ("dist_opt_overlap",), DIST_OPT_OVERLAP_TIMEOUT_S).part("dist_opt_overlap")
+    ):
+        for name in ("momentum", "adam"):
+            what = f"{name}, rank {rank}"
+            reference, ours = out[f"{name}_reference"], out[name]
+            assert_identical(ours["evals"], reference["evals"], f"evaluations on rank 0 between steps ({what})")
+            assert_identical(ours["checkpoint"], reference["checkpoint"], f"checkpoint saved after a step ({what})")
+            assert_identical(ours["weights"], reference["weights"], f"weights at the end ({what})")
+            evaluated = (ours.get("model_eval"), ours.get("hand_loss"))
+            assert evaluated == (reference.get("hand_loss"),) * 2, f"Model.eval after the last step ({what})"
+            applied = out[f"{name}_applied"]
+            # the first step (its rebuild) updates at once; later ones owe every bucket (MindSpore's handles cannot
+            # be polled), which a forward applied over several of its cells, or a parameter read (the checkpoint)
+            assert applied["step"] == out[f"{name}_buckets"], (what, applied)
+            assert applied["forward"] > 0 and applied["forward cells"] > 1 and applied["read"] > 0, (what, applied)
+            assert_identical(out[f"model_{name}"], out[f"model_{name}_reference"], f"Model.train ({what})")
+            assert out[f"model_{name}_steps"] == 4, f"Model.train reduced more than once a step ({what})"
+        # parameter groups: weight decay in one (narrowed per bucket), learning rates of their own (at the step)
+        for name in ("groups", "group_lrs"):
+            assert_identical(out[name], out[f"{name}_reference"], f"Momentum with {name}, rank {rank}")
+        assert out["groups_applied"]["forward"] > 0 and out["group_lrs_applied"]["forward"] == 0, rank

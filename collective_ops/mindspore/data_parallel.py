@@ -204,6 +204,8 @@ class DataParallel(nn.Cell):
         self._joining = False
         self._own_steps = 0  # steps this rank ran inside join()
         self._sharded_optimizer = False  # a DistributedOptimizer(shard=True) reduces this network's gradients
+        # the DistributedOptimizer whose per-bucket updates may be owed (its synchronize() applies them): set by it
+        self._participant: Any = None
         _WRAPPED[id(network)] = self  # a training cell over the bare network is refused (see _adopt)
 
     def _broadcast_parameters(self, src: int) -> None:
@@ -238,6 +240,8 @@ class DataParallel(nn.Cell):
                 "to shadow the optimizer's reduce-scatters and all-gathers, which it does not. Give every rank the "
                 "same number of batches, or use shard=False"
             )
+        if self._participant is not None:
+            self._participant.synchronize()  # a rank out of data runs no forward that would apply them
         self._joining, self._own_steps = True, 0
         try:
             yield self
@@ -277,7 +281,32 @@ class DataParallel(nn.Cell):
             self._auto_tune()
         return reduced
 
-    def _reduce(self, grads: Sequence[ms.Tensor], params: Sequence[Any] | None) -> tuple[ms.Tensor, ...]:
+    def reduce_deferred(self, grads: Sequence[ms.Tensor], params: Sequence[Any] | None = None) -> tuple | None:
+        """``reduce()``, except where the buckets are reduced one by one (launched by the hooks during backward,
+        or without the compiled reduction): then it returns None once every bucket is launched, and the caller
+        takes each bucket's results with :meth:`finish_bucket` (a ``DistributedOptimizer``'s per-bucket
+        updates). The compiled reduction (one graph: every bucket at once), a step inside ``join()``, the first
+        step (its rebuild is a collective every rank runs at the same point) and a pending ``"auto"`` reduce
+        as ``reduce()`` does and return the averaged gradients."""
+        manager = self.manager
+        first_rebuild = manager.rebuild_after_first_step and manager.steps_synced == 0
+        if self._joining or self._auto_tune_at is not None or first_rebuild:
+            return self.reduce(grads, params)
+        return self._reduce(grads, params, defer=True)
+
+    def finish_bucket(self, bucket: int) -> dict[int, ms.Tensor]:
+        """After :meth:`reduce_deferred`: wait for ``bucket``'s reduction; its averaged gradients by parameter
+        index (into the network's trainable parameters)."""
+        self.manager.wait_bucket(bucket)
+        members = self.manager.plan.buckets[bucket].param_indices
+        results = self.manager.bucket_results(bucket)
+        return {i: r.reshape(tuple(self._grad_params[i].shape)) for i, r in zip(members, results)}
+
+    def _reduce(
+        self, grads: Sequence[ms.Tensor], params: Sequence[Any] | None, defer: bool = False
+    ) -> tuple[ms.Tensor, ...] | None:
+        if self._participant is not None:
+            self._participant.synchronize()  # a reduction while updates are owed: they are applied first
         params = self._grad_params if params is None else list(params)
         grads = tuple(grads)
         if len(grads) != len(params):
@@ -303,10 +332,12 @@ class DataParallel(nn.Cell):
         for i in manager.plan.order:  # gradients no hook saw (GRAPH mode, or none arrived): launch in plan order
             if i in by_index and not manager.is_marked(i):
                 manager.mark_ready(i, by_index[i], write_back=False)
-        manager.finalize(force=True)
+        manager.finalize(force=True, defer=defer)  # deferred: every bucket launched, finish_bucket() each
         self._last_mode = mode
         hooked, self._hooked = self._hooked, {}
         self._refuse_changed_gradients(by_index, hooked)
+        if defer:
+            return None
         flat: dict[int, ms.Tensor] = {}
         for bucket_index, bucket in enumerate(manager.plan.buckets):
             flat.update(zip(bucket.param_indices, manager.bucket_results(bucket_index)))
@@ -333,6 +364,8 @@ class DataParallel(nn.Cell):
                 "set_bucket_size() needs PyNative mode: a GRAPH-mode training step has the bucket plan compiled "
                 "into its graph; give wrap() the bucket_size_mb instead"
             )
+        if self._participant is not None:
+            self._participant.synchronize()  # owed updates belong to the buckets of the plan they were owed in
         bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
         if first_bucket_mb is not None:
             first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")

@@ -19,7 +19,9 @@ Element-wise optimizers only (Momentum, SGD, Adam, AdamWeightDecay, ...): ``Lamb
 ``grad_centralization``. PyNative mode; the wrapper must reduce after backward
 (``overlap=False``), since the optimizer does the reduction itself.
 
-``shard=False`` is the same call on the network's parameters after ``net.reduce(grads)``.
+``shard=False`` is the same call on the network's parameters after ``net.reduce(grads)``; in PyNative, where the
+wrapper reduces bucket by bucket (``overlap=True``), each bucket's update is owed to the next forward
+(:mod:`.bucket_updates`). ``shard=True`` updates after the whole reduction.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from mindspore import Parameter, mint, nn
 from ..bucketing import allreduce_hook
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..comm.mindspore_engine import fresh_copy
+from .bucket_updates import BucketUpdates
 from .data_parallel import DataParallel, _pynative, _refuse_misordered
 
 logger = logging.getLogger("collective_ops")
@@ -84,7 +87,10 @@ class DistributedOptimizer(nn.Optimizer):
 
     An ``nn.Optimizer`` (a ``Cell``): ``Model(wrapped, loss_fn, opt)`` and ``nn.TrainOneStepCell`` take it, and
     their step then leaves the reduction to it (no second one). In GRAPH mode (``shard=False``) its step is
-    compiled: the wrapper's compiled reduction, then the wrapped optimizer.
+    compiled: the wrapper's compiled reduction, then the wrapped optimizer. In PyNative over a wrapper that reduces
+    bucket by bucket (``overlap=True``) a step owes each bucket's update to the next forward, which applies it
+    before the first cell that reads the bucket's parameters (:mod:`.bucket_updates`; ``synchronize()`` applies
+    every owed update at once; checkpoints and parameter listings do so themselves).
 
     ``optimizer_class`` is a ``mindspore.nn.Optimizer`` subclass, built with ``params`` (default:
     the network's trainable parameters; MindSpore's group dicts work) and ``kwargs``. Take
@@ -122,6 +128,15 @@ class DistributedOptimizer(nn.Optimizer):
             self._own = {id(p) for p in self.optimizer.parameters}
             # what a compiled step (GRAPH mode: construct) reduces with; PyNative calls reduce() from Python
             self.grad_reducer = nn.Identity() if _pynative() else network.graph_reducer(list(self.parameters))
+            object.__setattr__(
+                self, "_updates", None
+            )  # GRAPH mode: one compiled step, the update after the whole reduction
+            if _pynative():
+                updates = BucketUpdates(
+                    network, self.optimizer, self._bucket_builder(optimizer_class, params, order, kwargs)
+                )
+                object.__setattr__(self, "_updates", updates)
+                network._participant = updates
             return
         self._refuse_unshardable(optimizer_class, assume_elementwise)
         engine = network.engine
@@ -162,6 +177,25 @@ class DistributedOptimizer(nn.Optimizer):
         self._warn_mccl()
 
     # -- construction ----------------------------------------------------------------
+    @staticmethod
+    def _bucket_builder(optimizer_class: type, params: Any, order: Sequence[Parameter], kwargs: dict) -> Any:
+        """ids of one bucket's parameters -> ``optimizer_class`` over them, each in its parameter group."""
+        groups, _ = _group_list(params, list(order))
+
+        def build(members: set[int]) -> nn.Optimizer:
+            if params is None or not isinstance(list(params)[0], dict):
+                return optimizer_class([p for p in order if id(p) in members], **kwargs)
+            narrowed = [{**g, "params": [p for p in g["params"] if id(p) in members]} for g in groups]
+            return optimizer_class([g for g in narrowed if g["params"]], **kwargs)
+
+        return build
+
+    def synchronize(self) -> None:
+        """Apply every update a step still owes (the next forward, a checkpoint or a parameter listing would)."""
+        updates = self.__dict__.get("_updates")  # (None: sharded, GRAPH mode, or not built yet)
+        if updates is not None:
+            updates.synchronize()
+
     def _refuse_unshardable(self, optimizer_class: type, assume_elementwise: bool) -> None:
         network = self.network
         if not _pynative():
@@ -220,7 +254,7 @@ class DistributedOptimizer(nn.Optimizer):
         if not _pynative():
             return super().__call__(grads)  # compiles construct (PyNative runs this method's Python instead)
         if not self.shard:
-            return self.optimizer(self.network.reduce(grads, self.parameters))
+            return self._updates.step(grads, self.parameters)
         grads = tuple(grads)
         if len(grads) != len(self.parameters):
             raise ValueError(f"got {len(grads)} gradients for {len(self.parameters)} parameters (opt.parameters)")
@@ -368,8 +402,9 @@ class DistributedOptimizer(nn.Optimizer):
         except AttributeError:
             # the wrapped optimizer's own attributes (learning_rate, get_lr, global_step, ...)
             inner = self.__dict__.get("_cells", {}).get("optimizer")
-            if inner is None or name.startswith("__") or name in ("network", "_own"):
+            if inner is None or name.startswith("__") or name in ("network", "_own", "_updates"):
                 raise
+            self.synchronize()  # the wrapped optimizer's state, read or written: every owed update applied first
             return getattr(inner, name)
 
 
