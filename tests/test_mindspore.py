@@ -192,10 +192,12 @@ def test_model_over_the_wrapper_equals_model_under_mindspores_data_parallel(mode
     for rank, out in enumerate(model_wrap_run(mode).part("model_wrap")):
         what = f"({mode}), rank {rank}"
         assert out["wrapped_is_cell"] and out["names"], "the wrapper is a Cell, its parameters named as the network's"
+        assert_identical(out["sink"], out["reference"], f"Model.train(dataset_sink_mode=True) {what}")
         assert_identical(out["ours"], out["reference"], f"Model(co.wrap(net), loss_fn, opt) {what}")
         assert out["reducer"] == ("_EagerReducer" if mode == "pynative" else "CompiledReduction")
         assert out["steps_reduced"] == (3 if mode == "pynative" else 2)  # GRAPH: the first call compiles
         assert_identical(out["train_one_step"], out["reference"], f"nn.TrainOneStepCell over the wrapper {what}")
+        assert out["sink_steps"] == out["steps_reduced"], "dataset_sink_mode=True counts the steps as without it"
         assert_identical(out["o2"], out["reference_o2"], f'amp_level="O2", static loss scale {what}')
         assert out["dynamic_cell"] == "TrainOneStepWithLossScaleCell"
         assert_identical(out["dynamic"], out["dynamic_by_hand"], f"dynamic loss scale vs our cell by hand {what}")

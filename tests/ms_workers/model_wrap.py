@@ -89,6 +89,12 @@ out["steps_reduced"] = wrapped.comm_stats()["steps"]
 out["wrapped_is_cell"] = isinstance(wrapped, nn.Cell)
 out["names"] = [p.name for p in wrapped.trainable_params()] == [p.name for p in build(0).trainable_params()]
 
+# 1b. dataset_sink_mode=True: the same steps (MindSpore's CPU build calls the step once per batch)
+sunk = wrapped_net(rank)
+Model(sunk, loss_fn, momentum(sunk)).train(1, dataset(), dataset_sink_mode=True)
+out["sink"] = weights(sunk)
+out["sink_steps"] = sunk.comm_stats()["steps"]
+
 # 2. checkpoints: save_checkpoint(wrapped) loads into a plain network, and a plain checkpoint into a wrapper
 directory = Path(os.environ["COLLECTIVE_OPS_TEST_OUT"]) / f"model-wrap-rank{rank}"
 directory.mkdir(exist_ok=True)
