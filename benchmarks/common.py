@@ -166,7 +166,7 @@ class Limit:
         wire = (
             f"wire time of {sent} at {link_rate()}: {self.wire_ms:.1f} ms"
             if self.wire_ms is not None
-            else "no link: the bound is compute alone"
+            else f"{sent}, no link: the bound is compute alone"
         )
         return f"compute alone {self.compute_ms:.1f} ms; {wire}"
 

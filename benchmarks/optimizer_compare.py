@@ -19,7 +19,8 @@ DistributedOptimizer block ends with ``synchronize()`` inside its last step, so 
 in-flight communication is charged to it. Also reported: compute alone (the plain model and
 optimizer with no communication, a setup of the alternation on every rank at once, so it
 shares the CPU and the machine's noise with the steps it bounds) and the wire time at the link's rate of the bytes
-one step of the DistributedOptimizer sent, whose maximum bounds the step from below (each step as a multiple of it); on the link, the tighter bound of the lead (see ``_print_lead_bound``);
+one step of the DistributedOptimizer sent, whose maximum bounds the step from below (each step as a multiple of
+it); on the link, the tighter bound of the lead (see ``_print_lead_bound``);
 with ``--contention``, the compute of a step while a stream of allreduces keeps the link busy
 beside it (on a CPU the transport's threads take cycles from the ranks' compute).
 """
