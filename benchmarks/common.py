@@ -6,10 +6,13 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from collective_ops.tools.bench import bus_factor
 from collective_ops.tools.link import (
+    ENV_LINK,
     ENV_NNODES,
     ENV_NODE_RANK,
     link_label,
@@ -17,6 +20,8 @@ from collective_ops.tools.link import (
     relaunch_on_link,
     strip_link_option,
 )
+
+COMPUTE_ALONE = "compute alone (no communication)"  # the setup that bounds every step from below
 
 _spawn_calls = 0  # successive spawns of one run use successive ports (every node counts alike)
 
@@ -124,3 +129,69 @@ def spawn(target, world: int, *args, timeout: float = 3600):
                 p.kill()
                 p.join()
     return result
+
+
+def link_rate() -> str | None:
+    """The emulated link's tc rate, in a node of it (a relaunched script's own arguments have no --link); None off it."""
+    rate = os.environ.get(ENV_LINK)
+    return rate if rate and rate != "none" else None
+
+
+def link_seconds(nbytes: float) -> float | None:
+    """Seconds the link takes to carry ``nbytes`` in one direction at its rate; None off the link."""
+    rate = link_rate()
+    return nbytes * 8 / rate_bits(rate) if rate else None
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The physical limit of a step: compute alone, and the link's time for one step's allreduced bytes."""
+
+    compute_ms: float
+    wire_bytes: int  # the payload one step reduces (comm_stats()["bytes_per_step"]), not its ring traffic
+    wire_ms: float | None  # None off the link
+    step_ms: Mapping[str, float]
+
+    @property
+    def bound_ms(self) -> float:
+        return max(self.compute_ms, self.wire_ms or 0.0)
+
+    def ratio(self, step_ms: float) -> float:
+        """A step as a multiple of max(compute, wire): 1.00 is the limit itself."""
+        return step_ms / self.bound_ms
+
+    def line(self, whose: str = "") -> str:
+        """Compute alone and the wire time; ``whose``: which setup's count of the bytes (named in the line)."""
+        sent = f"one step's {self.wire_bytes / 2**20:.2f} MiB" + (f" (as {whose} sends them)" if whose else "")
+        wire = (
+            f"wire time of {sent} at {link_rate()}: {self.wire_ms:.1f} ms"
+            if self.wire_ms is not None
+            else f"{sent}, no link: the bound is compute alone"
+        )
+        return f"compute alone {self.compute_ms:.1f} ms; {wire}"
+
+    def column(self, step_ms: float) -> str:
+        return f"{self.ratio(step_ms):.2f}x max(compute, wire)"
+
+    @property
+    def columns(self) -> dict[str, str]:
+        """Each setup's column: its step as a multiple of max(compute, wire)."""
+        return {key: self.column(ms) for key, ms in self.step_ms.items()}
+
+    def lines(self, indent: str = "    ", whose: str = "") -> list[str]:
+        """The line, then each setup's step and its column (fastest first)."""
+        width = max(map(len, self.step_ms), default=0)
+        rows = sorted(self.step_ms.items(), key=lambda kv: kv[1])
+        return [indent + self.line(whose)] + [
+            f"{indent}  {key:<{width}} {ms:>8.1f} ms  {self.column(ms)}" for key, ms in rows
+        ]
+
+
+def physical_limit(step_ms: Mapping[str, float], compute_ms: float, wire_bytes: int, world: int) -> Limit:
+    """The distance of each step in ``step_ms`` (ms per setup) to the physical limit: max(compute alone, the wire
+    time at the link's rate of a ring allreduce of ``wire_bytes``, what one step reduces: fp32 gradients, half with
+    fp16, a row-sparse table's rows sent; use the library's count, ``comm_stats()["bytes_per_step"]``)."""
+    # each rank sends 2 (n-1)/n of them (nccl-tests' bus factor); a ring over the link's two nodes puts as much
+    # on each direction of the link
+    wire = link_seconds(bus_factor("allreduce", world) * wire_bytes)
+    return Limit(compute_ms, int(wire_bytes), None if wire is None else wire * 1e3, dict(step_ms))

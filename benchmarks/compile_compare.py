@@ -8,6 +8,12 @@ In the same processes, alternating blocks of steps: DDP and wrap, each eager and
 dynamo's DDPOptimizer). Reported: median step, and for wrap the communication still waiting
 after backward (the manager's exposed time): a compiled backward in one piece hands every
 gradient over at its end, so no bucket could launch during it.
+
+On the emulated link (``--link``) it also prints compute alone (the same model and optimizer, no wrapper and no
+communication, eager and compiled, setups of the same alternation; compiled steps against compiled compute), the
+wire time at the link's rate of one step's bytes (as ``comm_stats()['bytes_per_step']`` counts them, wrap's) and
+each step as a multiple of max(compute, wire): its distance to the physical limit (benchmarks/common.py
+``physical_limit``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import run_benchmark, where  # noqa: E402
+from benchmarks.common import link_rate, physical_limit, run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa: E402
 
 
@@ -52,9 +58,14 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=1e-3, momentum=0.9)
         label = f"wrap+DO {'compiled' if compiled else 'eager'}"
         setups[label] = (torch.compile(wrapped) if compiled else wrapped, optimizer, batches)
+    for compiled in (False, True) if link_rate() else ():  # on the link: the physical limit's compute, no wrapper
+        model, _ = build_model(args.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        setups[_alone(compiled)] = (torch.compile(model) if compiled else model, optimizer, batches)
     times = alternate_steps(setups, args.rounds, args.block)
     result = {
         "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
+        "bytes_per_step": wrappers["wrap eager"].comm_stats()["bytes_per_step"],
         "exposed_ms": {
             label: wrappers[label].comm_stats()["mean_exposed_comm_s"] * 1e3
             for label in ("wrap eager", "wrap compiled")
@@ -64,6 +75,10 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     co.shutdown()
     if rank == 0:
         queue.put(result)
+
+
+def _alone(compiled: bool) -> str:
+    return f"compute alone {'compiled' if compiled else 'eager'}"
 
 
 def main(argv=None) -> int:
@@ -82,8 +97,15 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}; median step, {args.rounds} rounds x {args.block} steps alternating"
     )
     ms = r["median_step_ms"]
+    limits = {  # on the link, eager steps against eager compute, compiled against compiled
+        mode: physical_limit(ms, ms[_alone(mode == "compiled")], r["bytes_per_step"], args.world)
+        for mode in ("eager", "compiled")
+        if _alone(False) in ms
+    }
+    for mode, limit in limits.items():
+        print(f"  {mode}: {limit.line('wrap')}")
     for label in ("DDP eager", "wrap eager", "wrap+DO eager", "DDP compiled", "wrap compiled", "wrap+DO compiled"):
-        extra = ""
+        extra = f"  {limits[label.split()[-1]].column(ms[label])}" if limits else ""
         exposed = r["exposed_ms"].get(label)
         extra += f"  communication waited for after backward {exposed:.1f} ms" if exposed is not None else ""
         print(f"  {label:<17} {ms[label]:>8.1f} ms{extra}")

@@ -7,12 +7,18 @@ Two runs (eager, then compiled), each with tracing on (``trace=True``); the pict
 the communication still waited for after backward. Buckets that start inside the backward bar
 overlap it; under ``torch.compile`` that needs the graph split at bucket boundaries, which
 collective_ops asks dynamo for as DDP does (docs/benchmarks.md, torch.compile section).
+
+On the emulated link (``--link``) each run also prints its median step, compute alone (the same model and optimizer,
+no wrapper and no communication, compiled alike, stepped in turn with the traced model), the wire time at the link's
+rate of one step's bytes (as ``comm_stats()['bytes_per_step']`` counts them, wrap's) and each step as a multiple of
+max(compute, wire): its distance to the physical limit (benchmarks/common.py ``physical_limit``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_link_option,
+    link_rate,
+    physical_limit,
+    reporting_node,
+    run_on_link_if_asked,
+    spawn,
+    where,
+)
 from benchmarks.ddp_compare import MODELS, build_model, one_step  # noqa: E402
 
 
@@ -37,12 +51,35 @@ def rank_main(rank: int, world: int, port: int, args, compiled: bool, trace_file
     wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb, trace=True)
     runner = torch.compile(wrapped) if compiled else wrapped
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3, momentum=0.9)
+    plain = _compute_alone(args.model, compiled) if link_rate() else None
+    steps, alone = [], []
     for i in range(args.steps):
-        one_step(runner, optimizer, batches[i % len(batches)])
+        steps.append(one_step(runner, optimizer, batches[i % len(batches)]))
+        if plain is not None:  # in turn with the traced steps: the same machine noise
+            alone.append(one_step(*plain, batches[i % len(batches)]))
+    limit = _limit(steps, alone, wrapped.comm_stats()["bytes_per_step"], world) if plain is not None else None
     co.barrier()
     co.shutdown()  # merges every rank's trace into trace_file
     if rank == 0:
-        queue.put(trace_file)
+        queue.put((trace_file, limit))
+
+
+def _compute_alone(name: str, compiled: bool) -> tuple:
+    """The same model and optimizer with no wrapper and no communication (compiled alike): the physical limit's
+    compute."""
+    model, _ = build_model(name)
+    return torch.compile(model) if compiled else model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def _limit(steps: list[float], alone: list[float], sent: int, world: int):
+    """The median step and compute alone after 3 warm-up steps (as benchmarks/ddp_compare.py's alternation:
+    compilation, the bucket rebuild), each step the slowest rank's, against max(compute, wire)."""
+    from collective_ops.runtime import get_engine
+
+    warm = min(3, len(steps) - 1)
+    slowest = get_engine("torch").reduce_floats(steps[warm:] + alone[warm:], "max")
+    median = statistics.median(slowest[: len(slowest) // 2]) * 1e3
+    return physical_limit({"step": median}, statistics.median(slowest[len(slowest) // 2 :]) * 1e3, sent, world)
 
 
 def _last_step(events: list[dict], rank: int = 0) -> tuple[list[dict], float]:
@@ -93,16 +130,21 @@ def main(argv=None) -> int:
     if relaunched is not None:
         return relaunched
     folder = Path(tempfile.mkdtemp(prefix="compile-trace-"))
-    traces = {}
+    traces, limits = {}, {}
     for label, compiled in (("co.wrap (eager)", False), ("torch.compile(co.wrap(model))", True)):
-        trace = spawn(rank_main, args.world, args, compiled, str(folder / f"{compiled}.json"))
+        outcome = spawn(rank_main, args.world, args, compiled, str(folder / f"{compiled}.json"))
         if reporting_node():
-            traces[label] = Path(trace)
+            traces[label], limits[label] = Path(outcome[0]), outcome[1]
     if not reporting_node():
         return 0
     title = f"{args.model}, {args.world} Gloo ranks, {where()}, buckets {args.bucket_size_mb:g} MiB, torch {torch.__version__}"
     render(traces, title, Path(args.output))
     print(f"# compile_trace: {title}\n  picture: {args.output}")
+    for label, limit in limits.items():
+        if limit is not None:  # (on the link) median step, 3 warm-up steps left out, slowest rank
+            print(
+                f"  {label}: {limit.line('wrap')}; step {limit.step_ms['step']:.1f} ms, {limit.column(limit.step_ms['step'])}"
+            )
     return 0
 
 

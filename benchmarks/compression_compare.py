@@ -9,6 +9,11 @@
 2. Loss curve: the wrapped model trained ``--loss-steps`` steps with fp32 and with fp16
    communication from the same weights and data (a pool of batches, cycled, so the loss
    falls); the relative gap between the curves is reported (and plotted with ``--plot``).
+
+On the emulated link (``--link``) the step times also carry compute alone (the same model and optimizer, no wrapper
+and no communication, a setup of the same alternation), the wire time at the link's rate of one step's bytes (as
+``comm_stats()['bytes_per_step']`` counts them, fp32 or fp16: each row against its own) and each step as a multiple
+of max(compute, wire): its distance to the physical limit (benchmarks/common.py ``physical_limit``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import run_benchmark, where  # noqa: E402
+from benchmarks.common import COMPUTE_ALONE, link_rate, physical_limit, run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa: E402
 
 
@@ -33,7 +38,9 @@ def _setup(args, kind: str, rank: int, batches: list) -> tuple:
 
     model, _ = build_model(args.model)
     mb = args.bucket_size_mb
-    if kind.startswith("ddp"):
+    if kind == COMPUTE_ALONE:  # no wrapper, no communication
+        wrapped = model
+    elif kind.startswith("ddp"):
         wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
         if kind == "ddp fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -72,10 +79,14 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     _, batch = build_model(args.model)
     gen = torch.Generator().manual_seed(rank)
     batches = [batch(gen) for _ in range(args.pool)]
-    kinds = ("ddp fp16", "wrap fp16", "ddp fp32", "wrap fp32")
+    kinds = ("ddp fp16", "wrap fp16", "ddp fp32", "wrap fp32") + ((COMPUTE_ALONE,) if link_rate() else ())
     setups = {kind: _setup(args, kind, rank, batches) for kind in kinds}
     times = alternate_steps(setups, args.rounds, args.block)
-    out = {"median_step_ms": {kind: statistics.median(v) * 1e3 for kind, v in times.items()}}
+    out = {
+        "median_step_ms": {kind: statistics.median(v) * 1e3 for kind, v in times.items()},
+        # what one step sends, as the library counts it: fp16 half of fp32's
+        "bytes_per_step": {p: setups[f"wrap {p}"][0].comm_stats()["bytes_per_step"] for p in ("fp32", "fp16")},
+    }
     del setups
     if args.loss_steps:
         out["loss_fp32"] = _loss_curve(args, None, batches)
@@ -128,8 +139,16 @@ def main(argv=None) -> int:
         f"# compression_compare: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb:g} MiB; "
         f"median step, {args.rounds} rounds x {args.block} steps alternating"
     )
+    limits = {  # on the link, each precision's own: what its step sends
+        p: physical_limit(ms, ms[COMPUTE_ALONE], r["bytes_per_step"][p], args.world)
+        for p in ("fp32", "fp16")
+        if COMPUTE_ALONE in ms
+    }
+    for p, limit in limits.items():
+        print(f"  {p}: {limit.line(f'wrap {p}')}")
     for kind in ("ddp fp32", "wrap fp32", "ddp fp16", "wrap fp16"):
-        print(f"  {kind:<10} {ms[kind]:>8.1f} ms")
+        column = f"  {limits[kind[-4:]].column(ms[kind])}" if limits else ""
+        print(f"  {kind:<10} {ms[kind]:>8.1f} ms{column}")
     print(f"  wrap fp16 / DDP fp16 hook: {ms['wrap fp16'] / ms['ddp fp16']:.3f}")
     if args.loss_steps:
         fp32, fp16 = r["loss_fp32"], r["loss_fp16"]

@@ -12,6 +12,11 @@ there is no allocator counter; on GPU/NPU the allocator's peak is used).
 
 ``--step-check-cost`` also times collective_ops with ``check_step_alignment=False`` in the same alternation:
 the price of the per-step check that the ranks reduce the same iteration (one small all-reduce per step).
+
+On the emulated link (``--link``) it also prints compute alone (the same model and optimizer, no wrapper and no
+communication, a setup of the same alternation), the wire time at the link's rate of one step's bytes (as
+``comm_stats()['bytes_per_step']`` counts them, wrap's) and each step as a multiple of max(compute, wire): its
+distance to the physical limit (benchmarks/common.py ``physical_limit``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import add_link_option, reporting_node, run_on_link_if_asked, spawn, where  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    COMPUTE_ALONE,
+    add_link_option,
+    link_rate,
+    physical_limit,
+    reporting_node,
+    run_on_link_if_asked,
+    spawn,
+    where,
+)
 
 MODELS = ("transformer", "cnn", "mlp", "transformer-5m")
 UNCHECKED = "collective_ops_unchecked"  # check_step_alignment=False
@@ -84,6 +98,8 @@ def build_model(name: str) -> tuple[nn.Module, callable]:
 
 
 def wrap_with(kind: str, model: nn.Module, bucket_size_mb: float) -> nn.Module:
+    if kind == COMPUTE_ALONE:  # no wrapper, no communication: the compute that bounds every step
+        return model
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_size_mb)
     import collective_ops as co
@@ -109,7 +125,8 @@ def _sync(device: torch.device) -> None:
 
 
 def training_setup(name: str, kind: str, bucket_size_mb: float, rank: int, device: str = "cpu") -> tuple:
-    """(wrapped model, SGD optimizer, this rank's 4 batches) for ``kind`` "ddp" or "collective_ops"."""
+    """(wrapped model, SGD optimizer, this rank's 4 batches) for ``kind`` "ddp", "collective_ops" or
+    ``COMPUTE_ALONE`` (the model unwrapped)."""
     model, batch = build_model(name)
     wrapped = wrap_with(kind, model.to(device), bucket_size_mb)
     gen = torch.Generator().manual_seed(rank)
@@ -187,13 +204,15 @@ def time_rank(rank: int, world: int, port: int, args, queue) -> None:
     device = co.init(args.backend, rank=rank, world_size=world, master_port=port).device
     results = {}
     kinds = ("ddp", "collective_ops") + ((UNCHECKED,) if args.step_check_cost else ())
+    kinds += (COMPUTE_ALONE,) if link_rate() else ()  # on the link: the step's physical limit
     for name in args.models:
         setups = {kind: training_setup(name, kind, args.bucket_size_mb, rank, device) for kind in kinds}
         times = alternate_steps(setups, max(args.steps // args.block, 1), args.block)
         results[name] = {
             kind: {"median_step_ms": statistics.median(v) * 1e3, "steps": len(v)} for kind, v in times.items()
         }
-        results[name]["collective_ops"]["buckets"] = setups["collective_ops"][0].comm_stats()["buckets"]
+        stats = setups["collective_ops"][0].comm_stats()
+        results[name]["collective_ops"].update(buckets=stats["buckets"], bytes_per_step=stats["bytes_per_step"])
         results[name]["params_m"] = sum(p.numel() for p in setups["ddp"][0].parameters()) / 1e6
     co.barrier()
     co.shutdown()
@@ -295,6 +314,10 @@ def main(argv=None) -> int:
                 f"    step-alignment check: {ours['median_step_ms']:.2f} ms with it, {unchecked:.2f} ms without "
                 f"(ratio {ours['median_step_ms'] / unchecked:.3f})"
             )
+        if COMPUTE_ALONE in r:
+            steps = {kind: r[kind]["median_step_ms"] for kind in r if kind not in (COMPUTE_ALONE, "params_m")}
+            limit = physical_limit(steps, r[COMPUTE_ALONE]["median_step_ms"], ours["bytes_per_step"], args.world)
+            print("\n".join(limit.lines(whose="collective_ops")))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "where": where(), "results": results}, indent=1))
     return 0

@@ -312,7 +312,7 @@ def run(args) -> None:
         lines.append(f"# ratio collective_ops / DistributedGradReducer = {ours / ref:.3f}")
         ratios = {kind: phases["step"] / ref for kind, phases in median_ms.items()}
         if _link_rate():
-            lines += _wire_lines(_link_rate(), ctx.world_size, setups["collective_ops"][2].parameters, median_ms)
+            lines += _wire_lines(ctx.world_size, setups["collective_ops"][2].parameters, median_ms)
         if SHARDED in setups:
             lines.append(_state_line(setups, median_ms, ref))
         table = "\n".join(lines)
@@ -399,32 +399,24 @@ def _transformer_5m():
 
 def _link_rate() -> str | None:
     """The emulated link's tc rate in an msrun worker on it (the workers' command line has no --link)."""
-    from collective_ops.tools.link import ENV_LINK
+    from benchmarks.common import link_rate
 
-    rate = os.environ.get(ENV_LINK)
-    return rate if rate and rate != "none" else None
+    return link_rate()
 
 
-def _wire_lines(link: str, world: int, params, median_ms: dict) -> list[str]:
-    """Compute alone (the step without a reduction), the ring allreduce's wire time of one step's float32
-    gradients at the link's rate (2 (n-1)/n of the bytes each way), and each step as a multiple of the larger:
-    what a step on that link cannot go under."""
-    from collective_ops.tools.link import rate_bits
+def _wire_lines(world: int, params, median_ms: dict) -> list[str]:
+    """Compute alone (the step without a reduction), the wire time of one step's float32 gradients at the link's
+    rate, and each step as a multiple of the larger: what a step on that link cannot go under."""
+    from benchmarks.common import physical_limit
 
     nbytes = sum(int(p.size) * p.itemsize for p in params)
-    wire_ms = 2 * (world - 1) / world * nbytes * 8 / rate_bits(link) * 1e3
+    steps = {kind: phases["step"] for kind, phases in median_ms.items()}
     compute = median_ms.get("no reduction", {}).get("step")
+    limit = physical_limit(steps, compute or 0.0, nbytes, world)
     if compute is None:
-        return [
-            f"# compute alone not timed; wire time of one step's gradients ({nbytes / 1e6:.1f} MB): {wire_ms:.1f} ms"
-        ]
-    limit = max(compute, wire_ms)
-    lines = [
-        f"# compute alone {compute:.1f} ms; wire time of one step's gradients ({nbytes / 1e6:.1f} MB) at {link}: "
-        f"{wire_ms:.1f} ms; each step x max(compute, wire):"
-    ]
-    lines += [f"#   {kind:<36} {phases['step'] / limit:.2f}x" for kind, phases in median_ms.items()]
-    return lines
+        return [f"# compute alone not timed; wire time of one step's {nbytes / 2**20:.2f} MiB: {limit.wire_ms:.1f} ms"]
+    lines = [f"# {limit.line()}; each step x max(compute, wire):"]
+    return lines + [f"#   {kind:<36} {limit.ratio(ms):.2f}x" for kind, ms in steps.items()]
 
 
 CHECKED = "collective_ops check_step_alignment=True"

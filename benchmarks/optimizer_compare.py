@@ -18,8 +18,9 @@ the DDP runs use ``fp16_compress_hook`` and the wraps ``compression="fp16"``. Ea
 DistributedOptimizer block ends with ``synchronize()`` inside its last step, so its
 in-flight communication is charged to it. Also reported: compute alone (the plain model and
 optimizer with no communication, a setup of the alternation on every rank at once, so it
-shares the CPU and the machine's noise with the steps it bounds) and the link time of one step's gradients, whose maximum bounds
-the step from below; on the link, the tighter bound of the lead (see ``_print_lead_bound``);
+shares the CPU and the machine's noise with the steps it bounds) and the wire time at the link's rate of the bytes
+one step of the DistributedOptimizer sent, whose maximum bounds the step from below (each step as a multiple of
+it); on the link, the tighter bound of the lead (see ``_print_lead_bound``);
 with ``--contention``, the compute of a step while a stream of allreduces keeps the link busy
 beside it (on a CPU the transport's threads take cycles from the ranks' compute).
 """
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import run_benchmark, where  # noqa: E402
+from benchmarks.common import COMPUTE_ALONE, physical_limit, run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step  # noqa: E402
 from tests.reference import InTurn  # noqa: E402
 
@@ -78,9 +79,6 @@ def _ours(args, wrapped, **options):
         return co.DistributedOptimizer(wrapped, muon_and_adamw(wrapped), **options)
     cls, kwargs = _optimizer(args)
     return co.DistributedOptimizer(wrapped, cls, **options, **kwargs)
-
-
-COMPUTE_ALONE = "compute alone (no communication)"
 
 
 def _setups(args, name: str, batches: list) -> dict:
@@ -182,14 +180,11 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         setups = _setups(args, name, batches)
         times = alternate_steps(setups, args.rounds, args.block)
         ours = setups[_label(args.schedule[0])][0]
-        grad_bytes = sum(p.numel() * p.element_size() for p in ours.module.parameters())
-        link = _link_seconds(grad_bytes // (2 if args.compression else 1))
         results[name] = {
             "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
             "compute_alone_ms": statistics.median(times[COMPUTE_ALONE]) * 1e3,
-            "link_ms": link * 1e3 if link else None,
-            # what one step of ours sent (a row-sparse embedding sends its looked-up rows only)
-            "sent_link_ms": _link_seconds(ours.manager.last_stats.bytes_communicated) * 1e3 if link else None,
+            # what one step of ours sent (half with fp16; a row-sparse embedding sends its looked-up rows only)
+            "wire_bytes": ours.comm_stats()["bytes_per_step"],
             "auto_plan": [ours.manager.plan.bucket_size_mb, ours.manager.plan.first_bucket_mb],
             "auto_overlapped_ms": {
                 f"{mb:g}/{first:g}": s * 1e3 for (mb, first), s in ours.auto_tune_overlapped.items()
@@ -205,16 +200,6 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     co.shutdown()
     if rank == 0:
         queue.put(results)
-
-
-def _link_seconds(nbytes: int) -> float | None:
-    """A 2-rank ring allreduce of ``nbytes`` over the emulated link (each direction carries ``nbytes``)."""
-    import os
-
-    from collective_ops.tools.link import ENV_LINK, rate_bits
-
-    rate = os.environ.get(ENV_LINK)
-    return nbytes * 8 / rate_bits(rate) if rate else None
 
 
 def _schedule_summary(optimizer) -> dict | None:
@@ -249,7 +234,7 @@ def _print_lead_bound(r: dict, plan: dict, measured: float, best_ddp: float, def
     """The bounds no launch order beats: the link idles through the lead, so a step is at least lead + link
     (the link time of the bytes our step sent, at the nominal rate), and at least the compute alone; tighter,
     the planner's step bound (the link also idles in backward until enough bytes are ready, at its fitted rate)."""
-    link, lead_ms = r["sent_link_ms"], plan["lead_ms"]
+    link, lead_ms = r["wire_ms"], plan["lead_ms"]
     bound = max(r["compute_alone_ms"], lead_ms + link)
     print(
         f"    bound: max(compute alone {r['compute_alone_ms']:.0f} ms, lead {lead_ms:.0f} ms + link time of the bytes "
@@ -328,11 +313,11 @@ def main(argv=None) -> int:
         ms = r["median_step_ms"]
         default = ms["DDP 25 MiB"]
         best_key = min((k for k in ms if k.startswith("DDP")), key=ms.get)
-        bound = max(r["compute_alone_ms"], r["link_ms"] or 0.0)
+        limit = physical_limit(ms, r["compute_alone_ms"], r["wire_bytes"], args.world)
+        r["wire_ms"] = limit.wire_ms
         print(
-            f"  {name} ({r['params_m']:.1f}M params): compute alone {r['compute_alone_ms']:.0f} ms, "
-            + (f"link time of one step's gradients {r['link_ms']:.0f} ms, " if r["link_ms"] else "")
-            + f"auto plan {r['auto_plan'][0]:g}/{r['auto_plan'][1]:g} MiB"
+            f"  {name} ({r['params_m']:.1f}M params): {limit.line(_label(args.schedule[0]))}; "
+            f"auto plan {r['auto_plan'][0]:g}/{r['auto_plan'][1]:g} MiB"
         )
         if r["auto_overlapped_ms"]:
             print(
@@ -344,7 +329,7 @@ def main(argv=None) -> int:
         for key, value in sorted(ms.items(), key=lambda kv: kv[1]):
             print(
                 f"    {key:<34} {value:>7.1f} ms  {value / default:.3f}x DDP default  "
-                f"{value / ms[best_key]:.3f}x best DDP ({best_key})  {value / bound:.2f}x max(compute, link)"
+                f"{value / ms[best_key]:.3f}x best DDP ({best_key})  {limit.column(value)}"
             )
         if r["schedule"]:
             plan = r["schedule"]
@@ -368,7 +353,7 @@ def main(argv=None) -> int:
                     f"ms): {plan['trial_ms']}; kept: "
                     + ("the order above, overlapped" if plan["overlapped"] else "every bucket finished in backward")
                 )
-            if r["link_ms"]:
+            if limit.wire_ms is not None:
                 _print_lead_bound(r, plan, measured, ms[best_key], default)
         if r.get("shard_schedule"):
             _print_shard_schedule(r["shard_schedule"], ms[SHARDED], ms.get(_label("auto")))

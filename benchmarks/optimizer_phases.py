@@ -7,6 +7,12 @@ Each setup trains ``--steps`` steps in turn (the loop: forward, zero_grad, backw
 reports the median of each phase on rank 0, plus, for the DistributedOptimizer, the time its
 forward pre-hooks spent finishing buckets (waiting for reductions, then updating; sharded also
 waiting for all-gathers). ``--shard`` adds ``DistributedOptimizer(shard=True)``.
+
+On the emulated link (``--link``) it also prints compute alone (the same model and optimizer, no wrapper and no
+communication, trained in turn like the others), the wire time at the link's rate of one step's bytes (as
+``comm_stats()['bytes_per_step']`` counts them, wrap's) and each step as a multiple of max(compute, wire): its
+distance to the physical limit (benchmarks/common.py ``physical_limit``). The step there is the median of the whole
+loop.
 """
 
 from __future__ import annotations
@@ -22,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import run_benchmark, where  # noqa: E402
+from benchmarks.common import COMPUTE_ALONE, link_rate, physical_limit, run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, build_model  # noqa: E402
 
 
 def _phases(model, optimizer, batches: list, steps: int) -> dict:
-    record: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    record: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "total": []}
     for i in range(steps):
         x, y = batches[i % len(batches)]
         t0 = time.perf_counter()
@@ -42,6 +48,7 @@ def _phases(model, optimizer, batches: list, steps: int) -> dict:
         record["forward"].append(t1 - t0)
         record["backward"].append(t3 - t2)
         record["step"].append(t4 - t3)
+        record["total"].append(t4 - t0)
     return {phase: statistics.median(values) * 1e3 for phase, values in record.items()}
 
 
@@ -79,12 +86,16 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     ddp_bucket = 25.0 if args.bucket_size_mb == "auto" else args.bucket_size_mb
     out = {}
     waits = _time_forward_waits()
+    if link_rate():  # on the link: the plain model and optimizer, no communication, for the step's physical limit
+        model, _ = build_model(args.model)
+        out[COMPUTE_ALONE] = _phases(model, optimizer_class(model.parameters(), **settings), batches, args.steps)
     model, _ = build_model(args.model)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket)
     out["DDP"] = _phases(ddp, optimizer_class(ddp.parameters(), **settings), batches, args.steps)
     model, _ = build_model(args.model)
     wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
     out["wrap"] = _phases(wrapped, optimizer_class(wrapped.parameters(), **settings), batches, args.steps)
+    sent = wrapped.comm_stats()["bytes_per_step"]
     for shard in (False, True) if args.shard else (False,):
         model, _ = build_model(args.model)
         wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
@@ -97,7 +108,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     co.barrier()
     co.shutdown()
     if rank == 0:
-        queue.put(out)
+        queue.put((out, sent))
 
 
 def main(argv=None) -> int:
@@ -111,7 +122,7 @@ def main(argv=None) -> int:
     outcome = run_benchmark(parser, argv, rank_main)
     if isinstance(outcome, int):
         return outcome
-    args, out = outcome
+    args, (out, sent) = outcome
     print(
         f"# optimizer_phases: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb} MiB, "
         f"{args.optimizer}"
@@ -123,6 +134,10 @@ def main(argv=None) -> int:
             f"  {setup:<34} {phases['forward']:>8.1f} {phases['backward']:>9.1f} {phases['step']:>6.1f} "
             + (f"{extra:>18.1f}" if extra is not None else "")
         )
+    if COMPUTE_ALONE in out:
+        totals = {setup: phases["total"] for setup, phases in out.items() if setup != COMPUTE_ALONE}
+        limit = physical_limit(totals, out[COMPUTE_ALONE]["total"], sent, args.world)
+        print("  median step (whole loop), rank 0:\n" + "\n".join(limit.lines(whose="wrap")))
     return 0
 
 

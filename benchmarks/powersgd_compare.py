@@ -27,11 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import run_benchmark, where  # noqa: E402
+from benchmarks.common import COMPUTE_ALONE, physical_limit, run_benchmark, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa: E402
-from benchmarks.optimizer_compare import _link_seconds  # noqa: E402
 
-COMPUTE_ALONE = "compute alone (no communication)"
 WRAP = "wrap + PowerSGD"
 OVERLAPPED = "wrap + PowerSGD + DistributedOptimizer"
 
@@ -132,17 +130,12 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         times = alternate_steps(setups, args.rounds, args.block)
         ours = setups[WRAP][0]
         plan = ours.manager.plan
-        sent = ours.manager.comm_hook.step_wire_nbytes(plan.buckets)
-        full = sum(b.nbytes for b in plan.buckets)
-        # compute alone from one setup's own steps (the plain model, no communication), timed in the alternation
-        compute = statistics.median(times[COMPUTE_ALONE])
-        link = _link_seconds(sent)
         results[name] = {
             "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
-            "compute_alone_ms": compute * 1e3,
-            "wire_ms": link * 1e3 if link else None,
-            "uncompressed_wire_ms": _link_seconds(full) * 1e3 if link else None,
-            "bytes_per_step": [sent, full],
+            # compute alone from one setup's own steps (the plain model, no communication), timed in the alternation
+            "compute_alone_ms": statistics.median(times[COMPUTE_ALONE]) * 1e3,
+            # what one compressed step sent (factors and uncompressed gradients), and the gradients' own bytes
+            "bytes_per_step": [ours.comm_stats()["bytes_per_step"], sum(b.nbytes for b in plan.buckets)],
             "loss": losses,
             "params_m": sum(p.numel() for p in ours.module.parameters()) / 1e6,
             "buckets": len(plan.buckets),
@@ -159,21 +152,18 @@ def _report(args, results: dict) -> None:
         ms = r["median_step_ms"]
         ddp = {k: v for k, v in ms.items() if k.startswith("DDP")}
         best = min(ddp, key=ddp.get) if ddp else None
-        compute, wire = r["compute_alone_ms"], r["wire_ms"]
         sent, full = r["bytes_per_step"]
-        bound = max(compute, wire or 0.0)
+        limit = physical_limit(ms, r["compute_alone_ms"], sent, args.world)
+        r["wire_ms"] = limit.wire_ms
+        uncompressed = physical_limit(ms, r["compute_alone_ms"], full, args.world).wire_ms
         print(
-            f"  {name} ({r['params_m']:.1f}M params, {r['buckets']} buckets of {args.bucket_mb:g} MiB): compute alone "
-            f"{compute:.0f} ms; one compressed step sends {sent / 2**20:.2f} MiB of {full / 2**20:.2f}"
-            + (
-                f", wire {wire:.1f} ms at the link's rate (uncompressed {r['uncompressed_wire_ms']:.0f} ms)"
-                if wire
-                else ""
-            )
+            f"  {name} ({r['params_m']:.1f}M params, {r['buckets']} buckets of {args.bucket_mb:g} MiB): "
+            f"{limit.line('a compressed step')}; uncompressed {full / 2**20:.2f} MiB"
+            + (f", {uncompressed:.0f} ms" if uncompressed is not None else "")
         )
         for key, value in sorted(ms.items(), key=lambda kv: kv[1]):
             ratio = f"  {value / ms[best]:.3f}x best DDP ({best})" if best and key != COMPUTE_ALONE else ""
-            print(f"    {key:<40} {value:>7.1f} ms  {value / bound:.2f}x max(compute, wire){ratio}")
+            print(f"    {key:<40} {value:>7.1f} ms  {limit.column(value)}{ratio}")
         if r["loss"]:
             reference = r["loss"].get(_ddp_label(args.loss_ddp_mb))
             print(f"    training loss, mean of the last 10 of {args.loss_steps} steps (mean over ranks):")

@@ -7,6 +7,9 @@ same pieces (what the engine uses), for one buffer size: wall time and the proce
 
 The reasons behind ``TorchEngine.reduce_scatter_shard`` / ``all_gather_shard`` on Gloo. Median of
 ``--iters`` calls after one warm-up, rank 0's time (CPU: ``time.process_time``, every thread of the process).
+
+On the emulated link (``--link``) a column adds each call's wire time: the bytes each rank sends, (n-1)/n of the
+buffer (an allreduce twice that), at the link's rate.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import run_benchmark, where  # noqa: E402
+from benchmarks.common import link_rate, link_seconds, run_benchmark, where  # noqa: E402
+from collective_ops.tools.bench import bus_factor  # noqa: E402
 
 PIECE_BYTES = 1 << 20
 
@@ -97,9 +101,12 @@ def main(argv=None) -> int:
         return outcome
     args, results = outcome
     print(f"# shard_collectives: {args.world} Gloo ranks, {where()}, {args.mib:g} MiB fp32, median of {args.iters}")
-    print(f"  {'call':<28} {'wall':>8} {'CPU':>8}  (ms)")
+    nbytes = int(args.mib * 2**20 / 4) // args.world * args.world * 4
+    print(f"  {'call':<28} {'wall':>8} {'CPU':>8}" + (f" {'wire':>8}" if link_rate() else "") + "  (ms)")
     for name, (wall, cpu) in results.items():
-        print(f"  {name:<28} {wall:8.1f} {cpu:8.1f}")
+        # wire: the call's bytes from each rank at the link's rate: an allreduce's twice the others'
+        seconds = link_seconds(bus_factor("allreduce" if name == "allreduce" else "allgather", args.world) * nbytes)
+        print(f"  {name:<28} {wall:8.1f} {cpu:8.1f}" + (f" {seconds * 1e3:8.1f}" if seconds is not None else ""))
     return 0
 
 

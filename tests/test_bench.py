@@ -177,3 +177,21 @@ def test_race_step_times_are_the_slowest_ranks_progress() -> None:
     steps = slowest_rank_steps(ours, 3, TwoRanks())
     assert sum(steps[:3]) == pytest.approx(0.85) and sum(steps[3:]) == pytest.approx(0.85)
     assert sorted(round(s, 6) for s in steps) == [0.25, 0.25, 0.25, 0.25, 0.35, 0.35]
+
+
+def test_physical_limit_is_compute_or_the_wire_time_of_a_ring_allreduce(monkeypatch) -> None:
+    """A step against max(compute alone, the link's time for each rank's 2 (n-1)/n of the step's bytes)."""
+    from benchmarks.common import physical_limit
+    from collective_ops.tools.link import ENV_LINK
+
+    monkeypatch.setenv(ENV_LINK, "1gbit")
+    steps = {"ddp": 400.0, "wrap": 300.0}
+    limit = physical_limit(steps, 150.0, 25_000_000, 2)  # 25 MB at 1e9 bit/s: 200 ms each way
+    assert limit.wire_ms == pytest.approx(200.0) and limit.bound_ms == pytest.approx(200.0)
+    assert limit.columns == {"ddp": "2.00x max(compute, wire)", "wrap": "1.50x max(compute, wire)"}
+    assert physical_limit(steps, 150.0, 25_000_000, 4).wire_ms == pytest.approx(300.0)
+    assert "at 1gbit: 200.0 ms" in limit.line() and limit.lines()[1].split()[0] == "wrap"  # fastest first
+    assert physical_limit(steps, 250.0, 25_000_000, 2).ratio(300.0) == pytest.approx(1.2)  # compute-bound
+    monkeypatch.delenv(ENV_LINK)
+    off = physical_limit(steps, 150.0, 25_000_000, 2)
+    assert off.wire_ms is None and off.ratio(300.0) == pytest.approx(2.0)
