@@ -10,7 +10,9 @@ In the same processes, alternating in blocks of steps (the order reversed every 
 AdamW everywhere: torch DDP (25 MiB buckets) + AdamW; DDP + ``ZeroRedundancyOptimizer(AdamW)``;
 ``wrap(bucket_size_mb="auto")`` (or ``--bucket-size-mb``) + ``DistributedOptimizer`` (unsharded); the same with
 ``shard=True``. Memory per rank: the bytes of the optimizer's state tensors and fp32 master
-copies, counted after the steps (max over ranks); with ``--memory`` (or ``--memory-only``, which skips the
+copies, counted after the steps (max over ranks). With ``--link``, also compute alone (the plain model and AdamW,
+no communication, alternated with the others) and each setup's wire time: one step's bytes per direction at the
+link's rate (:func:`step_wire_bytes`), each step then also as a multiple of max(compute alone, its wire). With ``--memory`` (or ``--memory-only``, which skips the
 step times) each setup also trains alone in fresh processes for 3 steps: the bytes of every live tensor's
 storage it holds then (tests.reference.live_tensor_bytes, net of what was live before it was built: parameters,
 gradients, buckets, optimizer state, receive buffers; what torch keeps in C++ alone, as DDP's bucket copy of the
@@ -37,6 +39,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.common import run_benchmark, spawn, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step  # noqa: E402
+from benchmarks.optimizer_compare import _link_seconds  # noqa: E402
 
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 SETUPS = (
@@ -45,6 +48,7 @@ SETUPS = (
     "wrap + DistributedOptimizer",
     "wrap + DistributedOptimizer(shard=True)",
 )
+COMPUTE_ALONE = "compute alone (no communication)"
 
 
 def build_setup(label: str, name: str, bucket_size_mb: float | str = "auto", row_sparse: bool = True) -> tuple:
@@ -72,6 +76,30 @@ def state_bytes(optimizer) -> int:
         if tensor.dtype != buffers[piece.bucket].dtype:
             total += tensor.numel() * tensor.element_size()
     return total
+
+
+def step_wire_bytes(label: str, model, optimizer) -> int:
+    """One step's bytes on each direction of a 2-node link, as the size of a 2-rank allreduce that moves as
+    much (what :func:`benchmarks.optimizer_compare._link_seconds` prices). DDP allreduces every gradient; torch's
+    ZeRO also broadcasts each rank's updated parameters (half of them cross each way); ours reduce what the last
+    step reduced (a row-sparse table: its rows), and sharded each bucket's all-gather moves half of it each way
+    beside its reduce-scatter's half: a dense bucket as an allreduce, a row-sparse table its rows plus half."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if label.startswith("DDP"):
+        return grads + (grads // 2 if "Zero" in label else 0)
+    manager = model.manager
+    sent = manager.last_stats.bytes_communicated
+    if not getattr(optimizer, "shards", False):
+        return sent
+    shares = manager.wire_shares()
+    by_rows = [b for b in manager.plan.buckets if len(b.param_indices) == 1 and b.param_indices[0] in shares]
+    return sent + sum(b.nbytes for b in by_rows) // 2
+
+
+def _compute_alone(name: str, batches: list) -> tuple:
+    """The plain model and AdamW, no communication: the compute every setup's step holds."""
+    model, _ = build_model(name)
+    return model, torch.optim.AdamW(model.parameters(), **ADAMW), batches
 
 
 def _padding_bytes(optimizer) -> int:
@@ -106,8 +134,12 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             label: (*build_setup(label, name, args.bucket_size_mb, args.row_sparse_embeddings == "auto"), batches)
             for label in SETUPS
         }
+        on_link = _link_seconds(1) is not None
+        if on_link:  # alternated with the races: the same CPU sharing and machine noise as the steps it bounds
+            setups[COMPUTE_ALONE] = _compute_alone(name, batches)
         times = alternate_steps(setups, args.rounds, args.block)
-        memory = {label: engine.reduce_floats([state_bytes(opt)], "max")[0] for label, (_, opt, _) in setups.items()}
+        memory = {label: engine.reduce_floats([state_bytes(setups[label][1])], "max")[0] for label in SETUPS}
+        wire = {label: _link_seconds(step_wire_bytes(label, *setups[label][:2])) for label in SETUPS} if on_link else {}
         sharded = setups[SETUPS[3]][1]
         plan = sharded.model.manager.plan
         simulated = sharded.model.auto_tune_overlapped.get((plan.bucket_size_mb, plan.first_bucket_mb))
@@ -115,6 +147,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             "plan": [plan.bucket_size_mb, plan.first_bucket_mb],
             "simulated_sharded_ms": None if simulated is None else simulated * 1e3,
             "median_step_ms": {key: statistics.median(v) * 1e3 for key, v in times.items()},
+            "wire_ms": {key: seconds * 1e3 for key, seconds in wire.items()},
             "state_bytes": memory,
             "padding_bytes": _padding_bytes(sharded),
             "params_m": sum(p.numel() for p in setups[SETUPS[0]][0].parameters()) / 1e6,
@@ -246,12 +279,24 @@ def main(argv=None) -> int:
             f"({args.bucket_size_mb}), padding {r['padding_bytes']} B of AdamW state per rank, "
             f"row-sparse embeddings {args.row_sparse_embeddings}"
         )
-        print(f"    {'setup':<46} {'step':>9}  {'/unsharded':>10}  {'/DDP+ZeRO':>9}  {'state/rank':>10}  peak RSS")
+        wire = r.get("wire_ms") or {}
+        compute = ms.get(COMPUTE_ALONE)
+        bound_head = f"  {'wire':>8}  {'/max(compute, wire)':>19}" if wire else ""
+        print(
+            f"    {'setup':<46} {'step':>9}  {'/unsharded':>10}  {'/DDP+ZeRO':>9}  {'state/rank':>10}  {'peak RSS':>8}"
+            + bound_head
+        )
         for key in SETUPS:
             peak = f"{peaks[key][1]:.0f} MiB" if key in peaks else "-"
+            bound = f"  {wire[key]:>5.1f} ms  {ms[key] / max(compute, wire[key]):>18.2f}x" if wire else ""
             print(
                 f"    {key:<46} {ms[key]:>6.1f} ms  {ms[key] / unsharded:>9.3f}x  {ms[key] / zero:>8.3f}x  "
-                f"{memory[key] / 2**20:>7.2f} MiB  {peak}"
+                f"{memory[key] / 2**20:>7.2f} MiB  {peak:>8}{bound}"
+            )
+        if compute is not None:
+            print(
+                f"    {COMPUTE_ALONE:<46} {compute:>6.1f} ms  {compute / unsharded:>9.3f}x  (wire: one step's bytes "
+                "per direction at the link's rate)"
             )
         if r.get("simulated_sharded_ms") is not None:
             simulated, measured = r["simulated_sharded_ms"], ms[SETUPS[3]]

@@ -107,8 +107,8 @@ def primitive_checks(rank: int, world: int) -> dict:
 
 
 def _shard_exchange_checks(engine, rank: int, world: int) -> dict:
-    """The sharded optimizer's reduce-scatter and all-gather: a shard of one piece (the all-gather one Gloo
-    call) and of several 1 MiB pieces (point-to-point), two of each in flight at once, the all-gathers on a group of
+    """The sharded optimizer's reduce-scatter and all-gather (point-to-point on Gloo): a shard of one piece and of
+    several 1 MiB pieces, two of each in flight at once, the all-gathers on a group of
     their own: every rank's sum in rank order (bit for bit) and every rank's shard in its place."""
     import torch
     import torch.distributed as dist

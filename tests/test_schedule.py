@@ -115,6 +115,30 @@ def test_sharded_simulation_by_hand() -> None:
         simulate_sharded(_profile(), [5.0] * 3, [8.0] * 4)
 
 
+def test_sharded_simulation_with_update_times_by_hand() -> None:
+    from types import SimpleNamespace
+
+    from collective_ops.bucketing.shard.step import sharded_prediction, update_shares
+
+    # reduce-scatters 5 ms each: done 15, 25, 35, 45; updates 2 ms each. step() updates bucket 3 (the forward's
+    # first) alone once it lands: 47, and launches its all-gather, then updates the others: returns at 53.
+    # All-gathers 8 ms each from 47: 3 at 55, 2 at 63, 1 at 71, 0 at 79; the forward from 53 waits 2 for bucket 3
+    # -> 65, 75, 85, 95; exposed: 13 in step() + 2 (every update first, as before: the forward ended at 101)
+    prediction = simulate_sharded(_profile(), [5.0] * 4, [8.0] * 4, update_s=[2.0] * 4)
+    assert (prediction.forward_end_s, prediction.forward_wait_s) == (95.0, 15.0)
+    # a step's update seconds split by the buckets' elements; zero where none were timed
+    plan = SimpleNamespace(
+        buckets=[
+            SimpleNamespace(numel=n, dtype="float32", nbytes=4 * n, param_indices=[b])
+            for b, n in enumerate((1, 1, 1, 5))
+        ]
+    )
+    assert update_shares(plan, 8.0) == [1.0, 1.0, 1.0, 5.0] and update_shares(plan, 0.0) == [0.0] * 4
+    priced = (plan, {}, None, lambda nbytes, queued: 5.0, lambda dtype: 4)
+    timed = sharded_prediction(_profile(), *priced, update_s=8.0)
+    assert timed == simulate_sharded(_profile(), [5.0] * 4, [5.0] * 4, update_s=[1.0, 1.0, 1.0, 5.0])
+
+
 def test_sharded_simulation_of_a_launch_order_by_hand() -> None:
     # reduce-scatters in the order 0, 1, 3, 2: bucket 3 (ready at 40) launches before 2 (ready at 30), which
     # waits for it: done 15, 25, 45 (3), 50 (2) -> step() at 50; all-gathers 58, 66, 74, 82; the forward waits 8

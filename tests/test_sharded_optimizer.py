@@ -878,6 +878,29 @@ def _gan_loops(rank: int, steps: int = 4) -> dict:
     return out
 
 
+def _record_step_events(optimizer) -> list[list]:
+    """Per step(): the gather order's first bucket, then each update (the buckets of one call of the class's step)
+    and each all-gather launch, in the order they came: ``[first, ("update", [buckets]), ("gather", bucket), ...]``."""
+    steps: list[list] = []
+    start, apply, launched = optimizer._start_step, optimizer._apply_updates, optimizer._shard_step.launched
+
+    def start_step() -> None:
+        steps.append([optimizer._shard_step.gather_order[0]])
+        start()
+
+    def apply_updates(buckets, frozen) -> None:
+        steps[-1].append(("update", list(buckets)))
+        apply(buckets, frozen)
+
+    def gather_launched(bucket, handle) -> None:
+        steps[-1].append(("gather", bucket))
+        launched(bucket, handle)
+
+    optimizer._start_step, optimizer._apply_updates = start_step, apply_updates
+    optimizer._shard_step.launched = gather_launched
+    return steps
+
+
 def _planned_order_forced(rank: int, world: int, opt_kind: str, steps: int = 30) -> dict:
     """shard=True with schedule="auto" (its default): the reduce-scatter launch order planned after step 3 and
     its shortlist tried against plan order, the trial's winner forced: plan order ("first"), then the shortlist's
@@ -908,10 +931,12 @@ def _planned_order_forced(rank: int, world: int, opt_kind: str, steps: int = 30)
                 launch(bucket)
 
             manager._launch = recorded  # the engine's reduce-scatters, in the order it issues them
+            step_events = _record_step_events(optimizer)
             weights = _train(rank, model, optimizer, TinyTransformer, steps=steps)
             trial = optimizer.schedule_trial or {}
             orders = [list(order) for order in trial.get("orders", [])]
             out[forced] = (weights, orders, trial.get("kept"), [launches[k] for k in sorted(launches)])
+            out[f"{forced}_step_events"] = step_events
     finally:
         OrderTrial.pick = pick
     return out
@@ -1657,6 +1682,26 @@ def assert_planned_order_tried_and_kept(outs: list[dict], case: str, exact: bool
 @pytest.mark.parametrize("case", ["planned_order_sgd", "planned_order_adamw"])
 def test_the_planned_reduce_scatter_order_is_tried_kept_and_bit_equal_to_ddp(two_ranks, case: str) -> None:
     assert_planned_order_tried_and_kept(two_ranks, case, exact=True)
+
+
+@pytest.mark.parametrize("case", ["planned_order_sgd", "planned_order_adamw"])
+def test_step_updates_the_forwards_first_bucket_alone_and_gathers_it_before_the_other_updates(
+    two_ranks, case: str
+) -> None:
+    """In every step(), whichever reduce-scatter order ran: the gather order's first bucket (the next forward's
+    first) is updated alone and its all-gather launched before any other bucket's update, so the other updates
+    run while it is on the wire; every bucket is then updated once and all-gathered once, in the gather order."""
+    for rank, out in enumerate(two_ranks):
+        for forced in ("first", "last"):
+            steps = out[case][f"{forced}_step_events"]
+            assert len(steps) >= 20, (rank, forced, len(steps))
+            for number, (first, *events) in enumerate(steps):
+                what = f"rank {rank}, {forced}, step {number}: {events}"
+                assert events[:2] == [("update", [first]), ("gather", first)], what
+                updated = sorted(b for kind, buckets in events if kind == "update" for b in buckets)
+                gathered = [bucket for kind, bucket in events if kind == "gather"]
+                assert updated == sorted(gathered) == list(range(len(gathered))), what
+                assert gathered[0] == first and gathered == sorted(gathered, reverse=True), what
 
 
 def test_the_online_tune_simulates_the_sharded_step(two_ranks) -> None:

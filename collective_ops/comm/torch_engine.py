@@ -468,9 +468,14 @@ class TorchEngine(Engine):
         return finish(ThenHandle(_Works(works), lambda: _sum_in_rank_order(parts, rank)), async_op)
 
     def all_gather_shard(self, buffer: torch.Tensor, async_op: bool = False, group: Any = None) -> Any:
-        """Every rank's shard of ``buffer`` into ``buffer`` (on Gloo point-to-point in pieces of at most 1 MiB per rank)."""
+        """Every rank's shard of ``buffer`` into ``buffer`` (on Gloo point-to-point in pieces of at most 1 MiB per rank).
+
+        On Gloo point-to-point also where the shard is one piece: its sends are posted at once, in the order the
+        calls come, and reach the wire in that order (a pair's messages go out as the peer's receives arrive, and
+        those are posted in the same order), whereas Gloo's all-gather queues for a worker thread of the group:
+        a bucket of several pieces, launched later, then went out beside the earlier ones' and delayed them."""
         shard = self.shard_of(buffer)
-        if self.backend != "gloo" or len(self._shard_chunks(buffer)) == 1:
+        if self.backend != "gloo":
             work = _all_gather_single(buffer, shard, group=group, async_op=True)
             return finish(ThenHandle(work, lambda: buffer), async_op)
         works = self._send_pieces(buffer, buffer, _ALL_GATHER_TAG, owner_sends=True, group=group)

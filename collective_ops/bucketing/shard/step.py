@@ -63,6 +63,12 @@ class ShardStep:
             if (block and position < stop) or not deferred or ready(bucket)
         ]
 
+    def first_to_gather(self) -> int | None:
+        """The gather order's next bucket (None: every all-gather launched). At ``step()`` it is updated alone,
+        and its all-gather launched, before any other bucket's update: it is the next forward's first, and the
+        others' updates then run while it is on the wire (updated first, they held it back by all their time)."""
+        return self.gather_order[self.next_gather] if self.next_gather < len(self.gather_order) else None
+
     def next_to_gather(self, update_owed: Callable[[int], bool]) -> int | None:
         """The next bucket whose all-gather may launch: the gather order's next, once its update is applied
         (None: all launched, or the next still owes its update)."""
@@ -129,19 +135,39 @@ def sharded_costs(
     return reduce_s, gather_s
 
 
-def sharded_prediction(profile: StepProfile, *priced: Any) -> OrderPrediction:
+def update_shares(plan: Any, update_s: float) -> list[float]:
+    """``update_s`` (the seconds a step's updates took, every bucket's) split over ``plan``'s buckets by their
+    elements: what :func:`simulate_sharded` charges ``step()`` per bucket (an elementwise optimizer's work)."""
+    if not update_s:
+        return [0.0] * len(plan.buckets)
+    total = sum(bucket.numel for bucket in plan.buckets)
+    return [update_s * bucket.numel / total for bucket in plan.buckets]
+
+
+def sharded_prediction(profile: StepProfile, *priced: Any, update_s: float = 0.0) -> OrderPrediction:
     """The sharded step simulated for a plan in plan order, from the timed step's ``profile``; ``priced``:
-    the plan and the rest of :func:`sharded_costs`'s arguments."""
-    return simulate_sharded(profile, *sharded_costs(profile, *priced))
+    the plan and the rest of :func:`sharded_costs`'s arguments; ``update_s``: the step's update seconds."""
+    return simulate_sharded(profile, *sharded_costs(profile, *priced), update_s=update_shares(priced[0], update_s))
 
 
-def sharded_orders(profile: StepProfile, *priced: Any, max_cuts: int = 48) -> list[OrderPrediction]:
+def sharded_score(profile: StepProfile, *priced: Any, planned: bool, update_s: float = 0.0) -> OrderPrediction:
+    """The online tune's score of a plan: the best reduce-scatter order's simulated step (``planned``:
+    ``schedule="auto"``), else plan order's."""
+    if planned:
+        return sharded_orders(profile, *priced, update_s=update_s)[0]
+    return sharded_prediction(profile, *priced, update_s=update_s)
+
+
+def sharded_orders(
+    profile: StepProfile, *priced: Any, max_cuts: int = 48, update_s: float = 0.0
+) -> list[OrderPrediction]:
     """Every ``(deferred, held_from)`` reduce-scatter launch order (:func:`held_order`, as ``plan_order``
     weighs allreduce orders) of the sharded step simulated, best first (ties: the fewest buckets held).
 
     Whole buckets only: a bucket's reduce-scatter is one collective whichever order launches it, so every
     order sums alike at any world size (the weights never depend on which order a timed trial keeps)."""
     reduce_s, gather_s = sharded_costs(profile, *priced)
+    updates = update_shares(priced[0], update_s)
     count = len(profile.ready_s)
     stride = -(-count // max_cuts)
     cuts = sorted(set(range(0, count + 1, stride)) | {count})
@@ -149,8 +175,16 @@ def sharded_orders(profile: StepProfile, *priced: Any, max_cuts: int = 48) -> li
     for held_from in cuts:
         for deferred in (cut for cut in cuts if cut <= held_from):
             order = held_order(count, held_from, deferred, profile.needs())
-            out.append(simulate_sharded(profile, reduce_s, gather_s, order, held_from, deferred))
+            out.append(simulate_sharded(profile, reduce_s, gather_s, order, held_from, deferred, updates))
     return best_first(out)
 
 
-__all__ = ["ShardStep", "reduction_of", "sharded_costs", "sharded_orders", "sharded_prediction"]
+__all__ = [
+    "ShardStep",
+    "reduction_of",
+    "sharded_costs",
+    "sharded_orders",
+    "sharded_prediction",
+    "sharded_score",
+    "update_shares",
+]

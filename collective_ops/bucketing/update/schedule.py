@@ -243,31 +243,40 @@ def simulate_sharded(
     order: Sequence[int] | None = None,
     held_from: int | None = None,
     deferred: int = 0,
+    update_s: Sequence[float] | None = None,
 ) -> OrderPrediction:
     """The sharded step (ZeRO-1) of :mod:`collective_ops.torch.optim.sharded`, its reduce-scatters launched
     strictly in ``order`` (default: plan order; ``held_from``/``deferred``: the cuts it was made by).
 
     Each bucket's reduce-scatter (``reduce_s[b]`` seconds) launches once it is full and every one before it in
-    ``order`` has launched, on one serial channel; ``step()`` returns once every one has landed (it launches
-    every all-gather before returning); the all-gathers (``gather_s[b]``) then run on a channel of their own
-    in the forward's order, and the forward, starting as ``step()`` returns, waits for each bucket's.
-    ``forward_wait_s`` counts the wait in ``step()`` too: both are communication left exposed.
+    ``order`` has launched, on one serial channel. ``step()`` starts at the end of backward: once the
+    forward's first bucket's reduction lands it updates that bucket alone (``update_s[b]`` seconds each;
+    default 0) and launches its all-gather; then the others, and returns once every reduction has landed and
+    every update is applied. The all-gathers (``gather_s[b]``) go
+    in the forward's order on the same link, after every reduce-scatter; the forward, starting as ``step()``
+    returns, waits for each bucket's. ``forward_wait_s`` counts the time ``step()`` spends past backward too:
+    communication left exposed, and the updates no reduction hides.
     """
     count = len(profile.ready_s)
     if not len(reduce_s) == len(gather_s) == count:
         raise ValueError("simulate_sharded needs a reduce-scatter and an all-gather time for every bucket")
+    updates = [0.0] * count if update_s is None else list(update_s)
     order = tuple(range(count)) if order is None else tuple(order)
-    launched = channel_free = 0.0
+    reduced, launched, channel_free = {}, 0.0, 0.0
     for bucket in order:
         launched = max(launched, profile.ready_s[bucket])
         channel_free = max(channel_free, launched) + reduce_s[bucket]
-    stepped = max(profile.backward_end_s, channel_free)
-    gathered, gather_free = {}, stepped
-    for bucket in profile.needs():
+        reduced[bucket] = channel_free
+    needs = profile.needs()
+    first, backward_end = needs[0], profile.backward_end_s
+    first_updated = max(backward_end, reduced[first]) + updates[first]
+    stepped = max(first_updated + sum(updates) - updates[first], channel_free)
+    gathered, gather_free = {}, max(first_updated, channel_free)
+    for bucket in needs:
         gather_free += gather_s[bucket]
         gathered[bucket] = gather_free
-    clock, waited = stepped, stepped - profile.backward_end_s
-    for bucket in profile.needs():
+    clock, waited = stepped, stepped - backward_end
+    for bucket in needs:
         waited += max(0.0, gathered[bucket] - clock)
         clock = max(clock, gathered[bucket]) + profile.forward_s[bucket]
     held = count if held_from is None else held_from

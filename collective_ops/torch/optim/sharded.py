@@ -36,7 +36,7 @@ from ...bucketing.hooks import reduce_scatter_hook
 from ...bucketing.interfaces import wait_with_timeout
 from ...bucketing.plan import BucketPlan
 from ...bucketing.shard.layout import ShardLayout, ShardPiece
-from ...bucketing.shard.step import ShardStep, reduction_of, sharded_orders, sharded_prediction
+from ...bucketing.shard.step import ShardStep, reduction_of, sharded_orders, sharded_score
 from ...bucketing.update.overlap import buckets_read
 from ...bucketing.update.pending import PendingUpdates
 from ...bucketing.update.schedule import OrderPrediction
@@ -292,6 +292,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             # Every reduce-scatter waited for and every all-gather launched before step() returns, so code that
             # runs on some ranks only next (rank 0 saving model.module.state_dict()) waits only for collectives
             # every rank has issued; launched later, at each rank's own next forward, they hung there.
+            first = self._shard_step.first_to_gather()  # (on the wire before the others' updates)
+            self._finish([] if first is None else [first])
+            self._launch_gathers()
             self._advance(block=False)  # the buckets already reduced updated while the last ones are in flight
             self._advance(block=True)
         else:
@@ -361,8 +364,12 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         the all-gathers get depends on timing, never their order."""
         manager, step = self.model.manager, self._shard_step
         self._finish(step.to_update(block, until, manager.deferred_pending, manager.bucket_ready), module)
-        if not step.consumed(self._reduction()):
-            return  # no step() for these gradients: parameters unchanged, nothing to gather
+        if step.consumed(self._reduction()):  # (else no step() for these gradients: nothing to gather)
+            self._launch_gathers()
+
+    def _launch_gathers(self) -> None:
+        """Launch the all-gathers of the gather order's updated prefix, in that order."""
+        manager, step = self.model.manager, self._shard_step
         while (bucket := step.next_to_gather(self._update_owed)) is not None:
             try:
                 handle = self.model.engine.all_gather_shard(
@@ -484,12 +491,12 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         stats = self.model.manager.last_stats
         if not (self.overlap and stats.backward_start is not None and self._timeline.complete(stats.backward_start)):
             return None
-        priced = self._priced(plan, cost)
-        return sharded_orders(*priced)[0] if self.schedule == "auto" else sharded_prediction(*priced)
+        planned = self.schedule == "auto"
+        return sharded_score(*self._priced(plan, cost), planned=planned, update_s=self.update_seconds)
 
     def _sharded_orders(self) -> Any:
         """The launch-order planner's simulator here: every reduce-scatter order of the plan, best first."""
-        return lambda cost: sharded_orders(*self._priced(self.model.manager.plan, cost))
+        return lambda cost: sharded_orders(*self._priced(self.model.manager.plan, cost), update_s=self.update_seconds)
 
     def _priced(self, plan: BucketPlan, cost: Any) -> tuple:
         """The timed step as ``plan`` buckets it, and what prices its collectives (the sharded simulator's input)."""
