@@ -37,9 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import run_benchmark, spawn, where  # noqa: E402
+from benchmarks.common import COMPUTE_ALONE, link_seconds, run_benchmark, spawn, where  # noqa: E402
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model, one_step  # noqa: E402
-from benchmarks.optimizer_compare import _link_seconds  # noqa: E402
 
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 SETUPS = (
@@ -48,7 +47,6 @@ SETUPS = (
     "wrap + DistributedOptimizer",
     "wrap + DistributedOptimizer(shard=True)",
 )
-COMPUTE_ALONE = "compute alone (no communication)"
 
 
 def build_setup(label: str, name: str, bucket_size_mb: float | str = "auto", row_sparse: bool = True) -> tuple:
@@ -80,7 +78,7 @@ def state_bytes(optimizer) -> int:
 
 def step_wire_bytes(label: str, model, optimizer) -> int:
     """One step's bytes on each direction of a 2-node link, as the size of a 2-rank allreduce that moves as
-    much (what :func:`benchmarks.optimizer_compare._link_seconds` prices). DDP allreduces every gradient; torch's
+    much (what :func:`benchmarks.common.link_seconds` prices). DDP allreduces every gradient; torch's
     ZeRO also broadcasts each rank's updated parameters (half of them cross each way); ours reduce what the last
     step reduced (a row-sparse table: its rows), and sharded each bucket's all-gather moves half of it each way
     beside its reduce-scatter's half: a dense bucket as an allreduce, a row-sparse table its rows plus half."""
@@ -134,12 +132,12 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             label: (*build_setup(label, name, args.bucket_size_mb, args.row_sparse_embeddings == "auto"), batches)
             for label in SETUPS
         }
-        on_link = _link_seconds(1) is not None
+        on_link = link_seconds(1) is not None
         if on_link:  # alternated with the races: the same CPU sharing and machine noise as the steps it bounds
             setups[COMPUTE_ALONE] = _compute_alone(name, batches)
         times = alternate_steps(setups, args.rounds, args.block)
         memory = {label: engine.reduce_floats([state_bytes(setups[label][1])], "max")[0] for label in SETUPS}
-        wire = {label: _link_seconds(step_wire_bytes(label, *setups[label][:2])) for label in SETUPS} if on_link else {}
+        wire = {label: link_seconds(step_wire_bytes(label, *setups[label][:2])) for label in SETUPS} if on_link else {}
         sharded = setups[SETUPS[3]][1]
         plan = sharded.model.manager.plan
         simulated = sharded.model.auto_tune_overlapped.get((plan.bucket_size_mb, plan.first_bucket_mb))
