@@ -106,10 +106,12 @@ def test_a_second_signal_does_not_cut_the_teardown_short(sig: str) -> None:
             os.kill(os.getpid(), getattr(signal, sig))  # arrives while the first namespace is deleted
 
     command = [sys.executable, "-c", "raise SystemExit(3)"]
+    # what the process had before (SIG_IGN where a shell started it in the background): put back as it was
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     run_on_link("1gbit", lambda link, node: command, runner=runner, log_dir=None)
     deletes = [argv for argv in issued if argv[:3] == ["ip", "netns", "delete"]]
     assert len(deletes) == 2, issued
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert {s: signal.getsignal(s) for s in before} == before  # handlers restored
 
 
 def _namespaces_allowed() -> str | None:
