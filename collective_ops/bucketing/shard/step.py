@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..update.schedule import OrderPrediction, StepProfile, best_first, held_order, simulate_sharded
+from ..update.schedule import OrderPrediction, StepProfile, best_first, held_cuts, held_order, simulate_sharded
 
 
 def reduction_of(steps_synced: int, deferred_pending: bool) -> int:
@@ -169,13 +169,10 @@ def sharded_orders(
     reduce_s, gather_s = sharded_costs(profile, *priced)
     updates = update_shares(priced[0], update_s)
     count = len(profile.ready_s)
-    stride = -(-count // max_cuts)
-    cuts = sorted(set(range(0, count + 1, stride)) | {count})
     out = []
-    for held_from in cuts:
-        for deferred in (cut for cut in cuts if cut <= held_from):
-            order = held_order(count, held_from, deferred, profile.needs())
-            out.append(simulate_sharded(profile, reduce_s, gather_s, order, held_from, deferred, updates))
+    for held_from, deferred in held_cuts(count, max_cuts):
+        order = held_order(count, held_from, deferred, profile.needs())
+        out.append(simulate_sharded(profile, reduce_s, gather_s, order, held_from, deferred, updates))
     return best_first(out)
 
 

@@ -177,6 +177,14 @@ def held_order(
     return sent + tuple(b for b in needs if not deferred <= b < held_from)
 
 
+def held_cuts(count: int, max_cuts: int) -> list[tuple[int, int]]:
+    """Every ``(held_from, deferred)`` pair the order planners weigh over ``count`` launch units: cuts at most
+    ``max_cuts`` apart (and the end), ``deferred`` never past ``held_from``."""
+    stride = -(-count // max_cuts)
+    cuts = sorted(set(range(0, count + 1, stride)) | {count})
+    return [(held_from, deferred) for held_from in cuts for deferred in cuts if deferred <= held_from]
+
+
 def held_order_in_chunks(chunks: Sequence[int], held_from: int, deferred: int = 0) -> tuple[int, ...]:
     """:func:`held_order` over chunk positions, as a launch order: bucket ``b`` listed ``chunks[b]`` times.
 
@@ -343,15 +351,12 @@ def plan_order(
     if chunks is not None:
         profile, bucket_of = chunked_profile(profile, chunks)
         count = len(bucket_of)
-    stride = -(-count // max_cuts)
-    cuts = sorted(set(range(0, count + 1, stride)) | {count})
     out = []
-    for held_from in cuts:
-        for deferred in (cut for cut in cuts if cut <= held_from):
-            units = held_order(count, held_from, deferred, profile.needs())
-            forward_end, waited = simulate_order(units, profile, cost)
-            order = tuple(bucket_of[u] for u in units)
-            out.append(OrderPrediction(order, held_from, forward_end, waited, deferred, profile.lead_s + forward_end))
+    for held_from, deferred in held_cuts(count, max_cuts):
+        units = held_order(count, held_from, deferred, profile.needs())
+        forward_end, waited = simulate_order(units, profile, cost)
+        order = tuple(bucket_of[u] for u in units)
+        out.append(OrderPrediction(order, held_from, forward_end, waited, deferred, profile.lead_s + forward_end))
     return best_first(out)
 
 
