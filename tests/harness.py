@@ -307,13 +307,19 @@ def _by_name(names: list, found: dict) -> dict:
 
 
 def run_rank_processes(
-    env_by_rank: list[dict], timeout: float, module: str = "tests.fault_worker", prefixes: list[list[str]] | None = None
+    env_by_rank: list[dict],
+    timeout: float,
+    module: str = "tests.fault_worker",
+    prefixes: list[list[str]] | None = None,
+    wait_for: list[int] | None = None,
 ) -> list[dict]:
     """``python -m module`` once per entry of ``env_by_rank`` (its RANK etc. on top of this environment), each
     a process of its own, so that when each exits can be timed: a rank stopped or hung is never waited for
     past ``timeout`` seconds, and every process is killed afterwards (SIGKILL ends a stopped one too).
 
     ``prefixes``: each rank's command runs after its prefix (e.g. ``ip netns exec NS``).
+    ``wait_for``: the entries whose exit ends the wait (default: all); a rank stopped on purpose is left out, so
+    the test does not sit out ``timeout`` for a process that cannot exit.
     Per rank: ``returncode`` (None: still running at the end), ``exited_after`` (seconds since the start, None
     if it was still running), ``fault_at`` / ``error`` (its ``FAULT_AT`` / ``ERROR`` lines), and its output.
     """
@@ -331,7 +337,8 @@ def run_rank_processes(
             argv = [*(prefixes[index] if prefixes else []), sys.executable, "-m", module]
             procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env))
         exited: dict[int, float] = {}
-        while len(exited) < len(procs) and time.time() - start < timeout:
+        awaited = set(range(len(procs)) if wait_for is None else wait_for)
+        while not awaited <= exited.keys() and time.time() - start < timeout:
             for index, proc in enumerate(procs):
                 if index not in exited and proc.poll() is not None:
                     exited[index] = time.time() - start

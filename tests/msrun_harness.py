@@ -46,6 +46,7 @@ requires_mindspore = pytest.mark.skipif(not mindspore_installed(), reason="minds
 
 
 PART_ENV = "COLLECTIVE_OPS_TEST_PART"  # set by ms_workers/suite.py: the part whose result write_result writes
+PART_ERROR = "suite_part_error"  # the one key of a part's result when the part raised: its traceback
 
 
 def _launch(script: str, world: int, timeout: float, args: tuple[str, ...], env: dict | None, out_dir: Path) -> str:
@@ -84,7 +85,10 @@ def _collect(out_dir: Path, world: int, prefix: str = "") -> tuple[list[dict], s
         path = out_dir / f"{prefix}rank{rank}.json"
         if not path.exists():
             return results, f"rank {rank} wrote no result"
-        results.append(json.loads(path.read_text()))
+        result = json.loads(path.read_text())
+        if PART_ERROR in result:
+            return results, f"rank {rank} raised:\n{result[PART_ERROR]}"
+        results.append(result)
     return results, ""
 
 
@@ -122,13 +126,14 @@ def run_msrun_suite(mode: str, world: int, parts: tuple[str, ...], timeout: floa
     trace_file = out_dir / "comm_trace.json"
     env = {"COLLECTIVE_OPS_TRACE_FILE": str(trace_file)}  # a part that asks for a trace writes it here
     failure = _launch("suite.py", world, timeout, (mode, *parts), env, out_dir)
-    results = {}
-    for part in parts:
+    results, failures = {}, [failure] if failure else []
+    for part in parts:  # a part that raised does not hide the later parts' results
         part_results, missing = _collect(out_dir, world, prefix=f"{part}.")
         if missing:
-            failure = "; ".join(r for r in (failure, f"part {part!r}: {missing}") if r)
-            break
-        results[part] = part_results
+            failures.append(f"part {part!r}: {missing}")
+        else:
+            results[part] = part_results
+    failure = "; ".join(failures)
     if failure:
         failure = f"suite.py {mode} {' '.join(parts)}: {failure}\n{_worker_logs(out_dir)}"
     return SuiteRun(results, failure, trace_file)

@@ -455,7 +455,8 @@ def _fault_ranks(fault: str, fault_rank: int) -> list[dict]:
     port = str(free_port())
     common = {"MASTER_PORT": port, "WORLD_SIZE": "2", "COLLECTIVE_OPS_STALL_TIMEOUT": str(STALL_S)}
     common |= {"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "60", "FAULT": fault, "FAULT_RANK": str(fault_rank)}
-    return run_rank_processes([{**common, "RANK": str(r)} for r in range(2)], timeout=STALL_S + 30 + 60)
+    peers = [r for r in range(2) if not (fault == "stop" and r == fault_rank)]  # a stopped rank never exits
+    return run_rank_processes([{**common, "RANK": str(r)} for r in range(2)], timeout=STALL_S + 30 + 60, wait_for=peers)
 
 
 @pytest.mark.parametrize("stopped", [0, 1])

@@ -4,7 +4,8 @@
 colons (``adapter:1e-06``); each script gets ``MODE`` as its first argument. Starting msrun costs
 ~15-20 s on a 2-core machine (its scheduler and every worker import MindSpore and rendezvous), more
 than most checks take: one start per (mode, world size) keeps the suite short. Each part writes its
-result under its own name (``write_result``), so a part that fails leaves the earlier parts' results.
+result under its own name (``write_result``); a part that raises writes its traceback instead, and the later parts
+still run (a rank that dies, or a part that hangs until msrun's timeout, ends the start).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
 
 import collective_ops as co
-from tests.msrun_harness import PART_ENV
+from tests.msrun_harness import PART_ENV, PART_ERROR, write_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,7 +28,10 @@ def main() -> None:
         script, *args = part.split(":")
         os.environ[PART_ENV] = part
         sys.argv = [str(HERE / f"{script}.py"), mode, *args]
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except Exception:  # this part's test fails with the traceback; the later parts still run
+            write_result(co.get_rank(), {PART_ERROR: traceback.format_exc()})
         co.barrier()  # no part starts while a peer still finishes the last one
     co.shutdown()  # ends with a barrier: no rank leaves while a peer still sends
 

@@ -301,12 +301,17 @@ class PowerSGDHook:
         numel, dtype, device = engine.describe(buffer)
         if ctx.prescaled:  # only the default hook's gradients are scaled on copy-in; PowerSGD compresses sums
             raise RuntimeError("PowerSGD needs the gradients unscaled (BucketManager copy_in_scale is for allreduce)")
+        # What is compressed, M: the gradients plus the error-feedback memory, summed into the memory itself (the
+        # result, written into the bucket, is then subtracted from it in place: the next step's memory). One pass
+        # fewer over the bucket than summing into the gradients and copying them aside.
+        source = buffer
         if options.error_feedback:
             if state.error is None:
                 state.error = engine.zeros(numel, dtype, device)
+                engine.copy_(state.error, buffer)
             else:
-                engine.add_(buffer, state.error)
-            engine.copy_(state.error, buffer)  # the input as compressed; minus the result, it is the next error
+                engine.add_(state.error, buffer)
+            source = state.error
         wire_numel = layout.uncompressed_numel + layout.p_numel
         if state.wire is None or engine.describe(state.wire) != (wire_numel, dtype, device):
             state.wire = engine.zeros(wire_numel, dtype, device)
@@ -314,7 +319,7 @@ class PowerSGDHook:
         new_q = state.q is None or not options.warm_start
         if new_q:
             state.q = engine.zeros(layout.q_numel, dtype, device)
-        matrices = [engine.segment(buffer, m.offset, m.rows * m.cols, (1, m.rows, m.cols)) for m in layout.matrices]
+        matrices = [engine.segment(source, m.offset, m.rows * m.cols, (1, m.rows, m.cols)) for m in layout.matrices]
         base = layout.uncompressed_numel
         ps = [engine.segment(wire, base + m.p_offset, m.rows * m.rank, (1, m.rows, m.rank)) for m in layout.matrices]
         qs = [engine.segment(state.q, m.q_offset, m.cols * m.rank, (1, m.cols, m.rank)) for m in layout.matrices]
@@ -326,7 +331,7 @@ class PowerSGDHook:
             engine.bmm_(p, matrix, q)
         position = 0
         for offset, count in layout.uncompressed:
-            engine.copy_(engine.segment(wire, position, count), engine.segment(buffer, offset, count))
+            engine.copy_(engine.segment(wire, position, count), engine.segment(source, offset, count))
             position += count
         self.numel_before += numel
         self.numel_after += layout.compressed_numel
@@ -458,7 +463,10 @@ class _PowerSGDHandle:
             engine.divide_(reduced, self._divisor)
             position = 0
             for offset, count in layout.uncompressed:
-                engine.copy_(engine.segment(self._ctx.buffer, offset, count), engine.segment(wire, position, count))
+                result = engine.segment(self._ctx.buffer, offset, count)
+                engine.copy_(result, engine.segment(wire, position, count))
+                if self._hook.options.error_feedback:  # (input as compressed) - (the reduced result)
+                    engine.sub_(engine.segment(self._state.error, offset, count), result)
                 position += count
         epsilon = self._hook.options.orthogonalization_epsilon
         for p in self._ps:
@@ -480,10 +488,12 @@ class _PowerSGDHandle:
             wait_with_timeout(self._second, seconds)
             self._second = None
             engine.divide_(self._state.q, self._divisor)
-        for p, q, matrix in zip(self._ps, self._qs, self._matrices):
-            engine.bmm_(matrix, p, q, transpose_b=True)
-        if self._hook.options.error_feedback:
-            engine.sub_(self._state.error, self._ctx.buffer)  # (input as compressed) - (the reduced result)
+        error_feedback = self._hook.options.error_feedback
+        for p, q, matrix, m in zip(self._ps, self._qs, self._matrices, self._state.layout.matrices):
+            result = engine.segment(self._ctx.buffer, m.offset, m.rows * m.cols, (1, m.rows, m.cols))
+            engine.bmm_(result, p, q, transpose_b=True)
+            if error_feedback:  # the input as compressed (``matrix``, in the memory) minus the result, while hot
+                engine.sub_(matrix, result)
         if not self._hook.options.warm_start:
             self._state.q = None
         self._done = True
