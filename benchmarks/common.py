@@ -22,6 +22,8 @@ from collective_ops.tools.link import (
 )
 
 COMPUTE_ALONE = "compute alone (no communication)"  # the setup that bounds every step from below
+# compute alone plus the one synchronisation every data-parallel step has: what no gradient exchange can beat
+SYNCED_FLOOR = "compute + a 4-byte allreduce a step"
 
 _spawn_calls = 0  # successive spawns of one run use successive ports (every node counts alike)
 
@@ -195,3 +197,26 @@ def physical_limit(step_ms: Mapping[str, float], compute_ms: float, wire_bytes: 
     # on each direction of the link
     wire = link_seconds(bus_factor("allreduce", world) * wire_bytes)
     return Limit(compute_ms, int(wire_bytes), None if wire is None else wire * 1e3, dict(step_ms))
+
+
+class StepSynchronised:
+    """``optimizer`` whose ``step`` first allreduces one float over the ranks (:data:`SYNCED_FLOOR`).
+
+    Unsynchronised ranks (compute alone) each run at their own pace; any setup that exchanges gradients
+    waits, every step, for the slowest rank of that step. This setup pays that wait and nothing else.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        import torch
+
+        self.optimizer = optimizer
+        self._token = torch.zeros(1)
+
+    def step(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(self._token)
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)

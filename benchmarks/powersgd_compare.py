@@ -27,7 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import COMPUTE_ALONE, physical_limit, run_benchmark, where  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    COMPUTE_ALONE,
+    SYNCED_FLOOR,
+    StepSynchronised,
+    physical_limit,
+    run_benchmark,
+    where,
+)
 from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa: E402
 
 WRAP = "wrap + PowerSGD"
@@ -66,6 +73,8 @@ def _setups(args, name: str, batches: list, start_iter: int) -> dict:
 
     model, _ = build_model(name)
     setups = {COMPUTE_ALONE: (model, _optimizer(args, model), batches)}
+    model, _ = build_model(name)
+    setups[SYNCED_FLOOR] = (model, StepSynchronised(_optimizer(args, model)), batches)
     hook = torch_powersgd.powerSGD_hook if args.ddp_hook == "torch" else _serial(torch_powersgd.powerSGD_hook)
     for mb in args.ddp_mb:
         model, _ = build_model(name)
@@ -99,7 +108,7 @@ def _final_losses(args, name: str, rank: int) -> dict[str, float]:
     batches = [batch(gen) for _ in range(args.loss_steps)]
     losses = {}
     for key, (model, optimizer, _) in _setups(args, name, [], args.start_iter).items():
-        if key == COMPUTE_ALONE or (key.startswith("DDP") and key != _ddp_label(args.loss_ddp_mb)):
+        if key in (COMPUTE_ALONE, SYNCED_FLOOR) or (key.startswith("DDP") and key != _ddp_label(args.loss_ddp_mb)):
             continue
         tail = []
         for x, y in batches:
