@@ -329,8 +329,16 @@ _COMPILED_DTYPES = {"mccl": {"float32", "float16"}}
 _COMPILED_DTYPES_DEFAULT = {"float32", "float16", "bfloat16"}
 
 
+# A gradient of this many elements or more is reduced on its own inside its bucket, not concatenated with the
+# others: its allreduce is bandwidth-bound, so fusing it gains nothing, while every concatenated member costs the
+# compiled graph a reshape and a piece of a split. transformer-5m (53 gradients) compiled in 20.3 s with its 2
+# buckets fused, 7.6 s reduced tensor by tensor (DistributedGradReducer: 6.0 s), 2 msrun workers on this VM.
+ALONE_NUMEL = 1 << 18
+
+
 class CompiledReduction(nn.Cell):
-    """Every bucket of a plan reduced in one compiled MindSpore graph: concatenate, sum, scale, split.
+    """Every bucket of a plan reduced in one compiled MindSpore graph: concatenate, sum, scale, split; a gradient
+    of :data:`ALONE_NUMEL` elements or more is summed and scaled on its own, in its bucket's turn.
 
     What ``nn.DistributedGradReducer`` gets from ``@jit`` and comm fusion, with our bucket plan:
     one launch per step for the whole reduction, no Python between the kernels, and the graph
@@ -354,6 +362,9 @@ class CompiledReduction(nn.Cell):
         self.numels = tuple(int(n) for n in numels)
         self.shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
         self.count = len(self.numels)
+        # per bucket: its large gradients (reduced alone) and the rest (concatenated)
+        self.alone = tuple(tuple(i for i in b if self.numels[i] >= ALONE_NUMEL) for b in self.buckets)
+        self.fused = tuple(tuple(i for i in b if self.numels[i] < ALONE_NUMEL) for b in self.buckets)
         self.allreduce = ops.AllReduce()  # sum
         self.scale = ms.Tensor(scale, ms.float32) if scale is not None else None
         self.enable_tuple_broaden = True  # gradients are inputs, not constants: one compilation
@@ -361,25 +372,31 @@ class CompiledReduction(nn.Cell):
     @ms.jit(backend="ms_backend")
     def construct(self, grads):
         out = [None] * self.count
-        for bucket in self.buckets:
-            if len(bucket) == 1:
-                flat = ops.reshape(grads[bucket[0]], (-1,))
-            else:
-                flat = ops.concat([ops.reshape(grads[i], (-1,)) for i in bucket])
-            if self.wire_dtype is not None:
-                grad_dtype = flat.dtype
-                flat = ops.cast(flat, self.wire_dtype)
-                if self.scale is not None:
-                    flat = flat * ops.cast(self.scale, self.wire_dtype)
-                flat = ops.cast(self.allreduce(flat), grad_dtype)
-            else:
-                flat = self.allreduce(flat)
-                if self.scale is not None:
-                    flat = flat * ops.cast(self.scale, flat.dtype)
-            parts = ops.split(flat, tuple(self.numels[i] for i in bucket))
-            for k in range(len(bucket)):
-                out[bucket[k]] = ops.reshape(parts[k], self.shapes[bucket[k]])
+        for alone, fused in zip(self.alone, self.fused):
+            for i in alone:
+                out[i] = self.reduce(grads[i])
+            if len(fused) == 1:
+                out[fused[0]] = self.reduce(grads[fused[0]])
+            elif fused:
+                flat = self.reduce(ops.concat([ops.reshape(grads[i], (-1,)) for i in fused]))
+                start = 0
+                for i in fused:
+                    out[i] = ops.reshape(flat[start : start + self.numels[i]], self.shapes[i])
+                    start += self.numels[i]
         return tuple(out)
+
+    def reduce(self, tensor):
+        """Summed over the ranks and scaled; with a ``wire_dtype``, cast to it and scaled before the sum."""
+        if self.wire_dtype is not None:
+            grad_dtype = tensor.dtype
+            tensor = ops.cast(tensor, self.wire_dtype)
+            if self.scale is not None:
+                tensor = tensor * ops.cast(self.scale, self.wire_dtype)
+            return ops.cast(self.allreduce(tensor), grad_dtype)
+        tensor = self.allreduce(tensor)
+        if self.scale is not None:
+            tensor = tensor * ops.cast(self.scale, tensor.dtype)
+        return tensor
 
 
 class CompiledShardReduction(nn.Cell):
