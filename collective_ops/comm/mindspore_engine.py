@@ -330,9 +330,10 @@ _COMPILED_DTYPES_DEFAULT = {"float32", "float16", "bfloat16"}
 
 
 # A gradient of this many elements or more is reduced on its own inside its bucket, not concatenated with the
-# others: its allreduce is bandwidth-bound, so fusing it gains nothing, while every concatenated member costs the
-# compiled graph a reshape and a piece of a split. transformer-5m (53 gradients) compiled in 20.3 s with its 2
-# buckets fused, 7.6 s reduced tensor by tensor (DistributedGradReducer: 6.0 s), 2 msrun workers on this VM.
+# others: its allreduce is bandwidth-bound, so fusing it gains nothing (MCCL runs one large fused allreduce behind
+# several separate ones), while every concatenated member costs the graph compiler time. Small gradients still
+# fuse, where one collective beats many. benchmarks/mindspore_compare.py --graph --train-cell, transformer-5m on
+# the emulated link: 0.97-1.02x DistributedGradReducer's step with this, 1.11x fully fused (mindspore_compare.json).
 ALONE_NUMEL = 1 << 18
 
 
