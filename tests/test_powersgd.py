@@ -79,6 +79,7 @@ def _against_ddp(
     our_cap: float,
     warm_start: bool = True,
     client_loop: bool = False,
+    error_feedback: bool = True,
 ) -> tuple[list, list]:
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
@@ -91,14 +92,21 @@ def _against_ddp(
 
     ddp = torch.nn.parallel.DistributedDataParallel(build_model(), bucket_cap_mb=ddp_cap)
     state = torch_powersgd.PowerSGDState(
-        None, matrix_approximation_rank=matrix_rank, start_powerSGD_iter=START, random_seed=SEED, warm_start=warm_start
+        None,
+        matrix_approximation_rank=matrix_rank,
+        start_powerSGD_iter=START,
+        random_seed=SEED,
+        warm_start=warm_start,
+        use_error_feedback=error_feedback,
     )
     ddp.register_comm_hook(state, _serial(torch_powersgd.powerSGD_hook))
     ours = co.wrap(
         build_model(),
         bucket_size_mb=our_cap,
         first_bucket_mb=our_cap,
-        compression=co.PowerSGD(rank=matrix_rank, start_iter=START, random_seed=SEED, warm_start=warm_start),
+        compression=co.PowerSGD(
+            rank=matrix_rank, start_iter=START, random_seed=SEED, warm_start=warm_start, error_feedback=error_feedback
+        ),
     )
     cls = MODELS["mlp" if name == "zigzag" else name]
     return _reduced_gradients(rank, ddp, cls, client_loop=client_loop), _reduced_gradients(
@@ -284,6 +292,10 @@ def powersgd_checks(rank: int, world: int) -> dict:
         # new Q factors every step: each bucket's seed is drawn in bucket order, as DDP's buckets run
         "ddp_no_warm_start": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, False),
         "ddp_client_loop": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB, client_loop=True),
+        # the gradients compressed as they are, nothing carried to the next step
+        "ddp_no_error_feedback": functools.partial(
+            _against_ddp, rank, "mlp", 4, DDP_CAP_MB, OUR_CAP_MB, error_feedback=False
+        ),
         "resumed": functools.partial(_resumed, rank),
         # the two buckets' memory loaded into one (the state is kept by parameter)
         "resumed_other_buckets": functools.partial(_resumed, rank, 25),
@@ -315,6 +327,7 @@ def two_ranks() -> list:
         "ddp_same_shapes_apart",
         "ddp_no_warm_start",
         "ddp_client_loop",
+        "ddp_no_error_feedback",
     ],
 )
 def test_reduced_gradients_equal_to_ddp_powersgd_hook_to_fp32_rounding(two_ranks, case: str) -> None:

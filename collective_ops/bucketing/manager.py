@@ -648,8 +648,9 @@ class BucketManager:
         if self.on_rebuild is not None:
             self.on_rebuild(self.plan)
 
-    def record_compiled_step(self, start: float, end: float) -> None:
-        """Account for a step whose buckets an engine reduced in one compiled call (all of them, in plan order).
+    def record_compiled_step(self, start: float, end: float, collectives: int | None = None) -> None:
+        """Account for a step whose buckets an engine reduced in one compiled call (all of them, in plan order),
+        with ``collectives`` collectives (default: one a bucket).
 
         ``start``/``end`` bracket the call; engines that run it asynchronously return before the
         communication ends, so the step's exposed communication is then only the launch time. With
@@ -662,7 +663,7 @@ class BucketManager:
             self.alignment.backward_started()  # the compiled call took every gradient at once
             self._start_step_collectives()
             self._settle_alignment(0)
-        stats = compiled_step_stats(self.steps_synced, self.plan, start, end, self._wire_nbytes)
+        stats = compiled_step_stats(self.steps_synced, self.plan, start, end, self._wire_nbytes, collectives)
         stats.collectives += int(self.alignment is not None)  # (the step's alignment table)
         self.globally_unused = frozenset()  # every gradient was given
         self._end_step(stats)

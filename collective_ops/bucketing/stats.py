@@ -53,13 +53,21 @@ def stats_summary(stats: StepStats, plan: Any, totals: dict[str, Any], world_siz
     }
 
 
-def compiled_step_stats(step: int, plan: Any, start: float, end: float, wire_nbytes: Callable[[Any], int]) -> StepStats:
+def compiled_step_stats(
+    step: int,
+    plan: Any,
+    start: float,
+    end: float,
+    wire_nbytes: Callable[[Any], int],
+    collectives: int | None = None,
+) -> StepStats:
     """A step whose buckets one compiled call reduced (all of them, in plan order, between ``start`` and ``end``):
-    every gradient ready, every bucket launched, at ``start``; every bucket complete at ``end``."""
+    every gradient ready, every bucket launched, at ``start``; every bucket complete at ``end``. ``collectives``:
+    the call's collectives where it is not one a bucket."""
     buckets = plan.buckets
     return StepStats(
         step=step,
-        collectives=len(buckets),
+        collectives=len(buckets) if collectives is None else collectives,
         bytes_communicated=sum(wire_nbytes(b) for b in buckets),
         backward_start=start,
         finalize_start=start,

@@ -366,6 +366,7 @@ class CompiledReduction(nn.Cell):
         # per bucket: its large gradients (reduced alone) and the rest (concatenated)
         self.alone = tuple(tuple(i for i in b if self.numels[i] >= ALONE_NUMEL) for b in self.buckets)
         self.fused = tuple(tuple(i for i in b if self.numels[i] < ALONE_NUMEL) for b in self.buckets)
+        self.collectives = sum(len(alone) + bool(fused) for alone, fused in zip(self.alone, self.fused))  # a step's
         self.allreduce = ops.AllReduce()  # sum
         self.scale = ms.Tensor(scale, ms.float32) if scale is not None else None
         self.enable_tuple_broaden = True  # gradients are inputs, not constants: one compilation

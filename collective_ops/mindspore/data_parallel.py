@@ -195,6 +195,7 @@ class DataParallel(nn.Cell):
         self._wire_dtype = COMPRESSIONS[compression.lower()] if compression is not None else None
         # (plan fingerprint, gradient order) -> CompiledReduction, or None where unsupported
         self._compiled: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self.compiled_collectives: int | None = None  # a step's collectives in the graph_reducer() last handed out
         self._hook_handles = []
         self._hooked: dict[int, ms.Tensor] = {}  # this step's gradients as the hooks handed them to the buckets
         if self.overlap:
@@ -325,7 +326,7 @@ class DataParallel(nn.Cell):
             if compiled is not None:
                 start = time.perf_counter()
                 reduced = compiled(grads)
-                manager.record_compiled_step(start, time.perf_counter())
+                manager.record_compiled_step(start, time.perf_counter(), compiled.collectives)
                 self._last_mode = "fused-after-backward (compiled)"
                 return tuple(reduced)
         mode = "overlap" if manager.in_progress else "fused-after-backward"
@@ -447,6 +448,7 @@ class DataParallel(nn.Cell):
                 "use reduce() from PyNative mode instead"
             )
         self._last_mode = "in-graph (compiled)"
+        self.compiled_collectives = cell.collectives
         return cell
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -612,7 +614,7 @@ def _recorded_step(cell: nn.Cell, call: Any, inputs: tuple) -> Any:
         if traced is not None:
             traced(type(cell).__name__, start, end)
     else:
-        manager.record_compiled_step(start, end)
+        manager.record_compiled_step(start, end, cell._data_parallel.compiled_collectives)
     return out
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from mindspore import nn
 
 import collective_ops as co
+from collective_ops.comm import mindspore_engine
 from collective_ops.consistency import ModelMismatchError
 from collective_ops.mindspore import TrainOneStepCell
 from tests.ms_workers.nets import batch, build, loss_fn
@@ -74,11 +75,14 @@ for name, compiled in (("compiled", True), ("eager", False)) if AFTER_BACKWARD_P
     )
     out[f"after_{name}"], _ = train(after.network, after.reduce)
     out[f"after_{name}_stats"] = after.comm_stats()
-    # fp16 on the wire: the compiled graph must do the eager compression hook's arithmetic
+    # fp16 on the wire: the compiled graph must do the eager compression hook's arithmetic, on gradients it
+    # concatenates and on those it sends alone (every weight here, with the threshold at 64 elements)
     after = co.wrap(
         build(rank), bucket_size_mb=BUCKET_MB, overlap=False, compile_reduction=compiled, compression="fp16"
     )
+    alone_numel, mindspore_engine.ALONE_NUMEL = mindspore_engine.ALONE_NUMEL, 64
     out[f"fp16_{name}"], _ = train(after.network, after.reduce)
+    mindspore_engine.ALONE_NUMEL = alone_numel
     out[f"fp16_{name}_mode"] = after.comm_stats()["mode"]
 
 # 1c. fused buckets after backward (the default sizes), for the comparison at odd world sizes

@@ -26,7 +26,8 @@ MODE = sys.argv[1]
 STEPS = 3
 BUCKET_MB, FIRST_MB = 0.002, 0.001  # several buckets
 # The compiled reduction sends gradients this large alone, the rest of a bucket concatenated: with these small
-# networks' weights (144 x width and larger) above it and their biases below, every bucket takes both paths.
+# networks' weights above it and their biases below, every path runs (fused groups, single members, buckets of
+# gradients sent alone only).
 mindspore_engine.ALONE_NUMEL = 64
 ms.set_context(mode=ms.PYNATIVE_MODE if MODE == "pynative" else ms.GRAPH_MODE)
 ctx = co.init()

@@ -307,8 +307,7 @@ class PowerSGDHook:
         source = buffer
         if options.error_feedback:
             if state.error is None:
-                state.error = engine.zeros(numel, dtype, device)
-                engine.copy_(state.error, buffer)
+                state.error = _copied(engine, buffer)
             else:
                 engine.add_(state.error, buffer)
             source = state.error
