@@ -338,8 +338,8 @@ ALONE_NUMEL = 1 << 18
 
 
 class CompiledReduction(nn.Cell):
-    """Every bucket of a plan reduced in one compiled MindSpore graph: concatenate, sum, scale, split; a gradient
-    of :data:`ALONE_NUMEL` elements or more is summed and scaled on its own, in its bucket's turn.
+    """Every bucket of a plan reduced in one compiled MindSpore graph: concatenate, sum, scale, slice apart; a
+    gradient of :data:`ALONE_NUMEL` elements or more is summed and scaled on its own, in its bucket's turn.
 
     What ``nn.DistributedGradReducer`` gets from ``@jit`` and comm fusion, with our bucket plan:
     one launch per step for the whole reduction, no Python between the kernels, and the graph
@@ -366,7 +366,8 @@ class CompiledReduction(nn.Cell):
         # per bucket: its large gradients (reduced alone) and the rest (concatenated)
         self.alone = tuple(tuple(i for i in b if self.numels[i] >= ALONE_NUMEL) for b in self.buckets)
         self.fused = tuple(tuple(i for i in b if self.numels[i] < ALONE_NUMEL) for b in self.buckets)
-        self.collectives = sum(len(alone) + bool(fused) for alone, fused in zip(self.alone, self.fused))  # a step's
+        # a step's allreduces: one per gradient sent alone, one per bucket's concatenated rest
+        self.collectives = sum(len(alone) + bool(fused) for alone, fused in zip(self.alone, self.fused))
         self.allreduce = ops.AllReduce()  # sum
         self.scale = ms.Tensor(scale, ms.float32) if scale is not None else None
         self.enable_tuple_broaden = True  # gradients are inputs, not constants: one compilation
