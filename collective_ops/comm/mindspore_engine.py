@@ -228,7 +228,6 @@ class MindSporeEngine(Engine):
             [p for of_bucket in pieces for p in of_bucket],
             [len(of_bucket) for of_bucket in pieces],
             [int(n) - sum(of_bucket) for n, of_bucket in zip(shard_numel, sizes)],
-            padding,
         )
         return reduction, gather
 
@@ -426,12 +425,7 @@ class CompiledShardReduction(nn.Cell):
         self.buckets = tuple(tuple(b) for b in buckets)
         self.padding = tuple(int(n) for n in padding)
         self.bounds = tuple((rank * int(n), (rank + 1) * int(n)) for n in shard_numel)
-        # each bucket's pieces, and the shard's padding after them where there is any
-        self.sections = tuple(
-            tuple(int(n) for n in sizes) + ((int(shard) - sum(sizes),) if int(shard) > sum(sizes) else ())
-            for sizes, shard in zip(pieces, shard_numel)
-        )
-        self.counts = tuple(len(sizes) for sizes in pieces)
+        self.pieces = tuple(tuple(int(n) for n in sizes) for sizes in pieces)  # the shard's padding follows them
         self.allreduce = ops.AllReduce()  # sum
         self.scale = ms.Tensor(scale, ms.float32) if scale is not None else None
         self.enable_tuple_broaden = True  # gradients are inputs, not constants: one compilation
@@ -452,9 +446,10 @@ class CompiledShardReduction(nn.Cell):
             shard = flat[self.bounds[b][0] : self.bounds[b][1]]
             if self.scale is not None:
                 shard = shard * ops.cast(self.scale, shard.dtype)
-            if self.counts[b]:
-                cut = ops.split(shard, self.sections[b]) if len(self.sections[b]) > 1 else (shard,)
-                out = out + tuple(cut[: self.counts[b]])
+            start = 0
+            for size in self.pieces[b]:  # slices: ops.split costs the compiler more
+                out = out + (shard[start : start + size],)
+                start += size
         return out
 
 
@@ -466,7 +461,7 @@ class CompiledShardGather(nn.Cell):
 
     ``params``: the network's parameters (plan indices); ``pieces``: this rank's piece Parameters, bucket by
     bucket in buffer order; ``counts``: how many of them each bucket has; ``shard_padding``: zeros after them in
-    each shard; ``padding``: zeros after each bucket's parameters."""
+    each shard (the bucket's own padding, after its parameters, is gathered and left unread)."""
 
     def __init__(
         self,
@@ -475,7 +470,6 @@ class CompiledShardGather(nn.Cell):
         pieces: Sequence[Any],
         counts: Sequence[int],
         shard_padding: Sequence[int],
-        padding: Sequence[int],
     ) -> None:
         super().__init__(auto_prefix=False)  # the network's parameter names stay as they are
         self.params = ms.ParameterTuple(params)
@@ -483,10 +477,7 @@ class CompiledShardGather(nn.Cell):
         self.buckets = tuple(tuple(b) for b in buckets)
         self.counts = tuple(int(n) for n in counts)
         self.shard_padding = tuple(int(n) for n in shard_padding)
-        self.sections = tuple(
-            tuple(int(params[i].size) for i in bucket) + ((int(pad),) if pad else ())
-            for bucket, pad in zip(self.buckets, padding)
-        )
+        self.sizes = tuple(int(p.size) for p in params)
         self.shapes = tuple(tuple(p.shape) for p in params)
         self.allgather = ops.AllGather()
 
@@ -505,10 +496,11 @@ class CompiledShardGather(nn.Cell):
                 shard = ops.depend(shard, previous)
             full = self.allgather(shard)
             previous = full
-            values = ops.split(full, self.sections[b]) if len(self.sections[b]) > 1 else (full,)
-            for j in range(len(self.buckets[b])):
-                i = self.buckets[b][j]
-                done = done + (ops.assign(self.params[i], ops.reshape(values[j], self.shapes[i])),)
+            start = 0
+            for i in self.buckets[b]:  # slices: ops.split costs the compiler more
+                value = full[start : start + self.sizes[i]]
+                done = done + (ops.assign(self.params[i], ops.reshape(value, self.shapes[i])),)
+                start += self.sizes[i]
         return done
 
 
