@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +197,28 @@ def test_physical_limit_is_compute_or_the_wire_time_of_a_ring_allreduce(monkeypa
     monkeypatch.delenv(ENV_LINK)
     off = physical_limit(steps, 150.0, 25_000_000, 2)
     assert off.wire_ms is None and off.ratio(300.0) == pytest.approx(2.0)
+
+
+def test_bench_on_the_link_under_msrun_starts_one_msrun_node_per_namespace(monkeypatch) -> None:
+    """``bench --link RATE --launcher msrun``: each node runs msrun with half the ranks, rendezvous at node 0's
+    address, and the workers run the same bench without --link/--launcher (they must not relaunch)."""
+    from collective_ops.tools import cli, link
+
+    started = {}
+
+    def fake_run_on_link(rate, node_command, **options):
+        started["rate"], started["options"] = rate, options
+        started["nodes"] = [node_command(link.Link.new(rate), node) for node in range(2)]
+        return 0
+
+    monkeypatch.setattr(link, "run_on_link_or_explain", fake_run_on_link)
+    argv = ["bench", "--link", "1gbit", "--launcher", "msrun", "--op", "broadcast", "-b", "64K", "-e", "64K"]
+    assert cli.main(argv) == 0
+    the_link = link.Link.new("1gbit")
+    for node, command in enumerate(started["nodes"]):
+        assert command[:4] == ["msrun", "--worker_num=2", "--local_worker_num=1", f"--node_rank={node}"]
+        assert f"--master_addr={the_link.master_addr}" in command
+        script = command.index("--join=True") + 1
+        assert command[script + 1 :] == ["bench", "--op", "broadcast", "-b", "64K", "-e", "64K"]
+        assert "from collective_ops.tools.cli import main" in Path(command[script]).read_text()
+    assert "collective_ops" in os.listdir(started["options"]["env"]["PYTHONPATH"].split(os.pathsep)[0])

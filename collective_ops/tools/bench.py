@@ -470,6 +470,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run on 2 emulated nodes joined by a rate-limited link (a tc rate: 10gbit, 1gbit; needs root), "
         "launched as a 2-node torchrun job with --spawn/2 ranks per node (default --spawn 2); none = loopback",
     )
+    parser.add_argument(
+        "--launcher",
+        choices=["torchrun", "msrun"],
+        default="torchrun",
+        help="with --link: start each node's ranks with torchrun (torch.distributed) or msrun (MindSpore "
+        "communication) (default: %(default)s)",
+    )
     parser.add_argument("--csv", help="write the rows here (with op, redop and world size)")
     parser.add_argument("--json", help="write the rows and the overhead summary here")
     parser.add_argument("--plot", help="PNG of busbw against size")
@@ -550,16 +557,46 @@ def _run_and_report(args: argparse.Namespace) -> None:
 
 
 def _run_on_link(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """This bench command as a 2-node torchrun job on the emulated link (one namespace per node)."""
+    """This bench command as a 2-node torchrun or msrun job on the emulated link (one namespace per node)."""
     from .link import run_on_link_or_explain, strip_link_option
 
     world = args.spawn or 2  # validate() checked the rate and that it splits over 2 nodes
-    rest = strip_link_option(strip_link_option(argv), "--spawn")  # the nodes get torchrun's ranks, not --spawn
+    # the nodes get the launcher's ranks, not --spawn, and must not relaunch themselves
+    rest = strip_link_option(strip_link_option(strip_link_option(argv), "--spawn"), "--launcher")
+    if args.launcher == "msrun":
+        return _run_on_link_msrun(args.link, world, rest)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(world // 2)]
     torchrun += ["--node-rank", "{node_rank}", "--master-addr", "{master_addr}", "--master-port", "{master_port}"]
     return run_on_link_or_explain(
         args.link, lambda link, node: link.fill([*torchrun, "-m", "collective_ops.tools.cli", *rest], node)
     )
+
+
+def _run_on_link_msrun(rate: str, world: int, rest: Sequence[str]) -> int:
+    """The bench as a 2-node msrun job on the link: msrun starts a script file, so a two-line one calls the CLI
+    (the workers' logs, one folder per node, stay in a temporary folder that is printed)."""
+    import tempfile
+    from pathlib import Path
+
+    from .link import run_on_link_or_explain
+
+    out = Path(tempfile.mkdtemp(prefix="collective-ops-bench-"))
+    script = out / "bench_worker.py"
+    script.write_text("import sys\nfrom collective_ops.tools.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    print(f"# msrun workers' logs: {out}", file=sys.stderr)
+    command = msrun_node_command(world, str(script), str(out), rest)
+    return run_on_link_or_explain(rate, lambda link, node: link.fill(command, node), log_dir=str(out), env=env)
+
+
+def msrun_node_command(world: int, script: str, log_dir: str, args: Sequence[str]) -> list[str]:
+    """One link node's msrun command line (a :meth:`~collective_ops.tools.link.Link.fill` template): half of
+    ``world``'s ranks, rendezvous at node 0, the workers' logs under ``log_dir``/node<N>."""
+    msrun = ["msrun", f"--worker_num={world}", f"--local_worker_num={world // 2}", "--node_rank={node_rank}"]
+    msrun += ["--master_addr={master_addr}", "--master_port={master_port}", f"--log_dir={log_dir}/node{{node_rank}}"]
+    return [*msrun, "--join=True", script, *args]
 
 
 def run(args: argparse.Namespace) -> int:
