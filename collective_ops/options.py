@@ -57,8 +57,9 @@ class WrapOptions:
 
     compression: str | PowerSGD | None = None
     """Send gradients in a narrower dtype: ``"fp16"``/``"float16"`` or ``"bf16"``/``"bfloat16"`` (a built-in
-    ``comm_hook``); or low-rank: :class:`PowerSGD` options (torch only; DDP's ``powerSGD_hook`` algorithm, each
-    bucket's state kept by the wrapper: ``compression_state_dict()``). None sends them as they are."""
+    ``comm_hook``); or low-rank: :class:`PowerSGD` options (DDP's ``powerSGD_hook`` algorithm, each bucket's state
+    kept by the wrapper: ``compression_state_dict()``; on MindSpore it reduces from Python, in PyNative mode or
+    through ``net.reduce(grads)``, not inside a compiled GRAPH-mode step). None sends them as they are."""
 
     comm_hook: CommHook | None = None
     """A custom reduction of each bucket (``collective_ops.bucketing.CommHook``); give it or ``compression``,
@@ -167,12 +168,6 @@ class WrapOptions:
         """The options of a ``wrap()`` call on ``framework``: an unknown keyword raises ``TypeError`` (with the
         closest names), one the other framework alone takes raises ``TypeError`` with what to use instead."""
         check_keywords(cls, framework, keywords, "wrap()")
-        compression = keywords.get("compression")
-        if framework != "torch" and compression is not None and not isinstance(compression, str):
-            raise TypeError(
-                f"wrap(compression={compression!r}) on {framework}: low-rank compression runs on torch models only; "
-                "give compression='fp16' or 'bf16' (or None)"
-            )
         return cls(bucket_size_mb=bucket_size_mb, **keywords)
 
     def keywords(self, framework: str) -> dict[str, Any]:
@@ -267,7 +262,7 @@ def resolve_options(
     bucket_size_mb: float,
     first_bucket_mb: float | None,
     reduce_op: Any,
-    compression: str | None,
+    compression: str | PowerSGD | None,
     comm_hook: CommHook | None,
 ) -> tuple[float, float | None, str, CommHook]:
     """Validated (bucket_size_mb, first_bucket_mb, reduce_op, comm_hook), or a clear error."""

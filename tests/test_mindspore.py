@@ -455,7 +455,8 @@ def test_auto_bucket_size_settles_on_rank_0s_choice_everywhere_and_trains_as_tha
     assert results[1]["own_best"] != chosen, "rank 1's own ranking should differ from rank 0's"
 
 
-DIST_OPT_OVERLAP_TIMEOUT_S = 200  # its own start (~30 s here): the pynative-2 suite is near pytest's 300 s limit
+# one start of their own (~30 s, ~50 s): the pynative-2 suite is near pytest's 300 s limit
+DIST_OPT_OVERLAP_START, DIST_OPT_OVERLAP_TIMEOUT_S = ("dist_opt_overlap", "powersgd"), 260
 
 
 def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equals_distributed_grad_reducer() -> None:
@@ -466,7 +467,7 @@ def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equal
     DistributedGradReducer + the same optimizer (Momentum, Adam); Model.train with it equals Model under
     MindSpore's DATA_PARALLEL, one reduction a step."""
     for rank, out in enumerate(
-        run_msrun_suite("pynative", 2, ("dist_opt_overlap",), DIST_OPT_OVERLAP_TIMEOUT_S).part("dist_opt_overlap")
+        run_msrun_suite("pynative", 2, DIST_OPT_OVERLAP_START, DIST_OPT_OVERLAP_TIMEOUT_S).part("dist_opt_overlap")
     ):
         for name in ("momentum", "adam"):
             what = f"{name}, rank {rank}"
@@ -487,3 +488,139 @@ def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equal
         for name in ("groups", "group_lrs"):
             assert_identical(out[name], out[f"{name}_reference"], f"Momentum with {name}, rank {rank}")
         assert out["groups_applied"]["forward"] > 0 and out["group_lrs_applied"]["forward"] == 0, rank
+
+
+def powersgd_results() -> list[dict]:
+    """ms_workers/powersgd.py's results, from the start it shares with dist_opt_overlap."""
+    return run_msrun_suite("pynative", 2, DIST_OPT_OVERLAP_START, DIST_OPT_OVERLAP_TIMEOUT_S).part("powersgd")
+
+
+class _NumpyNormals:
+    """torch, as torch's powerSGD_hook module sees it, but with its Q factors' draws the MindSpore engine's: after
+    ``manual_seed(s)``, ``randn`` draws from numpy's ``RandomState(s).standard_normal`` in turn."""
+
+    def __init__(self, torch) -> None:
+        self._torch, self._state = torch, None
+
+    def __getattr__(self, name: str):
+        return getattr(self._torch, name)
+
+    def manual_seed(self, seed: int) -> None:
+        self._state = np.random.RandomState(seed)
+
+    def randn(self, *shape, device=None, dtype=None):
+        return self._torch.from_numpy(self._state.standard_normal(shape).astype(np.float32)).to(dtype)
+
+
+def _torch_powersgd(rank: int, world: int, shapes: list, local: list, matrix_rank: int, start: int, seed: int) -> dict:
+    """DDP (one bucket) + torch's powerSGD_hook fed this rank's MindSpore gradients: a module whose parameters are
+    shaped as the MindSpore network's and whose loss is sum(p * G), so that p.grad is G. Each step's reduced
+    gradients and the bucket's parameter order (indices) as the hook saw it."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook_module
+
+    class Params(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(shape)) for shape in shapes])
+
+        def forward(self, *grads):
+            return sum((p * g).sum() for p, g in zip(self.ps, grads))
+
+    module = Params()
+    params = list(module.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    ddp = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=25)
+    state = hook_module.PowerSGDState(
+        None, matrix_approximation_rank=matrix_rank, start_powerSGD_iter=start, random_seed=seed
+    )
+    hook_module.torch = _NumpyNormals(torch)  # (this process's copy of the module only)
+    orders = []
+
+    def serial(state, bucket):  # waited for inside: its later allreduces must not cross a next bucket's (Gloo)
+        orders.append([index[id(p)] for p in bucket.parameters()])
+        future = hook_module.powerSGD_hook(state, bucket)
+        future.wait()
+        return future
+
+    ddp.register_comm_hook(state, serial)
+    reduced = []
+    for grads in local:
+        ddp.zero_grad()
+        ddp(*(torch.tensor(g, dtype=torch.float32) for g in grads)).backward()
+        reduced.append([p.grad.numpy().copy() for p in params])
+    return {"reduced": reduced, "orders": orders}
+
+
+# fp32 rounding, relative to each gradient's largest element (as tests/test_powersgd.py against the same hook: an
+# element-wise rtol would fail on elements near zero, an atol alone would say nothing of the small gradients).
+# MindSpore sums the factor products and norms in other orders than torch's bmm and norm (rank 2, Gram-Schmidt on
+# both sides: 1.5e-6 measured over the 6 steps), and at rank 4 orthogonalises by Gram-Schmidt where torch's hook
+# takes a QR factorisation (5.5e-6 measured). A wrong algorithm (a lost write-back, stale factors, no error
+# feedback) misses by orders of magnitude more.
+MS_POWERSGD_AGREEMENT = {2: 1e-5, 4: 2e-5}
+
+
+@pytest.mark.parametrize("matrix_rank", [2, 4])
+def test_powersgd_reduces_as_ddp_powersgd_hook_fed_the_same_gradients(matrix_rank: int) -> None:
+    """compression=co.PowerSGD(rank, start_iter=2) at 2 MindSpore workers (PyNative, one bucket, SGD over 6 steps,
+    each rank its own batches): each step's net.reduce(grads) equals DDP + torch's powerSGD_hook on 2 Gloo ranks
+    fed the same local gradients, to fp32 rounding, its Q factors drawn as the MindSpore engine draws them
+    (numpy's RandomState: MindSpore cannot reproduce torch.randn). Two plain steps, then four compressed: warm
+    start and error feedback carried over three times; the bucket laid out alike (DDP's rebuilt order is ours)."""
+    from tests.harness import run_ranks
+
+    results = [out[f"rank{matrix_rank}"] for out in powersgd_results()]
+    shapes = [tuple(s) for s in results[0]["shapes"]]
+    assert results[0]["compressing"], "the run never reached PowerSGD's start_iter"
+    references = run_ranks(
+        2,
+        _dispatch_torch_powersgd,
+        [[[np.asarray(g, dtype=np.float32) for g in step] for step in out["local"]] for out in results],
+        shapes,
+        matrix_rank,
+        timeout=120,
+    )
+    for rank, (ours, reference) in enumerate(zip(results, references, strict=True)):
+        # one bucket, in the same member order at every compressed step (the hook's grouping and draws follow it;
+        # DDP's plain first step runs before its rebuild, in parameter order)
+        theirs, mine = reference["orders"][2:], [order[0] for order in ours["bucket_order"]][2:]
+        assert theirs == mine, (theirs, mine)
+        worst = 0.0
+        for step, (theirs, mine) in enumerate(zip(reference["reduced"], ours["reduced"], strict=True)):
+            for i, (x, y) in enumerate(zip(theirs, mine, strict=True)):
+                x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+                scale = max(np.abs(x).max(), 1e-30)
+                worst = max(worst, np.abs(x - y).max() / scale)
+                assert np.abs(x - y).max() <= MS_POWERSGD_AGREEMENT[matrix_rank] * scale, (
+                    f"rank {rank}, step {step}, gradient #{i} {shapes[i]}: max |ddp - ours| = "
+                    f"{np.abs(x - y).max():.3g}, {np.abs(x - y).max() / scale:.3g} of its largest"
+                )
+        print(f"PowerSGD rank {matrix_rank}, worker {rank}: largest difference {worst:.3g} of a gradient's largest")
+    # compressed steps are not the plain average: the comparison holds PowerSGD's arithmetic, not an allreduce's
+    local = [[np.asarray(g) for g in out["local"][-1]] for out in results]
+    mean = [(a + b) / 2 for a, b in zip(*local)]
+    assert not np.allclose(mean[0], results[0]["reduced"][-1][0], rtol=1e-3, atol=1e-5)
+
+
+def _dispatch_torch_powersgd(rank: int, world: int, local_by_rank: list, shapes: list, matrix_rank: int) -> dict:
+    return _torch_powersgd(rank, world, shapes, local_by_rank[rank], matrix_rank, 2, 3)
+
+
+def test_powersgd_resumes_from_its_checkpoint_and_composes_with_the_distributed_optimizer() -> None:
+    """compression_state_dict() after step 3 loaded into a new wrapper (other weights, loaded from the
+    checkpoint): its next 3 steps equal the uninterrupted run's bit for bit. co.DistributedOptimizer (unsharded)
+    over the same compression equals net.reduce + the same optimizer (Momentum) bit for bit."""
+    for rank, out in enumerate(powersgd_results()):
+        uninterrupted, resumed = out["resumed"]
+        assert_identical(uninterrupted, resumed, f"resumed from compression_state_dict, rank {rank}")
+        plain, distributed = out["distributed_optimizer"]
+        assert_identical(plain, distributed, f"DistributedOptimizer + PowerSGD, rank {rank}")
+
+
+def test_powersgd_refuses_a_compiled_step_a_sum_and_sharding_with_what_to_do() -> None:
+    errors = powersgd_results()[0]["errors"]
+    assert "cannot reduce inside a compiled GRAPH-mode training step" in errors["graph"], errors["graph"]
+    assert "PYNATIVE_MODE" in errors["graph"] and "net.reduce(grads)" in errors["graph"]
+    assert "reduce_op='avg'" in errors["sum"], errors["sum"]
+    assert "leave compression and comm_hook unset" in errors["shard"], errors["shard"]

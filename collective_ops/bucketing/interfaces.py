@@ -49,10 +49,14 @@ class BucketEngine(Protocol):
         """A new flat, contiguous, zero-filled buffer."""
 
     def segment(self, buffer: Any, offset: int, numel: int, shape: Sequence[int] | None = None) -> Any:
-        """``buffer[offset:offset+numel]`` (a view where the framework has views), reshaped."""
+        """``buffer[offset:offset+numel]``, reshaped: a view where the framework has views (torch), else a copy
+        (MindSpore). The core treats it as either: a change made to a segment is written back with
+        :meth:`write`, and a segment taken before a collective reduced ``buffer`` is taken again after it."""
 
     def write(self, buffer: Any, offset: int, tensor: Any) -> None:
-        """Copy ``tensor`` (any shape) into ``buffer[offset:offset+tensor.numel]``."""
+        """Copy ``tensor`` (any shape) into ``buffer[offset:offset+tensor.numel]``. Writing a segment back onto
+        the place it was taken from costs nothing where segments are views (torch's ``copy_`` of a tensor onto
+        itself returns at once)."""
 
     def write_back(self, tensor: Any, buffer: Any, offset: int) -> None:
         """Copy ``buffer[offset:offset+tensor.numel]`` into ``tensor`` in place."""

@@ -298,6 +298,49 @@ class MindSporeEngine(Engine):
     def copy_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
         dst.copy_(src.reshape(dst.shape).astype(dst.dtype))
 
+    # -- low-rank compression (bucketing/compression/powersgd.py): eager, in place through copy_ ------------------
+    def divide_(self, tensor: ms.Tensor, divisor: int) -> None:
+        tensor.copy_(tensor / divisor)
+
+    def add_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
+        dst.copy_(mint.add(dst, src.reshape(dst.shape)))
+
+    def sub_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
+        dst.copy_(mint.sub(dst, src.reshape(dst.shape)))
+
+    def bmm_(
+        self, out: ms.Tensor, a: ms.Tensor, b: ms.Tensor, transpose_a: bool = False, transpose_b: bool = False
+    ) -> None:
+        """``out = a @ b`` on batches of matrices (batch, rows, cols), either operand transposed."""
+        a = mint.transpose(a, 1, 2) if transpose_a else a
+        b = mint.transpose(b, 1, 2) if transpose_b else b
+        out.copy_(mint.bmm(a, b))
+
+    def orthogonalize_(self, matrices: ms.Tensor, epsilon: float = 0.0) -> None:
+        """Orthonormal columns, in place, for a batch of (batch, rows, rank) matrices: Gram-Schmidt at every rank
+        (torch's hook, and the torch engine, use it at rank 1-2 and a QR factorisation above). Both give the
+        same orthonormal basis up to each column's sign, and a column's sign flips its P and its Q factor alike,
+        so P Q^T, the result, agrees with torch's to fp32 rounding (the factors themselves may differ in sign)."""
+        rest, columns = matrices, []
+        for i in range(int(matrices.shape[2])):
+            col = rest[:, :, 0:1]
+            norm = mint.sqrt(mint.sum(col * col, dim=1, keepdim=True))
+            col = col / (norm + epsilon) if epsilon else col / norm
+            columns.append(col)
+            if i + 1 < int(matrices.shape[2]):
+                rest = rest[:, :, 1:]
+                rest = rest - mint.sum(col * rest, dim=1, keepdim=True) * col
+        matrices.copy_(mint.cat(columns, dim=2))
+
+    def fill_normal_(self, tensors: Sequence[ms.Tensor], seed: int) -> None:
+        """Standard normal draws into ``tensors``, one after another from numpy's ``RandomState(seed)`` (the same on
+        every rank and device). Not torch's draws: torch's hook seeds ``torch.randn``, whose generator MindSpore
+        cannot reproduce, so the first compressed step's Q factors differ from a torch run's with the same seed."""
+        state = np.random.RandomState(seed)
+        for tensor in tensors:
+            draws = state.standard_normal(tuple(int(d) for d in tensor.shape)).astype(np.float32)
+            tensor.copy_(ms.Tensor(draws).astype(tensor.dtype))
+
     def synchronize(self) -> None:
         """Wait for MindSpore's queue (its collectives' handles return before the work is done on the CPU)."""
         ms.runtime.synchronize()

@@ -46,6 +46,7 @@ from ..bucketing import (
     fused_collective,
     plan_buckets,
 )
+from ..bucketing.compression import PowerSGD
 from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
@@ -106,7 +107,7 @@ class DataParallel(nn.Cell):
         first_bucket_mb: float | None = None,
         reduce_op: str = "avg",
         find_unused_parameters: bool = False,
-        compression: str | None = None,
+        compression: str | PowerSGD | None = None,
         comm_hook: CommHook | None = None,
         broadcast_parameters: bool = True,
         rebuild_buckets: bool = True,
@@ -127,6 +128,11 @@ class DataParallel(nn.Cell):
         bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
             bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
         )  # first_bucket_mb None: chosen below, once overlap is known
+        low_rank = hasattr(hook, "bind_shapes")  # PowerSGD: works on each gradient's matrix, eagerly
+        if low_rank and reduce_op != "avg":
+            raise ValueError(
+                f"compression={compression!r} averages gradients: it needs reduce_op='avg', got {reduce_op!r}"
+            )
         if not runtime.is_initialized("mindspore"):
             runtime.init(framework="mindspore")
         self.engine: MindSporeEngine = runtime.get_engine("mindspore")
@@ -172,13 +178,15 @@ class DataParallel(nn.Cell):
             "compile_reduction": compile_reduction,
             "check_step_alignment": check_step_alignment,
             "reduce_op": reduce_op,
-            "compression": compression,
+            "compression": compression if compression is None or isinstance(compression, str) else repr(compression),
             "comm_hook": comm_hook,
             "bucket_size_mb auto": self._auto_tune_at,
         }
         check_same_on_all_ranks([*signature, plan_entry(plan), options_entry(options)], self.engine.allgather_bytes)
         if broadcast_parameters and self.engine.world_size > 1:
             self._broadcast_parameters(src=0)
+        if low_rank:  # the plan knows element counts only
+            hook.bind_shapes([tuple(p.shape) for p in self._grad_params])
         self.manager = BucketManager(
             plan,
             self.engine,
@@ -190,9 +198,12 @@ class DataParallel(nn.Cell):
             check_step_alignment=check_step_alignment,
         )
         # After backward, the whole plan can be reduced by one compiled graph (CompiledReduction) when the
-        # default hook applies: no Python between kernels, as DistributedGradReducer's @jit.
-        self._compile = compile_reduction and (hook is allreduce_hook or compression is not None)
-        self._wire_dtype = COMPRESSIONS[compression.lower()] if compression is not None else None
+        # default hook or a dtype compression applies: no Python between kernels, as DistributedGradReducer's @jit.
+        # PowerSGD reduces eagerly (its factors are formed between a bucket's two allreduces, its state kept
+        # between steps): reduce() from Python, never inside a compiled step (graph_reducer refuses).
+        self._low_rank = low_rank
+        self._compile = compile_reduction and (hook is allreduce_hook or isinstance(compression, str))
+        self._wire_dtype = COMPRESSIONS[compression.lower()] if isinstance(compression, str) else None
         # (plan fingerprint, gradient order) -> CompiledReduction, or None where unsupported
         self._compiled: dict[tuple[str, tuple[int, ...]], Any] = {}
         self.compiled_collectives: int | None = None  # a step's collectives in the graph_reducer() last handed out
@@ -436,6 +447,14 @@ class DataParallel(nn.Cell):
                 "bucket_size_mb='auto' settles on a size after a profiled step, from PyNative reduce() calls; a "
                 "GRAPH-mode step compiles the plan in: give wrap() a number of MiB (or co.tune() in PyNative)"
             )
+        if self._low_rank:
+            raise ValueError(
+                f"compression={self.compression!r} cannot reduce inside a compiled GRAPH-mode training step (Model, "
+                "a training cell or a DistributedOptimizer in GRAPH mode): PowerSGD forms each bucket's low-rank "
+                "factors between its two allreduces and keeps its state between steps, from Python. Train in "
+                "PyNative mode (ms.set_context(mode=ms.PYNATIVE_MODE)), or call net.reduce(grads) from a Python loop "
+                "(grad_fn may still be compiled), or use compression='fp16'/'bf16' in GRAPH mode"
+            )
         params = self._grad_params if params is None else list(params)
         indices = self._indices_of(params)
         if len(set(indices)) != len(self._grad_params):
@@ -479,6 +498,25 @@ class DataParallel(nn.Cell):
             if network is None or name.startswith("__"):
                 raise
             return getattr(network, name)  # the wrapped network's attributes, as before it was wrapped
+
+    def compression_state_dict(self) -> dict[str, Any]:
+        """The compression's state between steps, for a checkpoint beside the network's and the optimizer's: with
+        ``compression=co.PowerSGD(...)`` each parameter's error-feedback memory and Q factor (MindSpore tensors),
+        the step count and the random state (``{}`` for the stateless compressions). As the torch wrapper's."""
+        hook = self.manager.comm_hook
+        if not hasattr(hook, "state_dict"):
+            return {}
+        if self._participant is not None:
+            self._participant.synchronize()  # a step's owed bucket updates land first
+        return hook.state_dict()
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`compression_state_dict` (a network wrapped with the same options, before its next step)."""
+        hook = self.manager.comm_hook
+        if hasattr(hook, "load_state_dict"):
+            hook.load_state_dict(state, self.engine)
+        elif state:
+            raise ValueError("this network's compression keeps no state: the checkpoint's is for another one")
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:

@@ -5,6 +5,10 @@ factors, counts iterations and keeps each bucket's state (error-feedback memory,
 math (batched matmul, orthogonalisation, normal draws, division) is the engine's (see
 :class:`~collective_ops.bucketing.interfaces.BucketEngine`), so another framework's engine can supply it.
 
+The engine's segments of a buffer may be views (torch) or copies (MindSpore, which has no flat views to hand
+out): every change made to a segment is written back into its buffer (``engine.write``, free where the
+segment is a view of that very place), and segments are taken again from a buffer a collective has reduced.
+
 One compressed bucket takes two allreduces: its uncompressed gradients together with its P factors, then
 its Q factors. The first is launched with the bucket (when it is full, as every bucket is); the second
 once the first has landed, at the next bucket's launch or when the bucket is waited for, whichever comes
@@ -176,9 +180,9 @@ class PowerSGDHook:
         self.iteration = 0  # synchronised steps reduced so far (torch's state.iter)
         self._shapes: list[tuple[int, ...]] | None = None
         self._states: dict[int, _BucketState] = {}
-        # Per parameter (index): error-feedback memory and Q factor not in a bucket's state, from a checkpoint or a
-        # replan; a bucket laid out with the parameter takes them in (views of the old buffers, so a reduction
-        # still in flight writes into them).
+        # Per parameter (index): error-feedback memory and Q factor not in a bucket's state, from a checkpoint (a
+        # tensor) or a replan (a _Place in the old buffers, read when a bucket laid out with the parameter takes it
+        # in: a reduction still in flight at the replan has written its results there by then).
         self._carried: dict[int, dict[str, Any]] = {}
         self._engine: Any = None
         self._seen: set[int] = set()  # buckets reduced in this step: one seen again starts the next step
@@ -212,18 +216,18 @@ class PowerSGDHook:
         return layout
 
     def _by_parameter(self, state: _BucketState) -> dict[int, dict[str, Any]]:
-        """A bucket's memory by parameter: views of its error buffer and Q factors."""
-        engine, layout = self._engine, state.layout
+        """A bucket's memory by parameter: where each one's error memory and Q factor lie in its buffers."""
+        layout = state.layout
         q_at = {m.offset: m for m in layout.matrices}
         out = {}
         for index, offset in zip(state.signature[0], state.signature[1]):
             numel = _numel(self._shapes[index])
             matrix = q_at.get(offset)
             out[index] = {
-                "error": None if state.error is None else engine.segment(state.error, offset, numel),
+                "error": None if state.error is None else _Place(state.error, offset, numel),
                 "q": None
                 if state.q is None or matrix is None
-                else engine.segment(state.q, matrix.q_offset, matrix.cols * matrix.rank),
+                else _Place(state.q, matrix.q_offset, matrix.cols * matrix.rank),
             }
         return out
 
@@ -235,19 +239,21 @@ class PowerSGDHook:
             return
         engine, layout = ctx.engine, state.layout
         numel, dtype, device = engine.describe(ctx.buffer)
-        carried = {i: self._carried.pop(i) for i in members}
+        carried = {
+            i: {key: _read(engine, t) for key, t in self._carried.pop(i).items()} for i in members
+        }  # (a _Place read now: its old bucket's last results are in)
         offsets = dict(zip(state.signature[0], state.signature[1]))
         errors = [(offsets[i], c["error"]) for i, c in carried.items() if c["error"] is not None]
         if errors and self.options.error_feedback:
             state.error = engine.zeros(numel, dtype, device)
             for offset, error in errors:
-                engine.copy_(engine.segment(state.error, offset, engine.describe(error)[0]), error)
+                engine.write(state.error, offset, error)
         param_at = {offset: index for index, offset in offsets.items()}
         qs = [(m, carried.get(param_at[m.offset], {}).get("q")) for m in layout.matrices]
         if qs and all(q is not None for _, q in qs) and self.options.warm_start:
             state.q = engine.zeros(layout.q_numel, dtype, device)
             for m, q in qs:
-                engine.copy_(engine.segment(state.q, m.q_offset, m.cols * m.rank), q)
+                engine.write(state.q, m.q_offset, q)
 
     # -- the hook ----------------------------------------------------------------------
     def __call__(self, ctx: BucketContext) -> Handle:
@@ -324,18 +330,20 @@ class PowerSGDHook:
         qs = [engine.segment(state.q, m.q_offset, m.cols * m.rank, (1, m.cols, m.rank)) for m in layout.matrices]
         if new_q and qs:
             engine.fill_normal_(qs, self._seed(ctx.bucket.index))
-        for q in qs:
+        for m, q in zip(layout.matrices, qs):
             engine.orthogonalize_(q, options.orthogonalization_epsilon)
-        for matrix, q, p in zip(matrices, qs, ps):
+            engine.write(state.q, m.q_offset, q)
+        for m, matrix, q, p in zip(layout.matrices, matrices, qs, ps):
             engine.bmm_(p, matrix, q)
+            engine.write(wire, base + m.p_offset, p)
         position = 0
         for offset, count in layout.uncompressed:
-            engine.copy_(engine.segment(wire, position, count), engine.segment(source, offset, count))
+            engine.write(wire, position, engine.segment(source, offset, count))
             position += count
         self.numel_before += numel
         self.numel_after += layout.compressed_numel
         first = engine.allreduce(wire, "sum", async_op=True) if wire_numel else None
-        return _PowerSGDHandle(self, ctx, state, divisor, matrices, ps, qs, first)
+        return _PowerSGDHandle(self, ctx, state, divisor, matrices, qs, first)
 
     @property
     def compressing(self) -> bool:
@@ -396,7 +404,10 @@ class PowerSGDHook:
             "iteration": self.iteration + (1 if self._seen else 0),
             "rng": None if rng is None else [rng[0], rng[1].tolist(), int(rng[2]), int(rng[3]), float(rng[4])],
             "params": {
-                index: {key: None if t is None else _copied(self._engine, t) for key, t in entry.items()}
+                index: {
+                    key: None if t is None else _copied(self._engine, _read(self._engine, t))
+                    for key, t in entry.items()
+                }
                 for index, entry in sorted(params.items())
             },
         }
@@ -427,6 +438,22 @@ def _copied(engine: Any, tensor: Any) -> Any:
     return copy
 
 
+@dataclass(frozen=True)
+class _Place:
+    """``numel`` elements of ``buffer`` from ``offset``: a parameter's memory in a bucket's buffer, read when needed."""
+
+    buffer: Any
+    offset: int
+    numel: int
+
+
+def _read(engine: Any, entry: Any) -> Any:
+    """A carried entry's tensor: a _Place's segment as its buffer holds it now, a tensor (or None) as it is."""
+    if isinstance(entry, _Place):
+        return engine.segment(entry.buffer, entry.offset, entry.numel)
+    return entry
+
+
 class _PowerSGDHandle:
     """One bucket's compressed reduction: its two allreduces, then P Q^T written into the bucket."""
 
@@ -437,12 +464,14 @@ class _PowerSGDHandle:
         state: _BucketState,
         divisor: int,
         matrices: list,
-        ps: list,
         qs: list,
         first: Handle | None,
     ) -> None:
         self._hook, self._ctx, self._state, self._divisor = hook, ctx, state, divisor
-        self._matrices, self._ps, self._qs = matrices, ps, qs
+        # M (what is compressed) and this step's Q factors, as segments: M is read until the end (and becomes the
+        # next step's error memory); Q is overwritten by M^T P, then reduced, then taken again from the buffer.
+        self._matrices, self._qs = matrices, qs
+        self._ps: list = []  # the P factors, taken from the first allreduce's result
         self._first: Handle | None = first
         self._second: Handle | None = None
         self._staged = False  # the second allreduce is launched
@@ -457,21 +486,31 @@ class _PowerSGDHandle:
         if self._first is not None:
             wait_with_timeout(self._first, timeout)
             self._first = None
+        # the allreduce replaced the wire's contents: its segments are taken now, from the result
         if layout.uncompressed_numel:
             reduced = engine.segment(wire, 0, layout.uncompressed_numel)
             engine.divide_(reduced, self._divisor)
+            engine.write(wire, 0, reduced)
+            error = self._state.error if self._hook.options.error_feedback else None
             position = 0
             for offset, count in layout.uncompressed:
-                result = engine.segment(self._ctx.buffer, offset, count)
-                engine.copy_(result, engine.segment(wire, position, count))
-                if self._hook.options.error_feedback:  # (input as compressed) - (the reduced result)
-                    engine.sub_(engine.segment(self._state.error, offset, count), result)
+                result = engine.segment(reduced, position, count)
+                engine.write(self._ctx.buffer, offset, result)
+                if error is not None:  # (input as compressed) - (the reduced result)
+                    memory = engine.segment(error, offset, count)
+                    engine.sub_(memory, result)
+                    engine.write(error, offset, memory)
                 position += count
         epsilon = self._hook.options.orthogonalization_epsilon
-        for p in self._ps:
+        base = layout.uncompressed_numel
+        for m in layout.matrices:
+            p = engine.segment(wire, base + m.p_offset, m.rows * m.rank, (1, m.rows, m.rank))
             engine.orthogonalize_(p, epsilon)
-        for matrix, p, q in zip(self._matrices, self._ps, self._qs):
+            engine.write(wire, base + m.p_offset, p)
+            self._ps.append(p)
+        for m, matrix, p, q in zip(layout.matrices, self._matrices, self._ps, self._qs):
             engine.bmm_(q, matrix, p, transpose_a=True)
+            engine.write(self._state.q, m.q_offset, q)
         if layout.q_numel:
             self._second = engine.allreduce(self._state.q, "sum", async_op=True)
 
@@ -482,17 +521,20 @@ class _PowerSGDHandle:
         if not self._staged:
             self._hook.advance_pending(seconds)  # this one and every bucket launched before it, in order
             self.second_stage(seconds)
-        engine = self._ctx.engine
+        engine, state = self._ctx.engine, self._state
         if self._second is not None:
             wait_with_timeout(self._second, seconds)
             self._second = None
-            engine.divide_(self._state.q, self._divisor)
-        error_feedback = self._hook.options.error_feedback
-        for p, q, matrix, m in zip(self._ps, self._qs, self._matrices, self._state.layout.matrices):
+            engine.divide_(state.q, self._divisor)
+        error = state.error if self._hook.options.error_feedback else None
+        for p, matrix, m in zip(self._ps, self._matrices, state.layout.matrices):
+            q = engine.segment(state.q, m.q_offset, m.cols * m.rank, (1, m.cols, m.rank))  # as reduced
             result = engine.segment(self._ctx.buffer, m.offset, m.rows * m.cols, (1, m.rows, m.cols))
             engine.bmm_(result, p, q, transpose_b=True)
-            if error_feedback:  # the input as compressed (``matrix``, in the memory) minus the result, while hot
+            engine.write(self._ctx.buffer, m.offset, result)
+            if error is not None:  # the input as compressed (``matrix``, in the memory) minus the result, while hot
                 engine.sub_(matrix, result)
+                engine.write(error, m.offset, matrix)
         if not self._hook.options.warm_start:
             self._state.q = None
         self._done = True
