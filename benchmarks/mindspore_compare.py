@@ -56,7 +56,10 @@ def parse_args(argv=None):
     )
     parser.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     parser.add_argument(
-        "--compression", choices=["fp16"], help="collective_ops communicates in fp16 (DistributedGradReducer: fp32)"
+        "--compression",
+        choices=["fp16", "powersgd"],
+        help="collective_ops communicates in fp16, or compressed by co.PowerSGD(rank=4, start_iter=2) from the "
+        "timed steps on (DistributedGradReducer: fp32)",
     )
     parser.add_argument(
         "--train-cell",
@@ -210,7 +213,7 @@ def run(args) -> None:
                 net,
                 bucket_size_mb=args.bucket_size_mb,
                 overlap=overlap,
-                compression=args.compression,
+                compression=_compression(args.compression),
                 check_step_alignment=kind == CHECKED,
             )
             reduce = wrapped.reduce
@@ -219,10 +222,7 @@ def run(args) -> None:
         else:
             reduce = reference_path(kind, opt.parameters, ctx.world_size)
 
-        def forward(x, y, net=net):
-            return loss_fn(net(x), y)
-
-        setups[kind] = (ms.value_and_grad(forward, None, opt.parameters), reduce, opt, wrapped)
+        setups[kind] = (ms.value_and_grad(_loss_of(net, loss_fn), None, opt.parameters), reduce, opt, wrapped)
         if args.train_cell:  # the reducer inside nn.TrainOneStepCell, where DistributedGradReducer sits
             with_loss = nn.WithLossCell(net, loss_fn)
             if kind == OPTIMIZER:
@@ -334,6 +334,23 @@ def run(args) -> None:
 
 SHARDED = "collective_ops shard=True"
 OPTIMIZER = "collective_ops DistributedOptimizer"
+
+
+def _loss_of(net, loss_fn):
+    """The loss function of ``net`` for ``value_and_grad`` (a closure: GRAPH mode compiles no default arguments)."""
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    return forward
+
+
+def _compression(name: str | None):
+    """``--compression``'s option for wrap: PowerSGD at the rank the torch link benchmarks use, compressing from
+    the third step (the first timed one: every setup runs two warm-up steps)."""
+    import collective_ops as co
+
+    return co.PowerSGD(rank=4, start_iter=2) if name == "powersgd" else name
 
 
 def _optimizer_collectives(wrapped) -> str:
