@@ -114,16 +114,17 @@ def _against_ddp(
     )
 
 
-def _bytes_per_step(rank: int) -> tuple[int, int]:
-    """comm_stats' bytes of the last plain step and of a compressed one (the MLP at rank 2)."""
+def _bytes_per_step(rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """comm_stats' bytes and collectives of the last plain step and of a compressed one (the MLP at rank 2)."""
     import torch
 
     model = _powersgd_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     _train(rank, model, optimizer, range(START))
-    plain = model.comm_stats()["bytes_per_step"]
+    plain = model.comm_stats()
     _train(rank, model, optimizer, range(START, START + 1))
-    return plain, model.comm_stats()["bytes_per_step"]
+    compressed = model.comm_stats()
+    return tuple((stats["bytes_per_step"], stats["collectives_per_step"]) for stats in (plain, compressed))
 
 
 def _train(rank: int, model, optimizer, steps: range, name: str = "mlp") -> None:
@@ -372,10 +373,13 @@ def test_distributed_optimizer_equals_the_same_compression_with_a_plain_optimize
         assert_identical(plain, distributed, f"rank {results.rank}")
 
 
-def test_comm_stats_count_the_compressed_bytes(two_ranks) -> None:
+def test_comm_stats_count_the_compressed_bytes_and_both_allreduces(two_ranks) -> None:
     # bucket [b2, w2, b1, w1]: w1 (64 x 64) alone compresses at rank 2 (w2, 4 x 64, would send 272 > 256
-    # elements): 324 uncompressed + P 128 + Q 128; bucket [b0, w0]: 64 + P 128 + Q 32
-    assert two_ranks[0]["bytes"] == (5508 * 4, (580 + 224) * 4)
+    # elements): 324 uncompressed + P 128 + Q 128; bucket [b0, w0]: 64 + P 128 + Q 32. A compressed bucket takes
+    # two allreduces (uncompressed gradients and P, then Q), a plain one one; every step adds its alignment check.
+    (plain_bytes, plain_collectives), (compressed_bytes, compressed_collectives) = two_ranks[0]["bytes"]
+    assert (plain_bytes, compressed_bytes) == (5508 * 4, (580 + 224) * 4)
+    assert (plain_collectives, compressed_collectives) == (2 + 1, 4 + 1)
 
 
 def test_auto_bucket_size_settles_alike_on_every_rank_on_rank_0s_compressed_prediction(two_ranks) -> None:

@@ -432,7 +432,8 @@ class BucketManager:
             if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
                 raise self._give_up(bucket_index, exc) from exc
             raise
-        self._stats.collectives += 1
+        count = getattr(self.comm_hook, "collectives", None)  # a hook of several collectives counts them (PowerSGD)
+        self._stats.collectives += count(bucket) if callable(count) else 1
         nbytes = self._wire_nbytes(bucket)  # and of a row-sparse table, the share of its rows sent
         if chunk_numel is not None:
             self._stats.bytes_communicated += nbytes * chunk_numel // bucket.numel

@@ -358,6 +358,16 @@ class PowerSGDHook:
             return None
         return state.layout.compressed_numel * (bucket.nbytes // max(bucket.numel, 1))
 
+    def collectives(self, bucket: Any) -> int:
+        """The allreduces this step's reduction of ``bucket`` (a BucketSpec, once launched) takes: two once it is
+        compressed (the uncompressed gradients with the P factors, then the Q factors; an empty one is not
+        launched), one before."""
+        state = self._states.get(bucket.index)
+        if self.iteration < self.options.start_iter or state is None:
+            return 1
+        layout = state.layout
+        return int(layout.uncompressed_numel + layout.p_numel > 0) + int(layout.q_numel > 0)
+
     def planned_wire(self, bucket: Any) -> tuple[tuple[int, ...], float]:
         """What a compressed step's reduction of ``bucket`` (a BucketSpec of any plan: the live one or a candidate
         the bucket-size tune or the launch-order planner weighs) costs: the bytes of its two allreduces
