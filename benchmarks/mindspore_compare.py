@@ -283,9 +283,9 @@ def run(args) -> None:
         calls = {
             "DistributedGradReducer": f"{n_grads} in one @jit graph",
             "collective_ops": f"{stats['collectives_per_step']} ({stats['buckets']} bucket(s), {stats['mode']})",
-            CHECKED: f"{stats['buckets'] + 1} ({stats['mode']}, + the step table)",
+            CHECKED: _collectives(setups[CHECKED][3], "with the step table") if CHECKED in setups else "",
             "no reduction": "0",
-            OPTIMIZER: _optimizer_collectives(setups[OPTIMIZER][3]) if OPTIMIZER in setups else "",
+            OPTIMIZER: _collectives(setups[OPTIMIZER][3], "inside the optimizer") if OPTIMIZER in setups else "",
             "fused ops.AllReduce": "1 (after backward)",
             "per-gradient hook launch": f"{n_grads} (during backward)",
             SHARDED: f"{2 * len(setups[SHARDED][3].manager.plan.buckets)} (reduce-scatter + all-gather per bucket)"
@@ -353,11 +353,11 @@ def _compression(name: str | None):
     return co.PowerSGD(rank=4, start_iter=2) if name == "powersgd" else name
 
 
-def _optimizer_collectives(wrapped) -> str:
-    """The distributed optimizer's collectives a step, as its wrapper counts them (a compiled reduction's
-    allreduces: one per gradient sent alone and one per fused group)."""
+def _collectives(wrapped, where: str) -> str:
+    """A setup's collectives a step, as its wrapper counts them (a compiled reduction's allreduces: one per gradient
+    sent alone and one per fused group; PowerSGD's two a bucket; the step-alignment check's table)."""
     stats = wrapped.comm_stats()
-    return f"{stats['collectives_per_step']} ({stats['buckets']} bucket(s), inside the optimizer)"
+    return f"{stats['collectives_per_step']} ({stats['buckets']} bucket(s), {where})"
 
 
 def _cnn23m():

@@ -138,6 +138,7 @@ def test_cli_writes_table_csv_json_and_plot(tmp_path) -> None:
         (["heatmap", "--trace", "t.json", "--output", "x.txt"], "must be a .png"),
         (["bench", "--link", "1gbit", "--spawn", "3"], "does not split over the link's 2 nodes"),
         (["bench", "--link", "fast"], "is not a tc rate"),
+        (["bench", "--launcher", "msrun"], "starts the nodes of --link RATE"),
         (["nonsense"], "invalid choice"),
     ],
 )

@@ -603,6 +603,16 @@ def test_powersgd_reduces_as_ddp_powersgd_hook_fed_the_same_gradients(matrix_ran
     assert not np.allclose(mean[0], results[0]["reduced"][-1][0], rtol=1e-3, atol=1e-5)
 
 
+def test_powersgd_keeps_a_zero_gradient_matrix_finite_above_rank_2() -> None:
+    """A weight whose gradient is zero on every rank, compressed at rank 4: its reduced gradient is zero and no
+    reduced gradient is NaN, as torch's hook (a QR factorisation above rank 2; Gram-Schmidt divides 0 by 0)."""
+    for rank, out in enumerate(powersgd_results()):
+        result = out["zero_gradient_matrix"]
+        assert result["compressing"], "the run never reached PowerSGD's start_iter"
+        assert result["finite"], f"worker {rank}: a reduced gradient is not finite"
+        assert result["fc0_weight_zero"], f"worker {rank}: the zero gradient did not reduce to zero"
+
+
 def _dispatch_torch_powersgd(rank: int, world: int, local_by_rank: list, shapes: list, matrix_rank: int) -> dict:
     return _torch_powersgd(rank, world, shapes, local_by_rank[rank], matrix_rank, 2, 3)
 

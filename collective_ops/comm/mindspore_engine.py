@@ -317,17 +317,22 @@ class MindSporeEngine(Engine):
         out.copy_(mint.bmm(a, b))
 
     def orthogonalize_(self, matrices: ms.Tensor, epsilon: float = 0.0) -> None:
-        """Orthonormal columns, in place, for a batch of (batch, rows, rank) matrices: Gram-Schmidt at every rank
-        (torch's hook, and the torch engine, use it at rank 1-2 and a QR factorisation above). Both give the
-        same orthonormal basis up to each column's sign, and a column's sign flips its P and its Q factor alike,
-        so P Q^T, the result, agrees with torch's to fp32 rounding (the factors themselves may differ in sign)."""
+        """Orthonormal columns, in place, for a batch of (batch, rows, rank) matrices, as torch's hook does:
+        Gram-Schmidt at rank 1-2 or in half precision, else a QR factorisation (``ops.qr``; ``epsilon`` then
+        unused), which keeps a zero matrix's columns finite. A QR factorisation may flip a column's sign against
+        torch's, but the sign flips its P and its Q factor alike, so P Q^T, the result, agrees with torch's to
+        fp32 rounding (the stored factors may differ in sign)."""
+        rank = int(matrices.shape[2])
+        if rank > 2 and matrices.dtype not in (ms.float16, ms.bfloat16):
+            matrices.copy_(ops.qr(matrices)[0])
+            return
         rest, columns = matrices, []
-        for i in range(int(matrices.shape[2])):
+        for i in range(rank):
             col = rest[:, :, 0:1]
             norm = mint.sqrt(mint.sum(col * col, dim=1, keepdim=True))
             col = col / (norm + epsilon) if epsilon else col / norm
             columns.append(col)
-            if i + 1 < int(matrices.shape[2]):
+            if i + 1 < rank:
                 rest = rest[:, :, 1:]
                 rest = rest - mint.sum(col * rest, dim=1, keepdim=True) * col
         matrices.copy_(mint.cat(columns, dim=2))

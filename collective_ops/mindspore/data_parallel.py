@@ -46,7 +46,7 @@ from ..bucketing import (
     fused_collective,
     plan_buckets,
 )
-from ..bucketing.compression import PowerSGD
+from ..bucketing.compression import PowerSGD, load_hook_state
 from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
@@ -512,11 +512,7 @@ class DataParallel(nn.Cell):
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`compression_state_dict` (a network wrapped with the same options, before its next step)."""
-        hook = self.manager.comm_hook
-        if hasattr(hook, "load_state_dict"):
-            hook.load_state_dict(state, self.engine)
-        elif state:
-            raise ValueError("this network's compression keeps no state: the checkpoint's is for another one")
+        load_hook_state(self.manager.comm_hook, state, self.engine)
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:

@@ -491,6 +491,10 @@ def validate(args: argparse.Namespace) -> str | None:
         return str(exc)
     if args.spawn < 0:
         return f"--spawn takes a number of ranks >= 0, got {args.spawn}"
+    if args.launcher != "torchrun" and args.link == "none":
+        return (
+            f"--launcher {args.launcher} starts the nodes of --link RATE; without a link, start the bench under msrun"
+        )
     if args.link != "none":
         from .link import rate_bits
 

@@ -36,6 +36,7 @@ from ..bucketing import (
     RowSparseReduction,
     validate_bucket_mb,
 )
+from ..bucketing.compression import load_hook_state
 from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..bucketing.participant import UpdateParticipant
 from ..comm.torch_engine import TorchEngine
@@ -754,11 +755,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`compression_state_dict` (a model wrapped with the same options, before its next step)."""
-        hook = self.manager.comm_hook
-        if hasattr(hook, "load_state_dict"):
-            hook.load_state_dict(state, self.engine)
-        elif state:
-            raise ValueError("this model's compression keeps no state: the checkpoint's is for another one")
+        load_hook_state(self.manager.comm_hook, state, self.engine)
 
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (the model keeps working unwrapped)."""

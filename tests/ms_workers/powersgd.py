@@ -119,7 +119,22 @@ def with_distributed_optimizer() -> tuple[dict, dict]:
     return runs[0], runs[1]
 
 
+def zero_gradient_matrix() -> dict:
+    """A weight whose gradient is zero on every rank (its layer's input zeroed, as a zero-initialised layer feeds
+    the next), compressed at rank 4: its reduced gradient is zero and no gradient is NaN (torch's QR above rank 2)."""
+    net = co.wrap(build(), bucket_size_mb=BUCKET_MB, compression=compression(4))
+    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(net(x * 0), y), None, net.trainable_params())
+    finite, fc0_weight_zero = True, True
+    for step in range(START + 2):
+        _, grads = grad_fn(*batch(step, rank))
+        reduced = [g.asnumpy() for g in net.reduce(grads)]
+        finite = finite and all(bool(np.isfinite(g).all()) for g in reduced)
+        fc0_weight_zero = fc0_weight_zero and not reduced[0].any()
+    return {"finite": finite, "fc0_weight_zero": fc0_weight_zero, "compressing": net.manager.comm_hook.compressing}
+
+
 out["rank2"] = against_torch(2)
+out["zero_gradient_matrix"] = zero_gradient_matrix()
 out["rank4"] = against_torch(4)
 out["resumed"] = resumed()
 out["distributed_optimizer"] = with_distributed_optimizer()

@@ -20,4 +20,13 @@ def hook_for_compression(compression: Any) -> CommHook:
     raise ValueError(f"unknown compression {compression!r}; use None, 'fp16', 'bf16' or co.PowerSGD(...)")
 
 
-__all__ = ["PowerSGD", "PowerSGDHook", "hook_for_compression"]
+def load_hook_state(hook: CommHook, state: dict[str, Any], engine: Any) -> None:
+    """Restore a compression hook's ``state_dict()`` (what a wrapper's ``load_compression_state_dict`` takes); a
+    non-empty state for a hook that keeps none is refused (a checkpoint of another compression)."""
+    if hasattr(hook, "load_state_dict"):
+        hook.load_state_dict(state, engine)
+    elif state:
+        raise ValueError("this network's compression keeps no state: the checkpoint's is for another one")
+
+
+__all__ = ["PowerSGD", "PowerSGDHook", "hook_for_compression", "load_hook_state"]

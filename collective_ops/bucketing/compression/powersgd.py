@@ -398,8 +398,9 @@ class PowerSGDHook:
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Iteration count, random state and, by parameter index, error-feedback memory and Q factor (copies, in
-        the engine's tensors: ``torch.save`` them with the model's state). By parameter, so a checkpoint loads
-        into other buckets (another bucket size, or the plan before its first-step rebuild). Between steps only."""
+        the engine's tensors: ``torch.save`` them, or ``pickle`` them on MindSpore, on every rank, whose error
+        memory is its own). By parameter, so a checkpoint loads into other buckets (another bucket size, or the plan
+        before its first-step rebuild). Between steps only."""
         if self._pending:
             raise RuntimeError(
                 "PowerSGD state_dict() during a step in flight: finish the step (optimizer.step()) first"
