@@ -628,6 +628,15 @@ def test_powersgd_resumes_from_its_checkpoint_and_composes_with_the_distributed_
         assert_identical(plain, distributed, f"DistributedOptimizer + PowerSGD, rank {rank}")
 
 
+def test_powersgd_under_model_trains_as_the_functional_loop() -> None:
+    """mindspore.train.Model(co.wrap(net, compression=co.PowerSGD(...)), loss_fn, nn.SGD).train (PyNative) over 6
+    batches equals net.reduce + nn.SGD in a functional loop on the same batches, bit for bit: Model's training
+    cell reduces through the wrapper, compressed from start_iter on as the loop."""
+    for rank, out in enumerate(powersgd_results()):
+        functional, model = out["model"]
+        assert_identical(functional, model, f"Model + PowerSGD, rank {rank}")
+
+
 def test_powersgd_refuses_a_compiled_step_a_sum_and_sharding_with_what_to_do() -> None:
     errors = powersgd_results()[0]["errors"]
     assert "cannot reduce inside a compiled GRAPH-mode training step" in errors["graph"], errors["graph"]

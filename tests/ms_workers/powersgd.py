@@ -5,7 +5,7 @@ An MLP with weights of two shapes (two of them alike, apart in the bucket) and b
 in a functional loop (each rank its own batches, SGD): every step's local gradients and reduced ones
 (``net.reduce``), at PowerSGD rank 2 and 4. Then: a run resumed from ``compression_state_dict()`` after step 3
 against an uninterrupted one, the unsharded ``DistributedOptimizer`` against ``net.reduce`` + the same optimizer,
-and what is refused.
+``Model(wrapped, ...).train`` against the functional loop, a zero-gradient weight, and what is refused.
 """
 
 from __future__ import annotations
@@ -119,6 +119,27 @@ def with_distributed_optimizer() -> tuple[dict, dict]:
     return runs[0], runs[1]
 
 
+def with_model() -> tuple[dict, dict]:
+    """(net.reduce + nn.SGD in a functional loop, mindspore.train.Model(wrapped, loss_fn, nn.SGD).train), both under
+    the same PowerSGD, on the same batches of each rank: Model's training cell reduces through the wrapper."""
+    from mindspore.train import Model
+
+    net = co.wrap(build(), bucket_size_mb=BUCKET_MB, compression=compression())
+    train(net, nn.SGD(net.trainable_params(), learning_rate=0.1), range(STEPS))
+    functional = weights(net)
+    net = co.wrap(build(), bucket_size_mb=BUCKET_MB, compression=compression())
+    batches = [batch(step, rank) for step in range(STEPS)]
+    data = ms.dataset.NumpySlicesDataset(
+        {
+            "x": np.concatenate([x.asnumpy() for x, _ in batches]),
+            "y": np.concatenate([y.asnumpy() for _, y in batches]),
+        },
+        shuffle=False,
+    ).batch(8)
+    Model(net, loss_fn, nn.SGD(net.trainable_params(), learning_rate=0.1)).train(1, data, dataset_sink_mode=False)
+    return functional, weights(net)
+
+
 def zero_gradient_matrix() -> dict:
     """A weight whose gradient is zero on every rank (its layer's input zeroed, as a zero-initialised layer feeds
     the next), compressed at rank 4: its reduced gradient is zero and no gradient is NaN (torch's QR above rank 2)."""
@@ -138,6 +159,7 @@ out["zero_gradient_matrix"] = zero_gradient_matrix()
 out["rank4"] = against_torch(4)
 out["resumed"] = resumed()
 out["distributed_optimizer"] = with_distributed_optimizer()
+out["model"] = with_model()
 out["errors"] = collect_errors(
     {
         "graph": lambda: co.wrap(build(), compression=compression()).graph_reducer(),
