@@ -259,8 +259,10 @@ class MindSporeEngine(Engine):
 
     @staticmethod
     def _piece(buffer: ms.Tensor, offset: int, numel: int) -> ms.Tensor:
-        # a copy: a slice starting at 0 keeps the whole buffer's memory and breaks copy_ (mindspore 2.10, CPU)
-        return fresh_copy(buffer[offset : offset + numel])
+        # a copy: a view (a slice, mint.narrow) does not write through copy_ and one starting at 0 breaks it
+        # (mindspore 2.10, CPU). Copied from mint.narrow: 0.35 ms for 1 MiB of a 22 MiB buffer on CPU, against
+        # 2.8 ms from a slice (item access goes through MindSpore's index machinery).
+        return fresh_copy(mint.narrow(buffer, 0, offset, numel))
 
     def segment(self, buffer: ms.Tensor, offset: int, numel: int, shape: Sequence[int] | None = None) -> ms.Tensor:
         piece = self._piece(buffer, offset, numel)  # a copy: MindSpore has no flat views to hand out
