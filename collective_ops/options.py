@@ -274,7 +274,10 @@ def resolve_options(
         raise ValueError(f"reduce_op for gradients must be 'avg' or 'sum', got {reduce_op!r}")
     if comm_hook is not None and compression is not None:
         raise ValueError("give either compression or comm_hook, not both (compression is a built-in comm_hook)")
-    return bucket_size_mb, first_bucket_mb, reduce_op, comm_hook or hook_for_compression(compression)
+    hook = comm_hook or hook_for_compression(compression)
+    if hasattr(hook, "bind_shapes") and reduce_op != "avg":  # a low-rank compression (PowerSGD) averages
+        raise ValueError(f"compression={compression!r} averages gradients: it needs reduce_op='avg', got {reduce_op!r}")
+    return bucket_size_mb, first_bucket_mb, reduce_op, hook
 
 
 def names_text(names: Sequence[str], limit: int = 5) -> str:

@@ -129,10 +129,6 @@ class DataParallel(nn.Cell):
             bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
         )  # first_bucket_mb None: chosen below, once overlap is known
         low_rank = hasattr(hook, "bind_shapes")  # PowerSGD: works on each gradient's matrix, eagerly
-        if low_rank and reduce_op != "avg":
-            raise ValueError(
-                f"compression={compression!r} averages gradients: it needs reduce_op='avg', got {reduce_op!r}"
-            )
         if not runtime.is_initialized("mindspore"):
             runtime.init(framework="mindspore")
         self.engine: MindSporeEngine = runtime.get_engine("mindspore")

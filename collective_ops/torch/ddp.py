@@ -94,10 +94,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket_size_mb, first_bucket_mb, o.reduce_op, o.compression, o.comm_hook
         )
         check_step_alignment = o.check_step_alignment is not False  # (WrapOptions: None is on for torch)
-        if hasattr(hook, "bind_shapes") and reduce_op != "avg":
-            raise ValueError(
-                f"compression={o.compression!r} averages gradients: it needs reduce_op='avg', got {reduce_op!r}"
-            )
         self.auto_tune_report = None
         # with a DistributedOptimizer planning its order: (size, first bucket) -> simulated overlapped step
         self.auto_tune_overlapped: dict[tuple[float, float], float] = {}

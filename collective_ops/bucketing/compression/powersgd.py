@@ -6,8 +6,9 @@ math (batched matmul, orthogonalisation, normal draws, division) is the engine's
 :class:`~collective_ops.bucketing.interfaces.BucketEngine`), so another framework's engine can supply it.
 
 The engine's segments of a buffer may be views (torch) or copies (MindSpore, which has no flat views to hand
-out): every change made to a segment is written back into its buffer (``engine.write``, free where the
-segment is a view of that very place), and segments are taken again from a buffer a collective has reduced.
+out): a change made to a segment is written back into its buffer (``engine.write``, free where the segment is a
+view of that very place) wherever the buffer is read afterwards (a collective, the bucket's result, the next
+step's memory), and segments are taken again from a buffer a collective has reduced.
 
 One compressed bucket takes two allreduces: its uncompressed gradients together with its P factors, then
 its Q factors. The first is launched with the bucket (when it is full, as every bucket is); the second
@@ -330,9 +331,8 @@ class PowerSGDHook:
         qs = [engine.segment(state.q, m.q_offset, m.cols * m.rank, (1, m.cols, m.rank)) for m in layout.matrices]
         if new_q and qs:
             engine.fill_normal_(qs, self._seed(ctx.bucket.index))
-        for m, q in zip(layout.matrices, qs):
+        for q in qs:  # (not written back: the second stage overwrites every Q factor with M^T P before its allreduce)
             engine.orthogonalize_(q, options.orthogonalization_epsilon)
-            engine.write(state.q, m.q_offset, q)
         for m, matrix, q, p in zip(layout.matrices, matrices, qs, ps):
             engine.bmm_(p, matrix, q)
             engine.write(wire, base + m.p_offset, p)
@@ -499,9 +499,8 @@ class _PowerSGDHandle:
             self._first = None
         # the allreduce replaced the wire's contents: its segments are taken now, from the result
         if layout.uncompressed_numel:
-            reduced = engine.segment(wire, 0, layout.uncompressed_numel)
+            reduced = engine.segment(wire, 0, layout.uncompressed_numel)  # read from here on, not from the wire
             engine.divide_(reduced, self._divisor)
-            engine.write(wire, 0, reduced)
             error = self._state.error if self._hook.options.error_feedback else None
             position = 0
             for offset, count in layout.uncompressed:
@@ -517,8 +516,7 @@ class _PowerSGDHandle:
         for m in layout.matrices:
             p = engine.segment(wire, base + m.p_offset, m.rows * m.rank, (1, m.rows, m.rank))
             engine.orthogonalize_(p, epsilon)
-            engine.write(wire, base + m.p_offset, p)
-            self._ps.append(p)
+            self._ps.append(p)  # kept for the decompression: the wire is not read again this step
         for m, matrix, p, q in zip(layout.matrices, self._matrices, self._ps, self._qs):
             engine.bmm_(q, matrix, p, transpose_a=True)
             engine.write(self._state.q, m.q_offset, q)
