@@ -2,14 +2,17 @@
 
     python benchmarks/optimizer_phases.py --link 1gbit --model transformer-5m
     python benchmarks/optimizer_phases.py --link 1gbit --optimizer adamw --bucket-size-mb auto --shard
+    python benchmarks/optimizer_phases.py --compression powersgd --bucket-size-mb 25   # DDP + powerSGD_hook against wrap's
 
 Each setup trains ``--steps`` steps in turn (the loop: forward, zero_grad, backward, step) and
 reports the median of each phase on rank 0, plus, for the DistributedOptimizer, the time its
 forward pre-hooks spent finishing buckets (waiting for reductions, then updating; sharded also
-waiting for all-gathers). ``--shard`` adds ``DistributedOptimizer(shard=True)``.
+waiting for all-gathers). ``--shard`` adds ``DistributedOptimizer(shard=True)``. ``--compression powersgd``
+compresses every setup's gradients at rank 4 from the third step on (DDP with torch's ``powerSGD_hook``, waited
+for inside the hook as benchmarks/powersgd_compare.py runs it), the steps after the first three timed.
 
 On the emulated link (``--link``) it also prints compute alone (the same model and optimizer, no wrapper and no
-communication, trained in turn like the others), the wire time at the link's rate of one step's bytes (as
+communication, trained in turn like the others; also printed with ``--compression``), the wire time at the link's rate of one step's bytes (as
 ``comm_stats()['bytes_per_step']`` counts them, wrap's) and each step as a multiple of max(compute, wire): its
 distance to the physical limit (benchmarks/common.py ``physical_limit``). The step there is the median of the whole
 loop.
@@ -32,9 +35,12 @@ from benchmarks.common import COMPUTE_ALONE, link_rate, physical_limit, run_benc
 from benchmarks.ddp_compare import MODELS, build_model  # noqa: E402
 
 
-def _phases(model, optimizer, batches: list, steps: int) -> dict:
+def _phases(model, optimizer, batches: list, steps: int, skip: int = 0, skipped=lambda: None) -> dict:
+    """Median ms of each phase over the steps after the first ``skip`` (``skipped()`` called after them)."""
     record: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "total": []}
     for i in range(steps):
+        if i == skip:
+            skipped()
         x, y = batches[i % len(batches)]
         t0 = time.perf_counter()
         loss = nn.functional.cross_entropy(model(x), y)
@@ -49,7 +55,7 @@ def _phases(model, optimizer, batches: list, steps: int) -> dict:
         record["backward"].append(t3 - t2)
         record["step"].append(t4 - t3)
         record["total"].append(t4 - t0)
-    return {phase: statistics.median(values) * 1e3 for phase, values in record.items()}
+    return {phase: statistics.median(values[skip:]) * 1e3 for phase, values in record.items()}
 
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}), "adamw": (torch.optim.AdamW, {"lr": 1e-4})}
@@ -74,6 +80,15 @@ def _time_forward_waits() -> list[float]:
     return waits
 
 
+def _compressed_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    from benchmarks.powersgd_compare import _serial
+
+    state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2, random_seed=0)
+    ddp.register_comm_hook(state, _serial(torch_powersgd.powerSGD_hook))
+
+
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     import collective_ops as co
 
@@ -85,25 +100,31 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     optimizer_class, settings = OPTIMIZERS[args.optimizer]
     ddp_bucket = 25.0 if args.bucket_size_mb == "auto" else args.bucket_size_mb
     out = {}
+    compression_on = args.compression != "none"
+    skip = 3 if compression_on else 0
     waits = _time_forward_waits()
-    if link_rate():  # on the link: the plain model and optimizer, no communication, for the step's physical limit
+    if link_rate() or compression_on:  # the plain model and optimizer, no communication: the step's physical limit
         model, _ = build_model(args.model)
         out[COMPUTE_ALONE] = _phases(model, optimizer_class(model.parameters(), **settings), batches, args.steps)
     model, _ = build_model(args.model)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket)
-    out["DDP"] = _phases(ddp, optimizer_class(ddp.parameters(), **settings), batches, args.steps)
+    compression = None
+    if args.compression == "powersgd":
+        _compressed_ddp(ddp)
+        compression = co.PowerSGD(rank=4, start_iter=2, random_seed=0)
+    out["DDP"] = _phases(ddp, optimizer_class(ddp.parameters(), **settings), batches, args.steps, skip)
     model, _ = build_model(args.model)
-    wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
-    out["wrap"] = _phases(wrapped, optimizer_class(wrapped.parameters(), **settings), batches, args.steps)
+    wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb, compression=compression)
+    out["wrap"] = _phases(wrapped, optimizer_class(wrapped.parameters(), **settings), batches, args.steps, skip)
     sent = wrapped.comm_stats()["bytes_per_step"]
     for shard in (False, True) if args.shard else (False,):
         model, _ = build_model(args.model)
-        wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
+        wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb, compression=compression)
         optimizer = co.DistributedOptimizer(wrapped, optimizer_class, shard=shard, **settings)
         waits.clear()
         label = f"DistributedOptimizer{'(shard=True)' if shard else ''}"
-        out[label] = _phases(wrapped, optimizer, batches, args.steps)
-        out[label]["finishing buckets"] = sum(waits) / args.steps * 1e3
+        out[label] = _phases(wrapped, optimizer, batches, args.steps, skip, waits.clear)
+        out[label]["finishing buckets"] = sum(waits) / (args.steps - skip) * 1e3
         optimizer.synchronize()
     co.barrier()
     co.shutdown()
@@ -119,13 +140,14 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     parser.add_argument("--shard", action="store_true", help="also DistributedOptimizer(shard=True)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compression", choices=("none", "powersgd"), default="none")
     outcome = run_benchmark(parser, argv, rank_main)
     if isinstance(outcome, int):
         return outcome
     args, (out, sent) = outcome
     print(
         f"# optimizer_phases: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb} MiB, "
-        f"{args.optimizer}"
+        f"{args.optimizer}, compression {args.compression}"
     )
     print(f"  {'setup':<34} {'forward':>8} {'backward':>9} {'step':>6} {'finishing buckets':>18}  (median ms, rank 0)")
     for setup, phases in out.items():

@@ -637,6 +637,15 @@ def test_powersgd_under_model_trains_as_the_functional_loop() -> None:
         assert_identical(functional, model, f"Model + PowerSGD, rank {rank}")
 
 
+def test_powersgd_launched_during_backward_reduces_as_after_it() -> None:
+    """overlap=True (each bucket's first allreduce launched from the parameter hooks during backward) trains as
+    overlap=False, bit for bit, and comm_stats says which mode ran."""
+    for rank, out in enumerate(powersgd_results()):
+        after, after_mode, during, during_mode = out["overlap"]
+        assert (after_mode, during_mode) == ("fused-after-backward", "overlap"), (after_mode, during_mode)
+        assert_identical(after, during, f"PowerSGD with overlap=True, rank {rank}")
+
+
 def test_powersgd_refuses_a_compiled_step_a_sum_and_sharding_with_what_to_do() -> None:
     errors = powersgd_results()[0]["errors"]
     assert "cannot reduce inside a compiled GRAPH-mode training step" in errors["graph"], errors["graph"]

@@ -5,7 +5,8 @@ An MLP with weights of two shapes (two of them alike, apart in the bucket) and b
 in a functional loop (each rank its own batches, SGD): every step's local gradients and reduced ones
 (``net.reduce``), at PowerSGD rank 2 and 4. Then: a run resumed from ``compression_state_dict()`` after step 3
 against an uninterrupted one, the unsharded ``DistributedOptimizer`` against ``net.reduce`` + the same optimizer,
-``Model(wrapped, ...).train`` against the functional loop, a zero-gradient weight, and what is refused.
+``Model(wrapped, ...).train`` against the functional loop, ``overlap=True`` against ``overlap=False``, a
+zero-gradient weight, and what is refused.
 """
 
 from __future__ import annotations
@@ -140,6 +141,18 @@ def with_model() -> tuple[dict, dict]:
     return functional, weights(net)
 
 
+def overlapped() -> tuple[dict, dict]:
+    """(overlap=False, overlap=True) under the same PowerSGD, net.reduce + nn.SGD: with overlap the parameter hooks
+    launch the bucket (its first allreduce) during backward, and net.reduce finishes it."""
+    runs = []
+    for overlap in (False, True):
+        net = co.wrap(build(), bucket_size_mb=BUCKET_MB, overlap=overlap, compression=compression())
+        train(net, nn.SGD(net.trainable_params(), learning_rate=0.1), range(STEPS))
+        runs.append(weights(net))
+        runs.append(net.comm_stats()["mode"])
+    return runs
+
+
 def zero_gradient_matrix() -> dict:
     """A weight whose gradient is zero on every rank (its layer's input zeroed, as a zero-initialised layer feeds
     the next), compressed at rank 4: its reduced gradient is zero and no gradient is NaN (torch's QR above rank 2)."""
@@ -160,6 +173,7 @@ out["rank4"] = against_torch(4)
 out["resumed"] = resumed()
 out["distributed_optimizer"] = with_distributed_optimizer()
 out["model"] = with_model()
+out["overlap"] = overlapped()
 out["errors"] = collect_errors(
     {
         "graph": lambda: co.wrap(build(), compression=compression()).graph_reducer(),

@@ -6,8 +6,8 @@ math (batched matmul, orthogonalisation, normal draws, division) is the engine's
 :class:`~collective_ops.bucketing.interfaces.BucketEngine`), so another framework's engine can supply it.
 
 The engine's segments of a buffer may be views (torch) or copies (MindSpore, which has no flat views to hand
-out): a change made to a segment is written back into its buffer (``engine.write``, free where the segment is a
-view of that very place) wherever the buffer is read afterwards (a collective, the bucket's result, the next
+out): a change made to a segment is written back into its buffer (``engine.write``; skipped where segments are
+views, as they are on engines that do not assemble buckets) wherever the buffer is read afterwards (a collective, the bucket's result, the next
 step's memory), and segments are taken again from a buffer a collective has reduced.
 
 One compressed bucket takes two allreduces: its uncompressed gradients together with its P factors, then
@@ -335,7 +335,7 @@ class PowerSGDHook:
             engine.orthogonalize_(q, options.orthogonalization_epsilon)
         for m, matrix, q, p in zip(layout.matrices, matrices, qs, ps):
             engine.bmm_(p, matrix, q)
-            engine.write(wire, base + m.p_offset, p)
+            _put_back(engine, wire, base + m.p_offset, p)
         position = 0
         for offset, count in layout.uncompressed:
             engine.write(wire, position, engine.segment(source, offset, count))
@@ -443,6 +443,13 @@ class PowerSGDHook:
         self._carried = {int(index): dict(entry) for index, entry in state["params"].items()}
 
 
+def _put_back(engine: Any, buffer: Any, offset: int, segment: Any) -> None:
+    """A segment of ``buffer`` at ``offset``, changed in place, written back: nothing to do where segments are views
+    (engines that do not assemble buckets), where the write would still cost a call per matrix."""
+    if getattr(engine, "assembles_buckets", False):
+        engine.write(buffer, offset, segment)
+
+
 def _copied(engine: Any, tensor: Any) -> Any:
     copy = engine.zeros(*engine.describe(tensor))
     engine.copy_(copy, tensor)
@@ -509,7 +516,7 @@ class _PowerSGDHandle:
                 if error is not None:  # (input as compressed) - (the reduced result)
                     memory = engine.segment(error, offset, count)
                     engine.sub_(memory, result)
-                    engine.write(error, offset, memory)
+                    _put_back(engine, error, offset, memory)
                 position += count
         epsilon = self._hook.options.orthogonalization_epsilon
         base = layout.uncompressed_numel
@@ -519,7 +526,7 @@ class _PowerSGDHandle:
             self._ps.append(p)  # kept for the decompression: the wire is not read again this step
         for m, matrix, p, q in zip(layout.matrices, self._matrices, self._ps, self._qs):
             engine.bmm_(q, matrix, p, transpose_a=True)
-            engine.write(self._state.q, m.q_offset, q)
+            _put_back(engine, self._state.q, m.q_offset, q)
         if layout.q_numel:
             self._second = engine.allreduce(self._state.q, "sum", async_op=True)
 
@@ -540,10 +547,10 @@ class _PowerSGDHandle:
             q = engine.segment(state.q, m.q_offset, m.cols * m.rank, (1, m.cols, m.rank))  # as reduced
             result = engine.segment(self._ctx.buffer, m.offset, m.rows * m.cols, (1, m.rows, m.cols))
             engine.bmm_(result, p, q, transpose_b=True)
-            engine.write(self._ctx.buffer, m.offset, result)
+            _put_back(engine, self._ctx.buffer, m.offset, result)
             if error is not None:  # the input as compressed (``matrix``, in the memory) minus the result, while hot
                 engine.sub_(matrix, result)
-                engine.write(error, m.offset, matrix)
+                _put_back(engine, error, m.offset, matrix)
         if not self._hook.options.warm_start:
             self._state.q = None
         self._done = True
