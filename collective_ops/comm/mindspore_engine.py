@@ -307,8 +307,8 @@ class MindSporeEngine(Engine):
     def add_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
         dst.copy_(mint.add(dst, src.reshape(dst.shape)))
 
-    def sub_(self, dst: ms.Tensor, src: ms.Tensor) -> None:
-        dst.copy_(mint.sub(dst, src.reshape(dst.shape)))
+    def sub_into(self, buffer: ms.Tensor, offset: int, a: ms.Tensor, b: ms.Tensor) -> None:
+        self.write(buffer, offset, mint.sub(a, b.reshape(a.shape)))
 
     def bmm_(
         self, out: ms.Tensor, a: ms.Tensor, b: ms.Tensor, transpose_a: bool = False, transpose_b: bool = False
@@ -317,6 +317,22 @@ class MindSporeEngine(Engine):
         a = mint.transpose(a, 1, 2) if transpose_a else a
         b = mint.transpose(b, 1, 2) if transpose_b else b
         out.copy_(mint.bmm(a, b))
+
+    def bmm_into(
+        self,
+        buffer: ms.Tensor,
+        offset: int,
+        a: ms.Tensor,
+        b: ms.Tensor,
+        transpose_a: bool = False,
+        transpose_b: bool = False,
+    ) -> ms.Tensor:
+        """The product written into ``buffer`` as computed: no segment copied out only to be overwritten."""
+        a = mint.transpose(a, 1, 2) if transpose_a else a
+        b = mint.transpose(b, 1, 2) if transpose_b else b
+        product = mint.bmm(a, b)
+        self.write(buffer, offset, product)
+        return product
 
     def orthogonalize_(self, matrices: ms.Tensor, epsilon: float = 0.0) -> None:
         """Orthonormal columns, in place, for a batch of (batch, rows, rank) matrices, as torch's hook does:

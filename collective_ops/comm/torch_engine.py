@@ -329,8 +329,8 @@ class TorchEngine(Engine):
     def add_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.add_(src)
 
-    def sub_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.sub_(src)
+    def sub_into(self, buffer: torch.Tensor, offset: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.sub(a, b, out=buffer.narrow(0, offset, a.numel()).view_as(a))  # (``a`` there already: in place)
 
     def bmm_(
         self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, transpose_a: bool = False, transpose_b: bool = False
@@ -349,6 +349,21 @@ class TorchEngine(Engine):
         if thin:
             b = b.transpose(1, 2).contiguous().transpose(1, 2)
         torch.bmm(a.transpose(1, 2) if transpose_a else a, b.transpose(1, 2) if transpose_b else b, out=out)
+
+    def bmm_into(
+        self,
+        buffer: torch.Tensor,
+        offset: int,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        transpose_a: bool = False,
+        transpose_b: bool = False,
+    ) -> torch.Tensor:
+        rows = a.shape[2] if transpose_a else a.shape[1]
+        cols = b.shape[1] if transpose_b else b.shape[2]
+        out = buffer.narrow(0, offset, a.shape[0] * rows * cols).view(a.shape[0], rows, cols)
+        self.bmm_(out, a, b, transpose_a, transpose_b)
+        return out
 
     def orthogonalize_(self, matrices: torch.Tensor, epsilon: float = 0.0) -> None:
         """Orthonormal columns, in place, for a batch of matrices (batch, rows, rank), as torch's hook does:

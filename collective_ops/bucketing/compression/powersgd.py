@@ -6,9 +6,9 @@ math (batched matmul, orthogonalisation, normal draws, division) is the engine's
 :class:`~collective_ops.bucketing.interfaces.BucketEngine`), so another framework's engine can supply it.
 
 The engine's segments of a buffer may be views (torch) or copies (MindSpore, which has no flat views to hand
-out): a change made to a segment is written back into its buffer (``engine.write``; skipped where segments are
-views, as they are on engines that do not assemble buckets) wherever the buffer is read afterwards (a collective, the bucket's result, the next
-step's memory), and segments are taken again from a buffer a collective has reduced.
+out): results are written where they go by the engine (``bmm_into``, ``sub_into``, ``write``: in place on torch, a
+new tensor written into its buffer on MindSpore) wherever the buffer is read afterwards (a collective, the bucket's
+result, the next step's memory), and segments are taken again from a buffer a collective has reduced.
 
 One compressed bucket takes two allreduces: its uncompressed gradients together with its P factors, then
 its Q factors. The first is launched with the bucket (when it is full, as every bucket is); the second
@@ -327,15 +327,13 @@ class PowerSGDHook:
             state.q = engine.zeros(layout.q_numel, dtype, device)
         matrices = [engine.segment(source, m.offset, m.rows * m.cols, (1, m.rows, m.cols)) for m in layout.matrices]
         base = layout.uncompressed_numel
-        ps = [engine.segment(wire, base + m.p_offset, m.rows * m.rank, (1, m.rows, m.rank)) for m in layout.matrices]
         qs = [engine.segment(state.q, m.q_offset, m.cols * m.rank, (1, m.cols, m.rank)) for m in layout.matrices]
         if new_q and qs:
             engine.fill_normal_(qs, self._seed(ctx.bucket.index))
         for q in qs:  # (not written back: the second stage overwrites every Q factor with M^T P before its allreduce)
             engine.orthogonalize_(q, options.orthogonalization_epsilon)
-        for m, matrix, q, p in zip(layout.matrices, matrices, qs, ps):
-            engine.bmm_(p, matrix, q)
-            _put_back(engine, wire, base + m.p_offset, p)
+        for m, matrix, q in zip(layout.matrices, matrices, qs):
+            engine.bmm_into(wire, base + m.p_offset, matrix, q)
         position = 0
         for offset, count in layout.uncompressed:
             engine.write(wire, position, engine.segment(source, offset, count))
@@ -343,7 +341,7 @@ class PowerSGDHook:
         self.numel_before += numel
         self.numel_after += layout.compressed_numel
         first = engine.allreduce(wire, "sum", async_op=True) if wire_numel else None
-        return _PowerSGDHandle(self, ctx, state, divisor, matrices, qs, first)
+        return _PowerSGDHandle(self, ctx, state, divisor, matrices, first)
 
     @property
     def compressing(self) -> bool:
@@ -443,13 +441,6 @@ class PowerSGDHook:
         self._carried = {int(index): dict(entry) for index, entry in state["params"].items()}
 
 
-def _put_back(engine: Any, buffer: Any, offset: int, segment: Any) -> None:
-    """A segment of ``buffer`` at ``offset``, changed in place, written back: nothing to do where segments are views
-    (engines that do not assemble buckets), where the write would still cost a call per matrix."""
-    if getattr(engine, "assembles_buckets", False):
-        engine.write(buffer, offset, segment)
-
-
 def _copied(engine: Any, tensor: Any) -> Any:
     copy = engine.zeros(*engine.describe(tensor))
     engine.copy_(copy, tensor)
@@ -482,13 +473,11 @@ class _PowerSGDHandle:
         state: _BucketState,
         divisor: int,
         matrices: list,
-        qs: list,
         first: Handle | None,
     ) -> None:
         self._hook, self._ctx, self._state, self._divisor = hook, ctx, state, divisor
-        # M (what is compressed) and this step's Q factors, as segments: M is read until the end (and becomes the
-        # next step's error memory); Q is overwritten by M^T P, then reduced, then taken again from the buffer.
-        self._matrices, self._qs = matrices, qs
+        # M (what is compressed), as segments, read until the end (it becomes the next step's error memory)
+        self._matrices = matrices
         self._ps: list = []  # the P factors, taken from the first allreduce's result
         self._first: Handle | None = first
         self._second: Handle | None = None
@@ -514,9 +503,7 @@ class _PowerSGDHandle:
                 result = engine.segment(reduced, position, count)
                 engine.write(self._ctx.buffer, offset, result)
                 if error is not None:  # (input as compressed) - (the reduced result)
-                    memory = engine.segment(error, offset, count)
-                    engine.sub_(memory, result)
-                    _put_back(engine, error, offset, memory)
+                    engine.sub_into(error, offset, engine.segment(error, offset, count), result)
                 position += count
         epsilon = self._hook.options.orthogonalization_epsilon
         base = layout.uncompressed_numel
@@ -524,9 +511,8 @@ class _PowerSGDHandle:
             p = engine.segment(wire, base + m.p_offset, m.rows * m.rank, (1, m.rows, m.rank))
             engine.orthogonalize_(p, epsilon)
             self._ps.append(p)  # kept for the decompression: the wire is not read again this step
-        for m, matrix, p, q in zip(layout.matrices, self._matrices, self._ps, self._qs):
-            engine.bmm_(q, matrix, p, transpose_a=True)
-            _put_back(engine, self._state.q, m.q_offset, q)
+        for m, matrix, p in zip(layout.matrices, self._matrices, self._ps):
+            engine.bmm_into(self._state.q, m.q_offset, matrix, p, transpose_a=True)
         if layout.q_numel:
             self._second = engine.allreduce(self._state.q, "sum", async_op=True)
 
@@ -545,16 +531,13 @@ class _PowerSGDHandle:
         error = state.error if self._hook.options.error_feedback else None
         for p, matrix, m in zip(self._ps, self._matrices, state.layout.matrices):
             q = engine.segment(state.q, m.q_offset, m.cols * m.rank, (1, m.cols, m.rank))  # as reduced
-            result = engine.segment(self._ctx.buffer, m.offset, m.rows * m.cols, (1, m.rows, m.cols))
-            engine.bmm_(result, p, q, transpose_b=True)
-            _put_back(engine, self._ctx.buffer, m.offset, result)
+            result = engine.bmm_into(self._ctx.buffer, m.offset, p, q, transpose_b=True)
             if error is not None:  # the input as compressed (``matrix``, in the memory) minus the result, while hot
-                engine.sub_(matrix, result)
-                _put_back(engine, error, m.offset, matrix)
+                engine.sub_into(error, m.offset, matrix, result)
         if not self._hook.options.warm_start:
             self._state.q = None
         self._done = True
-        self._matrices = self._ps = self._qs = []
+        self._matrices = self._ps = []
         return self._ctx.buffer
 
     def is_completed(self) -> bool:
