@@ -22,6 +22,7 @@ def _uneven(
     shard: bool = False,
     zero_grad_last: bool = False,
     scaled: bool = False,
+    plain_model: bool = False,
 ) -> dict:
     import warnings
 
@@ -56,7 +57,7 @@ def _uneven(
             scaler.update()
             if zero_grad_last:  # a joined rank then shadows steps with no gradients left on its parameters
                 optimizer.zero_grad()
-    return snapshot(model if distributed else model.module)  # ours: the wrapper's (owed updates land first)
+    return snapshot(model if distributed or plain_model else model.module)  # ours: the wrapper's (owed updates first)
 
 
 def join_checks(rank: int, world: int) -> dict:
@@ -165,3 +166,32 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
             np.testing.assert_allclose(out["ours_cnn"][key], value, rtol=1e-5, atol=1e-6, err_msg=f"cnn {key}")
     for key in results[0]["ours"]:  # every rank ends with the same model
         assert all(np.array_equal(r["ours"][key], results[0]["ours"][key]) for r in results)
+
+
+def join_powersgd_checks(rank: int, world: int) -> dict:
+    """PowerSGD from step 2 (rank 0 joins after 3 compressed steps), several buckets: a plain optimizer, and the
+    distributed optimizer, whose step ends with the Q factors' allreduce of its last bucket still to launch."""
+    import collective_ops as co
+    from tests.models import build
+
+    def compressed():
+        return co.wrap(build("mlp"), bucket_size_mb=0.01, compression=co.PowerSGD(rank=2, start_iter=2))
+
+    return {
+        "plain": _uneven(rank, compressed(), plain_model=True),
+        "distributed": _uneven(rank, compressed(), distributed=True),
+        "distributed_join_class": _uneven(rank, compressed(), True, distributed=True),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_join_with_powersgd_under_the_distributed_optimizer_equals_the_plain_optimizer(world: int) -> None:
+    """A joined rank's shadow steps launch PowerSGD's two allreduces per bucket in the order its peers do, whose
+    distributed optimizer defers its updates to the next forward (there Join's own allreduce comes first): the
+    run finishes and equals the same compression with a plain optimizer, bit for bit."""
+    results = run_ranks(world, join_powersgd_checks, timeout=120)
+    for rank, out in enumerate(results):
+        assert_identical(out["distributed"], out["plain"], f"DistributedOptimizer + PowerSGD under join, rank {rank}")
+        assert_identical(out["distributed_join_class"], out["plain"], f"... with Join([model, opt]), rank {rank}")
+    for key in results[0]["plain"]:  # every rank ends with the same model
+        assert all(np.array_equal(r["plain"][key], results[0]["plain"][key]) for r in results)

@@ -483,6 +483,7 @@ class BucketManager:
         if not self.sync_enabled or not (self._marked or force):
             return
         self._launch_remaining()
+        self._launch_later_stages()
         if defer:
             self._deferred = True
             return
@@ -514,6 +515,23 @@ class BucketManager:
             used_map = self.engine.int_tensor(used, self.plan.buckets[0].device)
             self._used_map = (used_map, self.engine.allreduce(used_map, "sum", async_op=True))
             stats.collectives += 1
+
+    def _launch_later_stages(self) -> None:
+        """A hook's collectives that follow a bucket's first (PowerSGD's Q factors, once its P factors land), launched
+        now, at the step's end, where every rank launches them alike. Left to the buckets' waits, a deferred step
+        (a DistributedOptimizer's) would launch them in the next forward, after any collective that comes first
+        there: torch's Join allreduce on the ranks with data, while a joined rank's shadow step launches them
+        before it."""
+        advance = getattr(self.comm_hook, "advance_pending", None)
+        if advance is None:
+            return
+        try:
+            advance(self.stall_timeout_s)
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
+                waited = next((b for b in self.launch_order if not self._done[b]), self.launch_order[-1])
+                raise self._give_up(waited, exc) from exc
+            raise
 
     def shadow_step(self) -> None:
         """Take part in a step this rank has no data for (it joined): the same collectives, zero gradients.

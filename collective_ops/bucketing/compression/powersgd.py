@@ -12,8 +12,8 @@ result, the next step's memory), and segments are taken again from a buffer a co
 
 One compressed bucket takes two allreduces: its uncompressed gradients together with its P factors, then
 its Q factors. The first is launched with the bucket (when it is full, as every bucket is); the second
-once the first has landed, at the next bucket's launch or when the bucket is waited for, whichever comes
-first. Both happen on the thread that drives the buckets, in the same order on every rank, so the
+once the first has landed, at the next bucket's launch or at the end of backward (the manager's
+``finalize``), whichever comes first. Both happen on the thread that drives the buckets, in the same order on every rank, so the
 collectives pair up without any agreement between ranks.
 """
 
