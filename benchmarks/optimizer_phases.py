@@ -58,6 +58,7 @@ def _phases(model, optimizer, batches: list, steps: int, skip: int = 0, skipped=
     return {phase: statistics.median(values[skip:]) * 1e3 for phase, values in record.items()}
 
 
+COMPRESSED_WARMUP = 3  # steps not timed with --compression: the plain ones before start_iter, and the first compressed
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}), "adamw": (torch.optim.AdamW, {"lr": 1e-4})}
 
 
@@ -101,11 +102,11 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     ddp_bucket = 25.0 if args.bucket_size_mb == "auto" else args.bucket_size_mb
     out = {}
     compression_on = args.compression != "none"
-    skip = 3 if compression_on else 0
+    skip = COMPRESSED_WARMUP if compression_on else 0
     waits = _time_forward_waits()
     if link_rate() or compression_on:  # the plain model and optimizer, no communication: the step's physical limit
         model, _ = build_model(args.model)
-        out[COMPUTE_ALONE] = _phases(model, optimizer_class(model.parameters(), **settings), batches, args.steps)
+        out[COMPUTE_ALONE] = _phases(model, optimizer_class(model.parameters(), **settings), batches, args.steps, skip)
     model, _ = build_model(args.model)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_bucket)
     compression = None
@@ -141,6 +142,11 @@ def main(argv=None) -> int:
     parser.add_argument("--shard", action="store_true", help="also DistributedOptimizer(shard=True)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compression", choices=("none", "powersgd"), default="none")
+    known, _ = parser.parse_known_args(argv)
+    if known.compression != "none" and known.shard:
+        parser.error("--compression powersgd does not combine with --shard (shard=True refuses PowerSGD)")
+    if known.compression != "none" and known.steps <= COMPRESSED_WARMUP:
+        parser.error(f"--compression times the steps after the first {COMPRESSED_WARMUP}: give --steps above it")
     outcome = run_benchmark(parser, argv, rank_main)
     if isinstance(outcome, int):
         return outcome

@@ -401,7 +401,7 @@ def test_a_stall_is_reported_even_when_the_store_is_dead(monkeypatch) -> None:
         from tests.models import build
 
         model = co.wrap(build("mlp"))
-        error = model.manager._diagnose(0, TimeoutError("timed out"))
+        error = model.manager.explain_failure(0, TimeoutError("timed out"))
         assert isinstance(error, StallError) and "stall: rank 0 waited for bucket 0" in str(error)
     finally:
         co.shutdown()

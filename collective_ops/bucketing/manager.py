@@ -424,14 +424,8 @@ class BucketManager:
             row_sparse=None if self.row_sparse is None else self.row_sparse.for_bucket(self.plan, bucket_index),
             stall_timeout_s=self.stall_timeout_s,
         )
-        try:
+        with self._giving_up(bucket_index):
             handle = self.comm_hook(ctx)
-        except Exception as exc:
-            # a hook that waits for its peers (a row-sparse table's rows) gave up, or a transport that
-            # refuses a send at once (Gloo's point-to-point, to a peer already gone); other errors are the hook's
-            if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
-                raise self._give_up(bucket_index, exc) from exc
-            raise
         count = getattr(self.comm_hook, "collectives", None)  # a hook of several collectives counts them (PowerSGD)
         self._stats.collectives += count(bucket) if callable(count) else 1
         nbytes = self._wire_nbytes(bucket)  # and of a row-sparse table, the share of its rows sent
@@ -517,21 +511,13 @@ class BucketManager:
             stats.collectives += 1
 
     def _launch_later_stages(self) -> None:
-        """A hook's collectives that follow a bucket's first (PowerSGD's Q factors, once its P factors land), launched
-        now, at the step's end, where every rank launches them alike. Left to the buckets' waits, a deferred step
-        (a DistributedOptimizer's) would launch them in the next forward, after any collective that comes first
-        there: torch's Join allreduce on the ranks with data, while a joined rank's shadow step launches them
-        before it."""
+        """A hook's collectives that follow a bucket's first (PowerSGD's Q factors) launched at the end of backward,
+        alike on every rank: a deferred step would launch them in the next forward, after any collective that comes
+        first there (torch's Join allreduce, where a joined rank's shadow step launches them before it)."""
         advance = getattr(self.comm_hook, "advance_pending", None)
-        if advance is None:
-            return
-        try:
-            advance(self.stall_timeout_s)
-        except Exception as exc:
-            if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
-                waited = next((b for b in self.launch_order if not self._done[b]), self.launch_order[-1])
-                raise self._give_up(waited, exc) from exc
-            raise
+        if advance is not None:
+            with self._giving_up(next((b for b in self.launch_order if not self._done[b]), 0)):
+                advance(self.stall_timeout_s)
 
     def shadow_step(self) -> None:
         """Take part in a step this rank has no data for (it joined): the same collectives, zero gradients.
@@ -719,19 +705,20 @@ class BucketManager:
             observed, self._owed_rebuild = self._owed_rebuild, None
             self._rebuild(observed)
 
-    def _progress(self, waiting_for: int) -> dict:
-        return {
-            "step": self.steps_synced,
-            "waiting_for_bucket": waiting_for,
-            "buckets": len(self.plan.buckets),
-            "launched": self._next_launch,
-            "gradients_ready": len(self._marked),
-            "gradients": len(self._param_names),
-        }
+    @contextlib.contextmanager
+    def _giving_up(self, bucket_index: int) -> Iterator[None]:
+        """A hook that gave up waiting for its peers, or a transport that refused a send at once (Gloo's point-to-point,
+        to a peer gone), ends the iteration with the bucket's error; other errors are the hook's."""
+        try:
+            yield
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
+                raise self._give_up(bucket_index, exc) from exc
+            raise
 
     def _give_up(self, bucket_index: int, exc: BaseException) -> RuntimeError:
         """The error for bucket ``bucket_index``, which did not complete, once the iteration is abandoned."""
-        error = self._diagnose(bucket_index, exc)
+        error = self.explain_failure(bucket_index, exc)
         # after a stall the later buckets (queued behind it) cannot finish either: not waited for
         self._abandon_iteration(bucket_index, settle=not isinstance(exc, TimeoutError))
         return error
@@ -740,14 +727,10 @@ class BucketManager:
         """Whether ``exc`` is a failure of the transport (a peer gone, the network), as the engine tells it."""
         return is_transport_error(self.engine, exc)
 
-    def explain_failure(self, bucket_index: int, exc: BaseException, collective: str) -> RuntimeError:
-        """The error for another collective of bucket ``bucket_index`` (``collective`` names it, e.g. the
-        all-gather of its updated parameters) that failed or stalled: as a reduction's, the ranks not
-        taking part named; the manager's own step is left as it is."""
-        return self._diagnose(bucket_index, exc, collective)
-
-    def _diagnose(self, bucket_index: int, exc: BaseException, collective: str = "") -> RuntimeError:
-        """A clear error for a bucket that did not complete, naming the ranks not taking part."""
+    def explain_failure(self, bucket_index: int, exc: BaseException, collective: str = "") -> RuntimeError:
+        """A clear error for bucket ``bucket_index``'s reduction, or another collective of it (``collective`` names
+        it, e.g. the all-gather of its updated parameters), that failed or stalled, naming the ranks not taking
+        part; the manager's own step is left as it is."""
         bucket = self.plan.buckets[bucket_index]
         names = [self._param_names[i] for i in bucket.param_indices]
         shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
@@ -755,7 +738,9 @@ class BucketManager:
             f"rank {self.engine.rank} waited for {collective + ' of ' if collective else ''}bucket {bucket_index} "
             f"of step {self.steps_synced} ({bucket.nbytes / 2**20:.2f} MiB: {shown})"
         )
-        return diagnose(self.engine, where, exc, self._progress(bucket_index), self.stall_timeout_s)
+        progress = {"step": self.steps_synced, "waiting_for_bucket": bucket_index, "buckets": len(self.plan.buckets)}
+        progress.update(launched=self._next_launch, gradients_ready=len(self._marked), gradients=len(self._param_names))
+        return diagnose(self.engine, where, exc, progress, self.stall_timeout_s)
 
     def _rebuild(self, observed: list[int]) -> None:
         """Replan from rank 0's observed ready order."""
@@ -773,11 +758,8 @@ class BucketManager:
 
     def _adopt(self, new_plan: BucketPlan) -> bool:
         """Switch to ``new_plan``, moving every gradient segment so nothing is lost. False if unchanged."""
-        same_settings = (new_plan.bucket_size_mb, new_plan.first_bucket_mb) == (
-            self.plan.bucket_size_mb,
-            self.plan.first_bucket_mb,
-        )
-        if new_plan.fingerprint() == self.plan.fingerprint() and same_settings:
+        settings = [(plan.bucket_size_mb, plan.first_bucket_mb, plan.fingerprint()) for plan in (new_plan, self.plan)]
+        if settings[0] == settings[1]:
             return False
         self._move_to(new_plan)
         return True

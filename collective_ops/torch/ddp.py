@@ -374,7 +374,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def finish_bucket(self, bucket_index: int) -> list[int]:
         """Finish one bucket of a deferred step; the indices of its parameters (their gradients now final)."""
         members = list(self.manager.plan.buckets[bucket_index].param_indices)
-        self.owned_gradients.check_untouched([bucket_index])
+        self.owned_gradients.check_untouched([bucket_index], sharded=getattr(self.optimizer, "shards", False))
         self.manager.wait_bucket(bucket_index)
         if self._owns_reduced_gradients():
             self.owned_gradients.note([bucket_index])

@@ -38,23 +38,32 @@ class OwnedGradients:
     def forget(self) -> None:
         self._guard.clear()
 
-    def check_untouched(self, buckets: Iterable[int]) -> None:
+    def check_untouched(self, buckets: Iterable[int], sharded: bool = False) -> None:
+        """Raise where other code changed a bucket's gradients in place since they were noted; ``sharded``: the
+        error says what works under ``shard=True``."""
         for bucket in buckets:
             if self._guard.changed(bucket, self.tensors(bucket)):
-                raise self._changed_error(bucket)
+                raise self._changed_error(bucket, sharded)
 
     def members_text(self, bucket: int) -> str:
         """The names of a bucket's parameters, for errors: the first five."""
         return names_text([self._names[i] for i in self._manager.plan.buckets[bucket].param_indices])
 
-    def _changed_error(self, bucket: int) -> RuntimeError:
-        return RuntimeError(
+    def _changed_error(self, bucket: int, sharded: bool) -> RuntimeError:
+        changed = (
             f"the gradients of bucket {bucket} ({self.members_text(bucket)}) were changed in place between "
-            "backward() and the DistributedOptimizer's step, while it still owned them: its updates overlap the "
-            "reduction with the next forward, so after backward() p.grad is not yet averaged (and with shard=True "
-            "never is outside this rank's shard). Take the parameters through the model (model.parameters() "
-            "finishes the reductions first; so does opt.param_groups, which scaler.unscale_(opt) reads), or call "
-            "opt.finish_reductions() before code that reads or changes gradients between backward() and step(); "
-            "with shard=True clip with opt.clip_grad_norm_(max_norm), or call opt.gather_gradients() on every rank "
-            "before torch's clips"
+            "backward() and the DistributedOptimizer's step, while it still owned them: "
+        )
+        if sharded:
+            return RuntimeError(
+                changed + "with shard=True p.grad is averaged only in this rank's shard. Clip with "
+                "opt.clip_grad_norm_(max_norm), or call opt.gather_gradients() on every rank (after "
+                "scaler.unscale_(opt) under a GradScaler) before torch's clips or other code that reads or changes "
+                "gradients between backward() and step()"
+            )
+        return RuntimeError(
+            changed + "its updates overlap the reduction with the next forward, so after backward() p.grad is not "
+            "yet averaged. Take the parameters through the model (model.parameters() finishes the reductions "
+            "first; so does opt.param_groups, which scaler.unscale_(opt) reads), or call opt.finish_reductions() "
+            "before code that reads or changes gradients between backward() and step()"
         )

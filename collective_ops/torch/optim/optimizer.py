@@ -287,7 +287,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         for optimizer in self._given or ():  # an LR scheduler over one given: its step is taken (bucket by bucket)
             optimizer._opt_called = True
         # every bucket before any update: a step that would be wrong is refused whole
-        self.model.owned_gradients.check_untouched(self._buckets())
+        self.model.owned_gradients.check_untouched(self._buckets(), sharded=self.shards)
         if self.model.check_finite:
             self._refuse_nonfinite_gradients()
         self._start_step()

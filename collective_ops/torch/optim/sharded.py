@@ -400,7 +400,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """Each piece's ``.grad``: its part of the reduced shard (cast to the piece's dtype where it differs).
         ``note``: bound before step() (where other code may change them): their version counters are noted."""
         manager = self.model.manager
-        self.model.owned_gradients.check_untouched([bucket])  # p.grad averaged only in this shard: not for other code
+        self.model.owned_gradients.check_untouched([bucket], sharded=True)  # (averaged only in this shard)
         source = self._kept.pop(bucket, None)
         if source is None:
             source = self.model.engine.shard_of(manager.buffers[bucket])
