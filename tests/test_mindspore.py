@@ -646,6 +646,17 @@ def test_powersgd_launched_during_backward_reduces_as_after_it() -> None:
         assert_identical(after, during, f"PowerSGD with overlap=True, rank {rank}")
 
 
+def test_powersgd_reduces_gradients_from_a_compiled_function_as_from_pynative() -> None:
+    """net.reduce(grads) under PowerSGD from a Python loop whose gradients come from a GRAPH-mode value_and_grad
+    trains as the PyNative loop, to fp32 rounding (the compiled gradients may round differently), compressing."""
+    for rank, out in enumerate(powersgd_results()):
+        assert not isinstance(out["compiled_gradients"], str), out["compiled_gradients"]
+        pynative, pynative_compressing, graph, graph_compressing = out["compiled_gradients"]
+        assert pynative_compressing and graph_compressing, "the runs never reached PowerSGD's start_iter"
+        for name, value in pynative.items():
+            np.testing.assert_allclose(graph[name], value, rtol=1e-5, atol=1e-6, err_msg=f"{name}, rank {rank}")
+
+
 def test_powersgd_refuses_a_compiled_step_a_sum_and_sharding_with_what_to_do() -> None:
     errors = powersgd_results()[0]["errors"]
     assert "cannot reduce inside a compiled GRAPH-mode training step" in errors["graph"], errors["graph"]
