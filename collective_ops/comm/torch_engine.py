@@ -339,7 +339,7 @@ class TorchEngine(Engine):
 
         With a thin ``b`` (a PowerSGD factor: few columns) the product is formed so that BLAS streams the large
         operand once in its stored order: ``M Q`` as ``M (Q^T)^T`` with ``Q^T`` made contiguous, ``M^T P`` as
-        ``(P^T M)^T``. On one CPU core that is 3-4x faster at rank 4 (``benchmarks/powersgd_compare.py
+        ``(P^T M)^T``. On one CPU core that is 2.9-3.6x faster at rank 4 (``benchmarks/powersgd_compare.py
         --factor-products``); the sums run in another order than torch's ``powerSGD_hook``'s
         ``bmm``, so the results agree with it to fp32 rounding, not bit for bit."""
         thin = not transpose_b and b.shape[2] < b.shape[1]
