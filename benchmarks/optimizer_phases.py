@@ -84,10 +84,10 @@ def _time_forward_waits() -> list[float]:
 def _compressed_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    from benchmarks.powersgd_compare import _serial
+    from benchmarks.powersgd_compare import serial_hook
 
     state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2, random_seed=0)
-    ddp.register_comm_hook(state, _serial(torch_powersgd.powerSGD_hook))
+    ddp.register_comm_hook(state, serial_hook(torch_powersgd.powerSGD_hook))
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:

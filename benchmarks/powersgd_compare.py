@@ -41,7 +41,7 @@ WRAP = "wrap + PowerSGD"
 OVERLAPPED = "wrap + PowerSGD + DistributedOptimizer"
 
 
-def _serial(hook):
+def serial_hook(hook):
     """torch's hook waited for inside the hook (--ddp-hook serial): its later allreduces, launched from Gloo's
     completion callbacks, cannot then cross another bucket's between ranks."""
 
@@ -75,7 +75,7 @@ def _setups(args, name: str, batches: list, start_iter: int) -> dict:
     setups = {COMPUTE_ALONE: (model, _optimizer(args, model), batches)}
     model, _ = build_model(name)
     setups[SYNCED_FLOOR] = (model, StepSynchronised(_optimizer(args, model)), batches)
-    hook = torch_powersgd.powerSGD_hook if args.ddp_hook == "torch" else _serial(torch_powersgd.powerSGD_hook)
+    hook = torch_powersgd.powerSGD_hook if args.ddp_hook == "torch" else serial_hook(torch_powersgd.powerSGD_hook)
     for mb in args.ddp_mb:
         model, _ = build_model(name)
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)

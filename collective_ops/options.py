@@ -194,7 +194,8 @@ class OptimizerOptions:
 
     schedule: str | None = field(default=None, metadata=only("torch"))
     """Launch order of the buckets' reductions: ``"plan"`` (plan order) or ``"auto"`` (a simulated best order,
-    tried on live steps; with ``shard``, whole buckets only). None: ``"plan"`` with a custom comm hook, else ``"auto"``."""
+    tried on live steps; with ``shard``, whole buckets only). None: ``"plan"`` with a custom comm hook, else
+    ``"auto"``."""
 
     grad_reduce_dtype: str | None = field(default=None, metadata=only("torch"))
     """With ``shard``: the dtype gradients are reduce-scattered in (e.g. ``"float32"`` for a bf16 model);

@@ -22,7 +22,7 @@ def _uneven(
     shard: bool = False,
     zero_grad_last: bool = False,
     scaled: bool = False,
-    plain_model: bool = False,
+    snapshot_wrapper: bool = False,
 ) -> dict:
     import warnings
 
@@ -57,7 +57,9 @@ def _uneven(
             scaler.update()
             if zero_grad_last:  # a joined rank then shadows steps with no gradients left on its parameters
                 optimizer.zero_grad()
-    return snapshot(model if distributed or plain_model else model.module)  # ours: the wrapper's (owed updates first)
+    return snapshot(
+        model if distributed or snapshot_wrapper else model.module
+    )  # ours: the wrapper's (owed updates first)
 
 
 def join_checks(rank: int, world: int) -> dict:
@@ -174,14 +176,20 @@ def join_powersgd_checks(rank: int, world: int) -> dict:
     import collective_ops as co
     from tests.models import build
 
-    def compressed():
-        return co.wrap(build("mlp"), bucket_size_mb=0.01, compression=co.PowerSGD(rank=2, start_iter=2))
+    models = []
 
-    return {
-        "plain": _uneven(rank, compressed(), plain_model=True),
+    def compressed():
+        models.append(co.wrap(build("mlp"), bucket_size_mb=0.01, compression=co.PowerSGD(rank=2, start_iter=2)))
+        return models[-1]
+
+    out = {
+        "plain": _uneven(rank, compressed(), snapshot_wrapper=True),
         "distributed": _uneven(rank, compressed(), distributed=True),
         "distributed_join_class": _uneven(rank, compressed(), True, distributed=True),
     }
+    hooks = [model.manager.comm_hook for model in models]
+    out["compressed"] = all(hook.compressing and hook.numel_after < hook.numel_before for hook in hooks)
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -191,6 +199,7 @@ def test_join_with_powersgd_under_the_distributed_optimizer_equals_the_plain_opt
     run finishes and equals the same compression with a plain optimizer, bit for bit."""
     results = run_ranks(world, join_powersgd_checks, timeout=120)
     for rank, out in enumerate(results):
+        assert out["compressed"], f"rank {rank}: PowerSGD never compressed a step"
         assert_identical(out["distributed"], out["plain"], f"DistributedOptimizer + PowerSGD under join, rank {rank}")
         assert_identical(out["distributed_join_class"], out["plain"], f"... with Join([model, opt]), rank {rank}")
     for key in results[0]["plain"]:  # every rank ends with the same model

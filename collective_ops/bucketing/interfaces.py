@@ -96,14 +96,12 @@ class BucketEngine(Protocol):
     def sub_into(self, buffer: Any, offset: int, a: Any, b: Any) -> None:
         """``a - b`` written into ``buffer[offset:offset+a.numel]`` (``a`` may be a segment of that very place)."""
 
-    def bmm_(self, out: Any, a: Any, b: Any, transpose_a: bool = False, transpose_b: bool = False) -> None:
-        """``out = a @ b`` on batches of matrices (batch, rows, cols), either operand transposed."""
-
     def bmm_into(
         self, buffer: Any, offset: int, a: Any, b: Any, transpose_a: bool = False, transpose_b: bool = False
     ) -> Any:
-        """``a @ b`` (as :meth:`bmm_`) written into ``buffer`` from ``offset``, flattened; returns the product as it
-        lies there (a view where the framework has views) or as computed (a tensor the buffer got a copy of)."""
+        """``a @ b`` on batches of matrices (batch, rows, cols), either operand transposed, written into ``buffer``
+        from ``offset``, flattened; returns the product as it lies there (a view where the framework has views)
+        or as computed (a tensor the buffer got a copy of)."""
 
     def orthogonalize_(self, matrices: Any, epsilon: float = 0.0) -> None:
         """Orthonormal columns, in place, for a batch of (batch, rows, rank) matrices."""

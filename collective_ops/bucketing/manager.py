@@ -514,10 +514,10 @@ class BucketManager:
         """A hook's collectives that follow a bucket's first (PowerSGD's Q factors) launched at the end of backward,
         alike on every rank: a deferred step would launch them in the next forward, after any collective that comes
         first there (torch's Join allreduce, where a joined rank's shadow step launches them before it)."""
-        advance = getattr(self.comm_hook, "advance_pending", None)
-        if advance is not None:
-            with self._giving_up(next((b for b in self.launch_order if not self._done[b]), 0)):
-                advance(self.stall_timeout_s)
+        try:
+            getattr(self.comm_hook, "advance_pending", lambda timeout: None)(self.stall_timeout_s)
+        except Exception as exc:  # as a bucket's wait: the step given up, the bucket named
+            raise self._give_up(self.comm_hook.pending_bucket, exc) from exc
 
     def shadow_step(self) -> None:
         """Take part in a step this rank has no data for (it joined): the same collectives, zero gradients.

@@ -310,14 +310,6 @@ class MindSporeEngine(Engine):
     def sub_into(self, buffer: ms.Tensor, offset: int, a: ms.Tensor, b: ms.Tensor) -> None:
         self.write(buffer, offset, mint.sub(a, b.reshape(a.shape)))
 
-    def bmm_(
-        self, out: ms.Tensor, a: ms.Tensor, b: ms.Tensor, transpose_a: bool = False, transpose_b: bool = False
-    ) -> None:
-        """``out = a @ b`` on batches of matrices (batch, rows, cols), either operand transposed."""
-        a = mint.transpose(a, 1, 2) if transpose_a else a
-        b = mint.transpose(b, 1, 2) if transpose_b else b
-        out.copy_(mint.bmm(a, b))
-
     def bmm_into(
         self,
         buffer: ms.Tensor,
@@ -328,9 +320,7 @@ class MindSporeEngine(Engine):
         transpose_b: bool = False,
     ) -> ms.Tensor:
         """The product written into ``buffer`` as computed: no segment copied out only to be overwritten."""
-        a = mint.transpose(a, 1, 2) if transpose_a else a
-        b = mint.transpose(b, 1, 2) if transpose_b else b
-        product = mint.bmm(a, b)
+        product = _batched_product(a, b, transpose_a, transpose_b)
         self.write(buffer, offset, product)
         return product
 
@@ -400,6 +390,13 @@ _COMPILED_DTYPES_DEFAULT = {"float32", "float16", "bfloat16"}
 # fuse, where one collective beats many. benchmarks/mindspore_compare.py --graph --train-cell, transformer-5m on
 # the emulated link: 0.97-1.02x DistributedGradReducer's step with this, 1.11x fully fused (mindspore_compare.json).
 ALONE_NUMEL = 1 << 18
+
+
+def _batched_product(a: ms.Tensor, b: ms.Tensor, transpose_a: bool, transpose_b: bool) -> ms.Tensor:
+    """``a @ b`` on batches of matrices, either operand transposed (a new tensor)."""
+    a = mint.transpose(a, 1, 2) if transpose_a else a
+    b = mint.transpose(b, 1, 2) if transpose_b else b
+    return mint.bmm(a, b)
 
 
 class CompiledReduction(nn.Cell):

@@ -12,8 +12,8 @@ result, the next step's memory), and segments are taken again from a buffer a co
 
 One compressed bucket takes two allreduces: its uncompressed gradients together with its P factors, then
 its Q factors. The first is launched with the bucket (when it is full, as every bucket is); the second
-once the first has landed, at the next bucket's launch or at the end of backward (the manager's
-``finalize``), whichever comes first. Both happen on the thread that drives the buckets, in the same order on every rank, so the
+once the first has landed, at the next bucket's launch or at the end of backward (``finalize``), whichever
+comes first. Both happen on the thread that drives the buckets, in the same order on every rank, so the
 collectives pair up without any agreement between ranks.
 """
 
@@ -270,7 +270,7 @@ class PowerSGDHook:
             return engine.allreduce(ctx.buffer, "sum", async_op=True)
         if not hasattr(engine, "orthogonalize_"):
             raise NotImplementedError(
-                f"PowerSGD needs the low-rank operations of the engine (bmm_, orthogonalize_, fill_normal_, ...), "
+                f"PowerSGD needs the low-rank operations of the engine (bmm_into, sub_into, orthogonalize_, ...), "
                 f"which the {getattr(engine, 'framework', '') or type(engine).__name__} engine does not offer yet: "
                 "use compression='fp16'/'bf16' with it"
             )
@@ -391,7 +391,13 @@ class PowerSGDHook:
     def advance_pending(self, timeout: float | None = None) -> None:
         """Every launched bucket whose second allreduce is not yet on its way: launched now, oldest first."""
         while self._pending:
-            self._pending.pop(0).second_stage(timeout)
+            self._pending[0].second_stage(timeout)
+            self._pending.pop(0)  # (after: a bucket whose stage failed stays named by pending_bucket)
+
+    @property
+    def pending_bucket(self) -> int | None:
+        """The oldest bucket whose second allreduce is not yet launched (the one a failed advance was at)."""
+        return self._pending[0].bucket_index if self._pending else None
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -476,6 +482,7 @@ class _PowerSGDHandle:
         first: Handle | None,
     ) -> None:
         self._hook, self._ctx, self._state, self._divisor = hook, ctx, state, divisor
+        self.bucket_index = ctx.bucket.index
         # M (what is compressed), as segments, read until the end (it becomes the next step's error memory)
         self._matrices = matrices
         self._ps: list = []  # the P factors, taken from the first allreduce's result
@@ -542,8 +549,8 @@ class _PowerSGDHandle:
 
     def is_completed(self) -> bool:
         """True once waited for, or once the second allreduce has completed. False before that allreduce is
-        launched: launching it is left to ``wait`` and the next bucket's launch, which come in the same order
-        on every rank, so a poll for ready buckets (whose answer depends on each rank's timing, as
+        launched: launching it is left to the next bucket's launch, the end of backward and ``wait``, which come
+        in the same order on every rank, so a poll for ready buckets (whose answer depends on each rank's timing, as
         DistributedOptimizer.step's) never leads a rank to launch a collective its peers do not."""
         if self._done:
             return True
