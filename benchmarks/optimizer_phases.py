@@ -2,7 +2,7 @@
 
     python benchmarks/optimizer_phases.py --link 1gbit --model transformer-5m
     python benchmarks/optimizer_phases.py --link 1gbit --optimizer adamw --bucket-size-mb auto --shard
-    python benchmarks/optimizer_phases.py --compression powersgd --bucket-size-mb 25   # DDP + powerSGD_hook against wrap's
+    python benchmarks/optimizer_phases.py --compression powersgd --bucket-size-mb 25
 
 Each setup trains ``--steps`` steps in turn (the loop: forward, zero_grad, backward, step) and
 reports the median of each phase on rank 0, plus, for the DistributedOptimizer, the time its
@@ -11,11 +11,11 @@ waiting for all-gathers). ``--shard`` adds ``DistributedOptimizer(shard=True)``.
 compresses every setup's gradients at rank 4 from the third step on (DDP with torch's ``powerSGD_hook``, waited
 for inside the hook as benchmarks/powersgd_compare.py runs it), the steps after the first three timed.
 
-On the emulated link (``--link``) it also prints compute alone (the same model and optimizer, no wrapper and no
-communication, trained in turn like the others; also printed with ``--compression``), the wire time at the link's rate of one step's bytes (as
-``comm_stats()['bytes_per_step']`` counts them, wrap's) and each step as a multiple of max(compute, wire): its
-distance to the physical limit (benchmarks/common.py ``physical_limit``). The step there is the median of the whole
-loop.
+On the emulated link (``--link``), and with ``--compression``, it also prints compute alone (the same model and
+optimizer, no wrapper and no communication, trained in turn like the others), the wire time at the link's rate of
+one step's bytes (as ``comm_stats()['bytes_per_step']`` counts them, wrap's) and each step as a multiple of
+max(compute, wire): its distance to the physical limit (benchmarks/common.py ``physical_limit``). The step there is
+the median of the whole loop.
 """
 
 from __future__ import annotations

@@ -57,9 +57,8 @@ def _uneven(
             scaler.update()
             if zero_grad_last:  # a joined rank then shadows steps with no gradients left on its parameters
                 optimizer.zero_grad()
-    return snapshot(
-        model if distributed or snapshot_wrapper else model.module
-    )  # ours: the wrapper's (owed updates first)
+    owner = model if distributed or snapshot_wrapper else model.module  # ours: the wrapper's (owed updates land first)
+    return snapshot(owner)
 
 
 def join_checks(rank: int, world: int) -> dict:

@@ -758,8 +758,7 @@ class BucketManager:
 
     def _adopt(self, new_plan: BucketPlan) -> bool:
         """Switch to ``new_plan``, moving every gradient segment so nothing is lost. False if unchanged."""
-        settings = [(plan.bucket_size_mb, plan.first_bucket_mb, plan.fingerprint()) for plan in (new_plan, self.plan)]
-        if settings[0] == settings[1]:
+        if new_plan.same_as(self.plan):
             return False
         self._move_to(new_plan)
         return True

@@ -85,6 +85,11 @@ class BucketPlan:
         }
         return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
 
+    def same_as(self, other: BucketPlan) -> bool:
+        """The same buckets (:meth:`fingerprint`) planned with the same size settings."""
+        settings = (self.bucket_size_mb, self.first_bucket_mb, self.fingerprint())
+        return settings == (other.bucket_size_mb, other.first_bucket_mb, other.fingerprint())
+
     def rebuild(self, observed_order: Sequence[int]) -> BucketPlan:
         """A new plan from the order gradients actually became ready.
 

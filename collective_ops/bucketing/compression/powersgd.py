@@ -397,7 +397,7 @@ class PowerSGDHook:
     @property
     def pending_bucket(self) -> int | None:
         """The oldest bucket whose second allreduce is not yet launched (the one a failed advance was at)."""
-        return self._pending[0].bucket_index if self._pending else None
+        return self._pending[0]._ctx.bucket.index if self._pending else None
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -482,7 +482,6 @@ class _PowerSGDHandle:
         first: Handle | None,
     ) -> None:
         self._hook, self._ctx, self._state, self._divisor = hook, ctx, state, divisor
-        self.bucket_index = ctx.bucket.index
         # M (what is compressed), as segments, read until the end (it becomes the next step's error memory)
         self._matrices = matrices
         self._ps: list = []  # the P factors, taken from the first allreduce's result
