@@ -112,6 +112,30 @@ def skipped_at_gradient_rows(rank: int, world: int) -> dict:
     return _skip_at_a_row_sparse_table(rank, zero_grad=False)
 
 
+def powersgd_skipped_backward(rank: int, world: int, bucket_size_mb: float = 0.001) -> dict:
+    """Rank 1 stops before the first compressed step. On rank 0 the first bucket launched sends its P factors,
+    which stall; the next bucket's launch (of one bucket: the end of backward) first launches that bucket's Q
+    factors, waiting for its P factors."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    torch.manual_seed(0)
+    model = co.wrap(MLP(), bucket_size_mb=bucket_size_mb, compression=co.PowerSGD(rank=1, start_iter=2))
+    start = time.monotonic()
+    try:
+        for step in range({0: 3, 1: 2}[rank]):
+            x, y = rank_batch(MLP, step, rank)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+    except Exception as exc:
+        error = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+        _rank0_reported()
+        return {**error, "first_launched": model.manager.launch_order[0], "buckets": len(model.manager.plan.buckets)}
+    _stay_alive_for_rank0()
+    return {"error": None}
+
+
 def different_branch(rank: int, world: int) -> dict:
     return _train(rank, {0: 2, 1: 2}, use_branch_by_rank={0: True, 1: False})
 
@@ -207,6 +231,20 @@ def test_a_rank_that_skips_a_backward_is_named_at_a_row_sparse_table(rows_from: 
     assert out["error"].startswith("StallError") and "Ranks not taking part: [1]" in out["error"], out["error"]
     assert "'embed.weight'" in out["error"], out["error"]
     assert out["seconds"] < 3 + 2 + 5, "the stall must be reported soon after the configured timeout"
+
+
+@pytest.mark.parametrize("bucket_size_mb", [0.001, 25.0], ids=["at-the-next-launch", "at-the-end-of-backward"])
+def test_a_stall_found_launching_powersgds_later_stage_names_the_bucket_that_stalled(bucket_size_mb: float) -> None:
+    """PowerSGD launches an earlier bucket's Q factors as the next bucket launches, and the last one's at the end
+    of backward: a stall there is that earlier bucket's (its P factors never came back), reported as at its wait,
+    not as the launching bucket's."""
+    results = run_faulty_ranks(2, powersgd_skipped_backward, bucket_size_mb, env=STALL_ENV, timeout=60)
+    status, out = results[0]
+    assert status == "ok" and out["error"], results
+    assert (out["buckets"] > 1) == (bucket_size_mb < 1), "where the stall is found: a later launch, or the end"
+    assert out["error"].startswith("StallError") and "Ranks not taking part: [1]" in out["error"], out["error"]
+    assert f"rank 0 waited for bucket {out['first_launched']} of step 2 " in out["error"], out["error"]
+    assert out["seconds"] < 3 + 2 + 5
 
 
 def test_a_different_branch_without_find_unused_is_reported_on_every_rank() -> None:

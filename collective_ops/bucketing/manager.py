@@ -708,12 +708,15 @@ class BucketManager:
     @contextlib.contextmanager
     def _giving_up(self, bucket_index: int) -> Iterator[None]:
         """A hook that gave up waiting for its peers, or a transport that refused a send at once (Gloo's point-to-point,
-        to a peer gone), ends the iteration with the bucket's error; other errors are the hook's."""
+        to a peer gone), ends the iteration with the bucket's error; other errors are the hook's. A failure in an
+        earlier bucket's later stage, which the hook launches first (PowerSGD's ``pending_bucket``), is that bucket's
+        wait failing: any error ends the iteration, naming it, as at the end of backward."""
         try:
             yield
         except Exception as exc:
-            if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
-                raise self._give_up(bucket_index, exc) from exc
+            earlier = getattr(self.comm_hook, "pending_bucket", None)
+            if earlier is not None or isinstance(exc, TimeoutError) or self.is_transport_error(exc):
+                raise self._give_up(bucket_index if earlier is None else earlier, exc) from exc
             raise
 
     def _give_up(self, bucket_index: int, exc: BaseException) -> RuntimeError:
