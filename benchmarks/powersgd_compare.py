@@ -8,9 +8,7 @@ same weights on the same batches (compression from step ``--start-iter``), and t
 10 steps is printed. Time: the setups alternate in blocks of steps (benchmarks/ddp_compare.py's
 ``alternate_steps``, compressed from the first timed step on): compute alone (no communication), torch DDP
 with ``powerSGD_hook`` at each bucket size of ``--ddp-mb`` (its best printed), ``wrap`` + PowerSGD with a plain
-optimizer, ``wrap`` + PowerSGD + ``DistributedOptimizer``, and two floors: compute with one 4-byte allreduce a step
-(the ranks' wait for each other), and that with PowerSGD's own math too (``wrap`` + PowerSGD whose allreduces send
-nothing: the least a compressed step can take on this machine). Printed beside each step: the wire time of
+optimizer, and ``wrap`` + PowerSGD + ``DistributedOptimizer``. Printed beside each step: the wire time of
 one compressed step's bytes at the link's rate (the factors and the uncompressed gradients: the same
 elements under every bucketing), and the step as a multiple of max(compute alone, wire).
 """
@@ -41,23 +39,6 @@ from benchmarks.ddp_compare import MODELS, alternate_steps, build_model  # noqa:
 
 WRAP = "wrap + PowerSGD"
 OVERLAPPED = "wrap + PowerSGD + DistributedOptimizer"
-MATH_FLOOR = "compute + PowerSGD math + a 4-byte allreduce"
-
-
-class _NoWire:
-    """An engine whose allreduce sends nothing (each rank keeps its own values): the wrapper's PowerSGD then does all
-    of its math (error feedback, factor products, orthogonalisation) and no communication. For timing only."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def allreduce(self, tensor, op="sum", async_op: bool = False, group=None):
-        from collective_ops.bucketing.interfaces import CompletedHandle
-
-        return CompletedHandle(tensor) if async_op else tensor
 
 
 def serial_hook(hook):
@@ -110,11 +91,6 @@ def _setups(args, name: str, batches: list, start_iter: int) -> dict:
     model, _ = build_model(name)
     wrapped = co.wrap(model, bucket_size_mb=args.bucket_mb, compression=compression)
     setups[OVERLAPPED] = (wrapped, _optimizer(args, wrapped, wrapped), batches)
-    if batches:  # (timed runs only)
-        model, _ = build_model(name)
-        wrapped = co.wrap(model, bucket_size_mb=args.bucket_mb, compression=compression)
-        wrapped.manager.engine = _NoWire(wrapped.manager.engine)
-        setups[MATH_FLOOR] = (wrapped, StepSynchronised(_optimizer(args, wrapped)), batches)
     return setups
 
 
@@ -132,9 +108,7 @@ def _final_losses(args, name: str, rank: int) -> dict[str, float]:
     batches = [batch(gen) for _ in range(args.loss_steps)]
     losses = {}
     for key, (model, optimizer, _) in _setups(args, name, [], args.start_iter).items():
-        if key in (COMPUTE_ALONE, SYNCED_FLOOR, MATH_FLOOR) or (
-            key.startswith("DDP") and key != _ddp_label(args.loss_ddp_mb)
-        ):
+        if key in (COMPUTE_ALONE, SYNCED_FLOOR) or (key.startswith("DDP") and key != _ddp_label(args.loss_ddp_mb)):
             continue
         tail = []
         for x, y in batches:
@@ -198,7 +172,7 @@ def _report(args, results: dict) -> None:
         )
         for key, value in sorted(ms.items(), key=lambda kv: kv[1]):
             ratio = f"  {value / ms[best]:.3f}x best DDP ({best})" if best and key != COMPUTE_ALONE else ""
-            print(f"    {key:<44} {value:>7.1f} ms  {limit.column(value)}{ratio}")
+            print(f"    {key:<40} {value:>7.1f} ms  {limit.column(value)}{ratio}")
         if r["loss"]:
             reference = r["loss"].get(_ddp_label(args.loss_ddp_mb))
             print(f"    training loss, mean of the last 10 of {args.loss_steps} steps (mean over ranks):")
