@@ -14,8 +14,9 @@
 
 Each model is prepared by Accelerate itself (device placement, the mixed-precision autocast of its forward),
 without DDP, then wrapped by :func:`collective_ops.wrap` and registered with the accelerator in DDP's place:
-``accumulate()`` reaches the wrapper's ``no_sync()``, ``save_state()`` saves its weights, ``unwrap_model()``
-returns the model as given. Optimizers, data loaders and schedulers are Accelerate's, unchanged.
+``accumulate()`` reaches the wrapper's ``no_sync()``, ``save_state()`` saves its weights (and, registered for
+checkpointing, every rank's PowerSGD state), ``unwrap_model()`` returns the model as given. Optimizers, data
+loaders and schedulers are Accelerate's, unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 import collective_ops as co
 
 from .torch.ddp import DistributedDataParallel as WrappedModel
+from .torch.rank_states import RankCompressionStates
 
 # Where Accelerate would not wrap a model in DDP either: nothing for collective_ops to do.
 _DATA_PARALLEL = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_NPU)
@@ -92,6 +94,8 @@ def _prepare_model(accelerator: Accelerator, model: nn.Module, wrap_options: dic
     if handler is not None:
         handler.register_comm_hook(wrapped)  # its comm_hook, as on DDP (none by default)
     accelerator._models[:] = [wrapped if m is prepared else m for m in accelerator._models]
+    if RankCompressionStates.needed(wrapped):  # save_state()/load_state() carry every rank's PowerSGD state
+        accelerator.register_for_checkpointing(RankCompressionStates(wrapped))
     return wrapped
 
 

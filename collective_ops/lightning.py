@@ -10,9 +10,10 @@
 
 Everything Lightning does around DDP stays Lightning's: its launcher (or ``torchrun``, or a cluster
 environment), the process group, accumulation (``no_sync`` on the wrapped model), validation, clipping,
-precision plugins and checkpoints. Only the model wrapper differs, and, with ``distributed_optimizer=True``,
-each optimizer that ``configure_optimizers`` returns is handed to :class:`collective_ops.DistributedOptimizer`
-(per-bucket updates overlapped with the next forward; ``shard=True`` for ZeRO-1).
+precision plugins and checkpoints (which also carry every rank's PowerSGD state). Only the model wrapper
+differs, and, with ``distributed_optimizer=True``, each optimizer that ``configure_optimizers`` returns is handed
+to :class:`collective_ops.DistributedOptimizer` (per-bucket updates overlapped with the next forward;
+``shard=True`` for ZeRO-1).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from torch import nn
 import collective_ops as co
 
 from .torch.ddp import DistributedDataParallel as WrappedModel
+from .torch.rank_states import RankCompressionStates
 
 STRATEGY_NAME = "collective_ops"
+COMPRESSION_KEY = "collective_ops_compression"  # the checkpoint's entry for every rank's compression state
 # DDPStrategy's own keywords (launcher, plugins, process group): everything else is wrap()'s.
 _LIGHTNING_KEYWORDS = frozenset(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
 
@@ -137,6 +140,21 @@ class CollectiveOpsStrategy(DDPStrategy):
                 for group, initial in zip(sharded.param_groups, optimizer.param_groups):
                     group.setdefault("initial_lr", initial.get("initial_lr", initial["lr"]))
         return sharded
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning writes the checkpoint on rank 0; a stateful compression's state (PowerSGD's, each rank its own)
+        is gathered into it first (Lightning calls this on every rank)."""
+        if RankCompressionStates.needed(self.model):
+            checkpoint[COMPRESSION_KEY] = RankCompressionStates(self.model).state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """The optimizers' states, then this rank's compression state (restored with the training state, once the
+        model is wrapped)."""
+        super().load_optimizer_state_dict(checkpoint)
+        if COMPRESSION_KEY in checkpoint and RankCompressionStates.needed(self.model):
+            RankCompressionStates(self.model).load_state_dict(checkpoint[COMPRESSION_KEY])
 
     def teardown(self) -> None:
         """Unwrap: the LightningModule leaves as it came, without the wrapper's hooks."""

@@ -1,8 +1,9 @@
 """One rank as a process of its own, for fault tests that time when every process has exited.
 
 ``python -m tests.fault_worker`` with RANK, WORLD_SIZE, MASTER_PORT set, and:
-FAULT_SCENARIO  ``train`` (default: a wrapped MLP and a DistributedOptimizer, FAULT_STEPS steps) or
-                ``init`` (only the rendezvous);
+FAULT_SCENARIO  ``train`` (default: a wrapped MLP and a DistributedOptimizer, FAULT_STEPS steps),
+                ``init`` (only the rendezvous) or ``state_on_rank_0`` (a sharded optimizer's state_dict() on
+                rank 0 alone, its error caught, the script then ending without co.shutdown());
 FAULT           ``stop`` (SIGSTOP), ``kill`` (SIGKILL), ``raise`` (an exception in the loop) or
                 ``partition`` (runs FAULT_COMMAND, e.g. taking the link down), on rank FAULT_RANK
                 before the backward of step FAULT_STEP; unset: no fault.
@@ -58,14 +59,43 @@ def _train(rank: int) -> None:
     co.shutdown()
 
 
+def _state_on_rank_0(rank: int) -> None:
+    """Two sharded steps; rank 0 alone calls opt.state_dict() (a collective) as a DDP loop checkpoints, catches the
+    StallError and ends without co.shutdown(), while rank 1 waits in a barrier (until rank 0's exit ends it)."""
+    import torch
+
+    import collective_ops as co
+    from collective_ops.bucketing.diagnosis import StallError
+    from tests.models import MLP, build, rank_batch
+
+    torch.manual_seed(0)
+    model = co.wrap(build("mlp"), bucket_size_mb=0.001)
+    optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)
+    for step in range(2):
+        x, y = rank_batch(MLP, step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    if rank == 0:
+        try:
+            optimizer.state_dict()
+        except StallError as exc:
+            print("ERROR " + json.dumps(f"{type(exc).__name__}: {exc}"), flush=True)
+    else:
+        co.barrier()
+
+
 def main() -> None:
     rank = int(os.environ["RANK"])
     try:
         import collective_ops as co
 
         co.init("gloo")
-        if os.environ.get("FAULT_SCENARIO", "train") == "train":
+        scenario = os.environ.get("FAULT_SCENARIO", "train")
+        if scenario == "train":
             _train(rank)
+        elif scenario == "state_on_rank_0":
+            _state_on_rank_0(rank)
         else:
             co.shutdown()
     except Exception as exc:

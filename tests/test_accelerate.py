@@ -69,3 +69,20 @@ def test_transformers_trainer_through_use_equals_its_ddp_run(runs: dict) -> None
         assert ours["losses"] == ddp["losses"]
         for name, tensor in ddp["state"].items():
             assert torch.equal(ours["state"][name], tensor), f"rank {rank}: {name} differs from the DDP Trainer's"
+
+
+def test_save_and_load_state_carry_every_ranks_powersgd_state(tmp_path: Path) -> None:
+    """PowerSGD's error feedback differs per rank: save_state() holds every rank's, load_state() gives each its own,
+    and the resumed run (new processes, other initial weights) ends as the uninterrupted one, bit for bit."""
+    script = ROOT / "tests" / "integrations" / "accelerate_resume.py"
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(run_torchrun, script, "--phase", phase, "--out", str(tmp_path)) for phase in ("full", "first")
+        ]
+        for run in runs:
+            run.result()
+    run_torchrun(script, "--phase", "resume", "--out", str(tmp_path))
+    for rank in (0, 1):
+        full, resumed = (torch.load(tmp_path / f"{phase}_rank{rank}.pt") for phase in ("full", "resume"))
+        for name, tensor in full.items():
+            assert torch.equal(resumed[name], tensor), f"rank {rank}: {name} differs from the uninterrupted run"

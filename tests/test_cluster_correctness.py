@@ -186,6 +186,43 @@ def _failed_backward_steps(rank: int, wrap, world: int, steps: int = 5, failing:
     return snapshot(net)
 
 
+def _partway_failed_backward_error(rank: int) -> str:
+    """Every rank's backward raises after its last layers' buckets were sent; the loop catches it and runs the next
+    forward: what that raises (the half-reduced step cannot be resumed)."""
+    import torch
+
+    import collective_ops as co
+    from tests.models import MLP, rank_batch
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("a backward failed (injected)")
+
+    class Failing(torch.nn.Module):
+        def forward(self, x):
+            return FailingBackward.apply(x)
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 64), Failing(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)]
+    model = co.wrap(torch.nn.Sequential(*layers), bucket_size_mb=0.004)
+    x, y = rank_batch(MLP, 0, rank)
+    try:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    except RuntimeError as exc:
+        assert "injected" in str(exc), exc
+    assert model.manager._next_launch > 0, "the failure must come after a bucket was sent"
+    try:
+        model(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return "the next forward raised nothing"
+
+
 def _wrapped_under_checkpoint_steps(rank: int, wrap, world: int, reentrant: bool, steps: int = 4) -> dict:
     """The whole (wrapped) model under the loop's own activation checkpoint: its forward runs again inside
     backward. ``wrap`` None: the reference (one all-reduce per gradient)."""
@@ -402,6 +439,7 @@ def correctness_checks(rank: int, world: int) -> dict:
         out["failed_backward_reference"] = _failed_backward_steps(rank, None, world)
         wrap = functools.partial(co.wrap, bucket_size_mb=0.004)
         out["failed_backward_ours"] = _failed_backward_steps(rank, wrap, world)
+        out["partway_failed_backward"] = _partway_failed_backward_error(rank)
         # the wrapped model under the loop's own checkpoint: a forward of the wrapper inside backward
         for reentrant in (False, True):
             reference = _wrapped_under_checkpoint_steps(rank, None, world, reentrant)
@@ -517,6 +555,12 @@ def test_a_gradient_penalty_loop_trains_as_ddp_and_its_autograd_grad_is_no_step(
 def test_training_goes_on_after_a_backward_that_raised_before_any_gradient(results) -> None:
     for rank, out in enumerate(_section(results, "section_10")):
         assert_identical(out["failed_backward_ours"], out["failed_backward_reference"], f"rank {rank}")
+
+
+def test_the_forward_after_a_backward_that_raised_partway_says_the_step_cannot_be_resumed(results) -> None:
+    for rank, out in enumerate(_section(results, "section_10")):
+        assert "raised after some buckets were sent" in out["partway_failed_backward"], (rank, out)
+        assert "restart the ranks from the last checkpoint" in out["partway_failed_backward"], (rank, out)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -49,7 +49,7 @@ def _run(out: Path, *args: str, torchrun_nodes: int = 0) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
     base = tmp_path_factory.mktemp("lightning")
-    checkpoint = base / "one_epoch.ckpt"
+    checkpoint, compressed = base / "one_epoch.ckpt", base / "one_epoch_powersgd.ckpt"
     with ThreadPoolExecutor(2) as pool:  # two runs at a time: each is two processes on this machine's cores
         futures = {
             "ddp": pool.submit(_run, base / "ddp", "--strategy", "ddp"),
@@ -60,9 +60,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]
             "sharded": pool.submit(_run, base / "sharded", "--strategy", "collective_ops_sharded"),
             "two_nodes": pool.submit(_run, base / "two_nodes", "--strategy", "collective_ops", torchrun_nodes=2),
         }
+        futures["powersgd"] = pool.submit(
+            _run, base / "powersgd", "--strategy", "collective_ops_powersgd", "--save-checkpoint", str(compressed)
+        )
         futures["ours"].result()  # the checkpoint it saved after the first epoch, resumed for the second
         futures["resumed"] = pool.submit(
             _run, base / "resumed", "--strategy", "collective_ops", "--resume", str(checkpoint)
+        )
+        futures["powersgd"].result()
+        futures["powersgd_resumed"] = pool.submit(
+            _run, base / "powersgd_resumed", "--strategy", "collective_ops_powersgd", "--resume", str(compressed)
         )
         return {name: future.result() for name, future in futures.items()}
 
@@ -98,6 +105,14 @@ def test_strategy_trains_bit_identical_to_ddp_strategy(runs: dict, name: str) ->
 
 def test_checkpoint_resumed_equals_the_uninterrupted_run(runs: dict) -> None:
     _assert_same_run(runs["resumed"], runs["ddp"], "resumed from the first epoch's checkpoint", per_batch=False)
+
+
+def test_a_checkpoint_carries_every_ranks_powersgd_state(runs: dict) -> None:
+    """PowerSGD's error feedback differs per rank: rank 0's checkpoint holds every rank's, and each rank resumes
+    from its own, continuing as the uninterrupted run (compressed from the third step: the first epoch's last two
+    steps leave error-feedback memory)."""
+    _assert_same_run(runs["powersgd_resumed"], runs["powersgd"], "resumed with PowerSGD", per_batch=False)
+    assert not torch.equal(runs["powersgd"][0]["state"]["net.8.weight"], runs["ours"][0]["state"]["net.8.weight"])
 
 
 def test_teardown_leaves_the_lightning_module_unwrapped(runs: dict) -> None:

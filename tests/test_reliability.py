@@ -497,6 +497,22 @@ def _fault_ranks(fault: str, fault_rank: int) -> list[dict]:
     return run_rank_processes([{**common, "RANK": str(r)} for r in range(2)], timeout=STALL_S + 30 + 60, wait_for=peers)
 
 
+def test_a_script_ending_after_a_state_dict_stall_on_rank_0_exits_within_seconds() -> None:
+    """Rank 0 alone calls the sharded optimizer's state_dict() (a collective), catches its StallError and ends without
+    co.shutdown(): its exit left the arrival allreduce behind instead of joining it (a hang: both ranks still
+    running after 100 s), and its peer, waiting in a barrier, gets a connection error once it is gone."""
+    port = str(free_port())
+    common = {"MASTER_PORT": port, "WORLD_SIZE": "2", "COLLECTIVE_OPS_STALL_TIMEOUT": str(STALL_S)}
+    common |= {"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "60", "FAULT_SCENARIO": "state_on_rank_0"}
+    results = run_rank_processes([{**common, "RANK": str(r)} for r in range(2)], timeout=STALL_S + 60)
+    rank0 = results[0]
+    assert rank0["error"] and rank0["error"].startswith("StallError"), rank0["output"]
+    assert "state_dict()" in rank0["error"], rank0["error"]
+    assert rank0["returncode"] == 0, rank0["output"]
+    for rank, result in enumerate(results):
+        assert result["exited_after"] is not None and result["exited_after"] < STALL_S + 30, (rank, result["output"])
+
+
 @pytest.mark.parametrize("stopped", [0, 1])
 def test_a_stopped_rank_is_named_and_its_peer_exits_within_seconds(stopped: int) -> None:
     """SIGSTOP on one rank mid-training. Stopped rank 0 also stops the rendezvous store it hosts, where the

@@ -508,7 +508,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         manager.set_sync(True)  # (the last forward may have run inside the block)
         if self._step_end_owed:
-            raise RuntimeError("sync_gradients() during backward: call it after loss.backward() returns")
+            raise RuntimeError(
+                "sync_gradients() during backward, or after a backward that raised partway (its step cannot be "
+                "resumed: restart the ranks from the last checkpoint): call it after loss.backward() returns"
+            )
         for i, p in enumerate(self._params):
             if not manager.is_marked(i):
                 used = p.grad is not None
@@ -605,8 +608,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._nonfinite.raise_if_applied()
         if self.manager.in_progress:
             raise RuntimeError(
-                "forward() called while the previous backward's reduction is unfinished; "
-                "in a custom loop call sync_gradients() after backward"
+                "forward() called while the previous backward's reduction is unfinished: that backward raised after "
+                "some buckets were sent (its step cannot be resumed on any rank: restart the ranks from the last "
+                "checkpoint), or a custom loop skipped the end of backward (call model.sync_gradients() after it)"
             )
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
         self._count_active_ranks(active=True)

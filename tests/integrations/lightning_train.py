@@ -1,6 +1,6 @@
 """A Lightning training run, launched by Lightning itself (``devices=2`` on CPU), for the integration tests.
 
-    python tests/integrations/lightning_train.py --strategy ddp|collective_ops|collective_ops_optimizer \
+    python tests/integrations/lightning_train.py --strategy ddp|collective_ops|collective_ops_optimizer|... \
         --out DIR [--epochs N] [--save-checkpoint PATH] [--resume PATH] [--num-nodes 2]
 
 Each rank writes ``DIR/rank{r}.pt``: its weights and buffers, the metrics Lightning logged, the model's class after
@@ -89,12 +89,14 @@ def strategy(name: str) -> object:
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy()
+    import collective_ops as co
     from collective_ops.lightning import CollectiveOpsStrategy
 
     return CollectiveOpsStrategy(
         distributed_optimizer=name in ("collective_ops_optimizer", "collective_ops_sharded"),
         shard=name == "collective_ops_sharded",
         bucket_size_mb=0.01,
+        compression=co.PowerSGD(rank=1, start_iter=2) if name == "collective_ops_powersgd" else None,
     )
 
 

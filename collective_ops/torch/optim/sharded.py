@@ -831,8 +831,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _wait_for_every_rank(self, call: str) -> None:
         """Return once every rank has come to ``call`` (which gathers the full state); raise ``StallError``
         if they do not within the stall timeout (``COLLECTIVE_OPS_STALL_TIMEOUT``), rather than block."""
-        engine = self.model.engine
-        self._arrivals.wait(engine.device, self.model.manager.stall_timeout_s, engine.rank, call)
+        self._arrivals.wait(self.model.engine, self.model.manager.stall_timeout_s, call)
 
 
 __all__ = ["ShardedDistributedOptimizer"]

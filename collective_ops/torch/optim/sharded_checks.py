@@ -153,17 +153,20 @@ class RankArrivals:
         self.group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
         self._posted: Any = None  # this rank's arrival, posted and not yet matched by every rank
 
-    def wait(self, device: Any, timeout: float, rank: int, call: str) -> None:
-        """Return once every rank has come to ``call``; else raise ``StallError`` after ``timeout`` seconds."""
+    def wait(self, engine: Any, timeout: float, call: str) -> None:
+        """Return once every rank has come to ``call``; else raise ``StallError`` after ``timeout`` seconds. The
+        arrival then stays posted (a later call on every rank matches it), so ``engine`` is marked stalled: at exit
+        its groups are left behind, as destroying this one would wait for that allreduce."""
         if self.group is None:
             return
         if self._posted is None:  # else the arrival of a call that gave up waiting, still posted: matched now
-            self._posted = dist.all_reduce(torch.zeros(1, device=device), group=self.group, async_op=True)
+            self._posted = dist.all_reduce(torch.zeros(1, device=engine.device), group=self.group, async_op=True)
         try:
             wait_with_timeout(self._posted, timeout)
             self._posted = None
         except TimeoutError as exc:
-            raise state_gather_stalled(rank, timeout, call) from exc
+            getattr(engine, "mark_stalled", lambda: None)()
+            raise state_gather_stalled(engine.rank, timeout, call) from exc
 
     def release(self) -> None:
         """Let go of the group (``co.shutdown()``: destroying it joins its worker threads while Python is alive)."""

@@ -1,0 +1,45 @@
+"""The compression's per-rank state in checkpoints that one rank writes (Lightning's, Accelerate's ``save_state``).
+
+PowerSGD's error-feedback memory differs on every rank (each holds what compressing its own gradients lost), so a
+checkpoint written by rank 0 alone must carry every rank's. :class:`RankCompressionStates` is that state as one
+object with ``state_dict()`` / ``load_state_dict()``, the shape both frameworks' checkpoint hooks take: saving
+gathers every rank's state (a collective, as JSON: nothing is unpickled), loading takes this rank's back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .optim import state_json
+
+
+class RankCompressionStates:
+    """Every rank's :meth:`compression_state_dict` of a wrapped ``model``, for a checkpoint one rank writes."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    @staticmethod
+    def needed(model: Any) -> bool:
+        """Whether ``model``'s compression keeps state between steps (PowerSGD; fp16/bf16 keep none)."""
+        return hasattr(getattr(getattr(model, "manager", None), "comm_hook", None), "state_dict")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's compression state, by rank (a collective: every rank calls it, as both frameworks' saving
+        does). Each rank holds them all while saving: the error-feedback memory is gradient-sized per rank."""
+        states = state_json.allgather(self.model.engine, self.model.compression_state_dict())
+        return {"world_size": len(states), "ranks": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's compression state from :meth:`state_dict`'s, saved at the same world size."""
+        engine = self.model.engine
+        if state["world_size"] != engine.world_size:
+            raise ValueError(
+                f"the checkpoint holds the compression state of {state['world_size']} ranks, this run has "
+                f"{engine.world_size}: PowerSGD's error-feedback memory belongs to each rank. Resume at "
+                f"{state['world_size']} ranks, or drop the checkpoint's compression state to restart it"
+            )
+        self.model.load_compression_state_dict(state["ranks"][engine.rank])
+
+
+__all__ = ["RankCompressionStates"]
