@@ -19,6 +19,7 @@ to :class:`collective_ops.DistributedOptimizer` (per-bucket updates overlapped w
 from __future__ import annotations
 
 import inspect
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +33,7 @@ import collective_ops as co
 from .torch.ddp import DistributedDataParallel as WrappedModel
 from .torch.rank_states import RankCompressionStates
 
+_log = logging.getLogger(__name__)
 STRATEGY_NAME = "collective_ops"
 COMPRESSION_KEY = "collective_ops_compression"  # the checkpoint's entry for every rank's compression state
 # DDPStrategy's own keywords (launcher, plugins, process group): everything else is wrap()'s.
@@ -80,7 +82,9 @@ class CollectiveOpsStrategy(DDPStrategy):
 
     # -- the model ------------------------------------------------------------------------------
     def _setup_model(self, model: nn.Module) -> WrappedModel:
-        return co.wrap(model, device_ids=self.determine_ddp_device_ids(), **self._wrap_options)
+        # kept past teardown: a checkpoint saved after fit() still carries the compression's state
+        self._wrapped = co.wrap(model, device_ids=self.determine_ddp_device_ids(), **self._wrap_options)
+        return self._wrapped
 
     def _register_ddp_hooks(self) -> None:
         """A DDP comm hook given to the strategy is registered on the wrapped model, on any device."""
@@ -145,8 +149,10 @@ class CollectiveOpsStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Lightning writes the checkpoint on rank 0; a stateful compression's state (PowerSGD's, each rank its own)
         is gathered into it first (Lightning calls this on every rank)."""
-        if RankCompressionStates.needed(self.model):
-            checkpoint[COMPRESSION_KEY] = RankCompressionStates(self.model).state_dict()
+        wrapped = getattr(self, "_wrapped", None)
+        # (every rank holds the same dict: a weights-only checkpoint, without optimizer states, skips it on each)
+        if "optimizer_states" in checkpoint and RankCompressionStates.needed(wrapped):
+            checkpoint[COMPRESSION_KEY] = RankCompressionStates(wrapped).state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -155,6 +161,11 @@ class CollectiveOpsStrategy(DDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
         if COMPRESSION_KEY in checkpoint and RankCompressionStates.needed(self.model):
             RankCompressionStates(self.model).load_state_dict(checkpoint[COMPRESSION_KEY])
+        elif RankCompressionStates.needed(self.model):
+            _log.warning(
+                "this checkpoint holds no PowerSGD state (saved without compression, or by DDPStrategy): its error "
+                "feedback and step count start afresh, compressing from start_iter on"
+            )
 
     def teardown(self) -> None:
         """Unwrap: the LightningModule leaves as it came, without the wrapper's hooks."""

@@ -82,6 +82,8 @@ def test_save_and_load_state_carry_every_ranks_powersgd_state(tmp_path: Path) ->
         for run in runs:
             run.result()
     run_torchrun(script, "--phase", "resume", "--out", str(tmp_path))
+    saved = torch.load(tmp_path / "state" / "custom_checkpoint_0.pkl", weights_only=True)
+    assert saved["world_size"] == 2 and saved["ranks"][0]["iteration"] == 4, "PowerSGD's state was not saved"
     for rank in (0, 1):
         full, resumed = (torch.load(tmp_path / f"{phase}_rank{rank}.pt") for phase in ("full", "resume"))
         for name, tensor in full.items():

@@ -186,9 +186,9 @@ def _failed_backward_steps(rank: int, wrap, world: int, steps: int = 5, failing:
     return snapshot(net)
 
 
-def _partway_failed_backward_error(rank: int) -> str:
-    """Every rank's backward raises after its last layers' buckets were sent; the loop catches it and runs the next
-    forward: what that raises (the half-reduced step cannot be resumed)."""
+def _partway_failed_backward_error(rank: int) -> list[str]:
+    """Every rank's backward raises after its last layers' buckets were sent; the loop catches it, then calls
+    sync_gradients() and runs the next forward: what each raises (the half-reduced step cannot be resumed)."""
     import torch
 
     import collective_ops as co
@@ -216,11 +216,14 @@ def _partway_failed_backward_error(rank: int) -> str:
     except RuntimeError as exc:
         assert "injected" in str(exc), exc
     assert model.manager._next_launch > 0, "the failure must come after a bucket was sent"
-    try:
-        model(x)
-    except RuntimeError as exc:
-        return str(exc)
-    return "the next forward raised nothing"
+    said = []
+    for call in (model.sync_gradients, lambda: model(x)):
+        try:
+            call()
+            said.append("nothing raised")
+        except RuntimeError as exc:
+            said.append(str(exc))
+    return said
 
 
 def _wrapped_under_checkpoint_steps(rank: int, wrap, world: int, reentrant: bool, steps: int = 4) -> dict:
@@ -559,8 +562,10 @@ def test_training_goes_on_after_a_backward_that_raised_before_any_gradient(resul
 
 def test_the_forward_after_a_backward_that_raised_partway_says_the_step_cannot_be_resumed(results) -> None:
     for rank, out in enumerate(_section(results, "section_10")):
-        assert "raised after some buckets were sent" in out["partway_failed_backward"], (rank, out)
-        assert "restart the ranks from the last checkpoint" in out["partway_failed_backward"], (rank, out)
+        synced, forward = out["partway_failed_backward"]
+        assert "after a backward that raised partway" in synced and "restart the ranks" in synced, (rank, synced)
+        assert "raised after some buckets were sent" in forward, (rank, forward)
+        assert "restart the ranks from the last checkpoint" in forward, (rank, forward)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -71,7 +71,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]
         futures["powersgd_resumed"] = pool.submit(
             _run, base / "powersgd_resumed", "--strategy", "collective_ops_powersgd", "--resume", str(compressed)
         )
-        return {name: future.result() for name, future in futures.items()}
+        out = {name: future.result() for name, future in futures.items()}
+    out["saved_after_fit"] = {"ours": Path(f"{checkpoint}.after_fit"), "powersgd": Path(f"{compressed}.after_fit")}
+    return out
 
 
 def _assert_same_run(
@@ -113,6 +115,11 @@ def test_a_checkpoint_carries_every_ranks_powersgd_state(runs: dict) -> None:
     steps leave error-feedback memory)."""
     _assert_same_run(runs["powersgd_resumed"], runs["powersgd"], "resumed with PowerSGD", per_batch=False)
     assert not torch.equal(runs["powersgd"][0]["state"]["net.8.weight"], runs["ours"][0]["state"]["net.8.weight"])
+    for name, carries in (("powersgd", True), ("ours", False)):  # saved after fit(), once the strategy unwrapped
+        saved = torch.load(runs["saved_after_fit"][name], weights_only=True)
+        assert ("collective_ops_compression" in saved) == carries, name
+        if carries:
+            assert saved["collective_ops_compression"]["world_size"] == 2
 
 
 def test_teardown_leaves_the_lightning_module_unwrapped(runs: dict) -> None:

@@ -119,8 +119,9 @@ def row_sparse_checks(rank: int, world: int) -> dict:
         "fp16": _pair(rank, "sgd", _batches(rank), compression="fp16"),
         "held_schedule": _pair(rank, "sgd", _batches(rank), distributed_optimizer="auto"),
         "sharded": _pair(rank, "adamw", _batches(rank), distributed_optimizer="shard"),
-        # a custom comm_hook reduces whole buckets: no row-sparse reduction, no mask group
+        # a custom comm_hook, or PowerSGD, reduces whole buckets: no row-sparse reduction, no mask group
         "custom_hook": co.wrap(UntiedLM(), comm_hook=lambda ctx: allreduce_hook(ctx)).manager.row_sparse is None,
+        "powersgd": co.wrap(UntiedLM(), compression=co.PowerSGD(rank=1, start_iter=2)).manager.row_sparse is None,
         "dense": _pair(rank, "sgd", _batches(rank, dense=True)),
         # a table no rank looked up: an empty union, nothing sent for it
         "unused": _pair(rank, "sgd", _batches(rank), model="UnusedTableLM", find_unused_parameters=True),
@@ -198,7 +199,7 @@ def test_a_dense_union_falls_back_and_stops_trying(results: list[dict]) -> None:
 
 def test_off_tied_and_bad_option(results: list[dict]) -> None:
     for out in results:
-        assert out["off"]["density"] is None and out["custom_hook"] is True
+        assert out["off"]["density"] is None and out["custom_hook"] is True and out["powersgd"] is True
         assert out["tied"] is True
         assert "row_sparse_embeddings must be True, False or 'auto'" in out["bad_option"]
 

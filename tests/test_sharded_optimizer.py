@@ -188,8 +188,10 @@ def _optimizer_state_on_rank_0_alone(rank: int, stall_s: float = 2.0) -> dict:
             optimizer.state_dict()
         except RuntimeError as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
+    out["stalled_after_error"] = model.engine.stalled
     co.barrier()
     out["state"] = _state_arrays(optimizer.state_dict())
+    out["stalled_after_every_rank_came"] = model.engine.stalled  # (nothing left in flight: shutdown finishes work)
     return out
 
 
@@ -1484,6 +1486,7 @@ def test_optimizer_state_dict_on_rank_0_alone_is_refused_not_hung(two_ranks) -> 
     assert out["error"] is not None and out["error"].startswith("StallError"), out["error"]
     assert "every rank calls it" in out["error"] and "if rank == 0: torch.save" in out["error"], out["error"]
     assert two_ranks[1]["state_on_rank_0"]["error"] is None
+    assert out["stalled_after_error"] and not out["stalled_after_every_rank_came"], out
     assert_identical(two_ranks[1]["state_on_rank_0"]["state"], out["state"], "the state gathered on every rank")
 
 

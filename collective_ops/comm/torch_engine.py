@@ -614,4 +614,4 @@ class TorchEngine(Engine):
         gathered = torch.empty(world * longest, dtype=torch.uint8, device=self.device)
         _all_gather_single(gathered, payload)
         rows = gathered.view(world, longest).cpu()
-        return [bytes(rows[r, : int(lengths[r])].tolist()) for r in range(world)]
+        return [rows[r, : int(lengths[r])].numpy().tobytes() for r in range(world)]

@@ -8,7 +8,10 @@ gathers every rank's state (a collective, as JSON: nothing is unpickled), loadin
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import torch
 
 from .optim import state_json
 
@@ -25,9 +28,12 @@ class RankCompressionStates:
         return hasattr(getattr(getattr(model, "manager", None), "comm_hook", None), "state_dict")
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's compression state, by rank (a collective: every rank calls it, as both frameworks' saving
-        does). Each rank holds them all while saving: the error-feedback memory is gradient-sized per rank."""
-        states = state_json.allgather(self.model.engine, self.model.compression_state_dict())
+        """Every rank's compression state, by rank, on the host (a collective: every rank calls it, as both
+        frameworks' saving does). Each rank holds them all while saving: the error-feedback memory is gradient-sized
+        per rank."""
+        local = json.dumps(state_json.encode(self.model.compression_state_dict())).encode()
+        blobs = self.model.engine.allgather_bytes(local)
+        states = [state_json.decode(json.loads(blob), torch.device("cpu")) for blob in blobs]
         return {"world_size": len(states), "ranks": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -37,7 +43,8 @@ class RankCompressionStates:
             raise ValueError(
                 f"the checkpoint holds the compression state of {state['world_size']} ranks, this run has "
                 f"{engine.world_size}: PowerSGD's error-feedback memory belongs to each rank. Resume at "
-                f"{state['world_size']} ranks, or drop the checkpoint's compression state to restart it"
+                f"{state['world_size']} ranks, or drop the checkpoint's compression state (Lightning: its "
+                "'collective_ops_compression' entry; Accelerate: its custom_checkpoint file) to restart it"
             )
         self.model.load_compression_state_dict(state["ranks"][engine.rank])
 

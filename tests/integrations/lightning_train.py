@@ -1,6 +1,7 @@
 """A Lightning training run, launched by Lightning itself (``devices=2`` on CPU), for the integration tests.
 
-    python tests/integrations/lightning_train.py --strategy ddp|collective_ops|collective_ops_optimizer|... \
+    python tests/integrations/lightning_train.py --strategy ddp|collective_ops|collective_ops_optimizer|\
+        collective_ops_sharded|collective_ops_powersgd \
         --out DIR [--epochs N] [--save-checkpoint PATH] [--resume PATH] [--num-nodes 2]
 
 Each rank writes ``DIR/rank{r}.pt``: its weights and buffers, the metrics Lightning logged, the model's class after
@@ -132,6 +133,8 @@ def main() -> None:
     )
     train, val = loaders()
     trainer.fit(model, train, val, ckpt_path=args.resume)
+    if args.save_checkpoint:  # after fit, the strategy unwrapped: the checkpoint still holds what it did in fit
+        trainer.save_checkpoint(f"{args.save_checkpoint}.after_fit")
     rank = trainer.global_rank
     torch.save(
         {

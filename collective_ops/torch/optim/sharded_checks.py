@@ -152,21 +152,25 @@ class RankArrivals:
     def __init__(self) -> None:
         self.group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
         self._posted: Any = None  # this rank's arrival, posted and not yet matched by every rank
+        self._marked_stalled = False  # the engine marked stalled by an arrival that had not been matched
 
     def wait(self, engine: Any, timeout: float, call: str) -> None:
         """Return once every rank has come to ``call``; else raise ``StallError`` after ``timeout`` seconds. The
-        arrival then stays posted (a later call on every rank matches it), so ``engine`` is marked stalled: at exit
-        its groups are left behind, as destroying this one would wait for that allreduce."""
+        arrival then stays posted, and ``engine`` is marked stalled until a later call on every rank matches it: at
+        exit meanwhile its groups are left behind, as destroying this one would wait for that allreduce."""
         if self.group is None:
             return
         if self._posted is None:  # else the arrival of a call that gave up waiting, still posted: matched now
             self._posted = dist.all_reduce(torch.zeros(1, device=engine.device), group=self.group, async_op=True)
         try:
             wait_with_timeout(self._posted, timeout)
-            self._posted = None
         except TimeoutError as exc:
-            getattr(engine, "mark_stalled", lambda: None)()
+            engine.mark_stalled()
+            self._marked_stalled = True
             raise state_gather_stalled(engine.rank, timeout, call) from exc
+        self._posted = None
+        if self._marked_stalled:  # every rank came at last: nothing of this group is left in flight
+            engine.stalled = self._marked_stalled = False
 
     def release(self) -> None:
         """Let go of the group (``co.shutdown()``: destroying it joins its worker threads while Python is alive)."""
