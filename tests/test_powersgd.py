@@ -286,6 +286,26 @@ def _errors(rank: int) -> dict:
     )
 
 
+def _state_refused_on_one_rank(rank: int) -> str:
+    """Every rank gathers the compression state for a checkpoint (as Lightning's saving does) while rank 0 cannot
+    give its own (a step left in flight): what each rank raises (every rank, not rank 0 alone)."""
+    import torch
+
+    from collective_ops.torch.rank_states import RankCompressionStates
+
+    model = _powersgd_mlp()
+    _train(rank, model, torch.optim.SGD(model.parameters(), lr=0.1), range(4))
+    if rank == 0:
+        model.manager.comm_hook._pending.append(None)  # as a step given up after a failure leaves it
+    try:
+        RankCompressionStates(model).state_dict()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        model.manager.comm_hook._pending.clear()
+    return "nothing raised"
+
+
 def powersgd_checks(rank: int, world: int) -> dict:
     return {
         "ddp_rank2": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB),
@@ -306,6 +326,7 @@ def powersgd_checks(rank: int, world: int) -> dict:
         "replanned": functools.partial(_replanned, rank),
         "bytes": functools.partial(_bytes_per_step, rank),
         "errors": functools.partial(_errors, rank),
+        "state_refused_on_one_rank": functools.partial(_state_refused_on_one_rank, rank),
         "auto": functools.partial(_auto_tuned, rank),
         # overlapped: each bucket's update lands in the next forward
         "distributed_optimizer": functools.partial(_with_distributed_optimizer, rank, 8, "plan"),
@@ -531,3 +552,11 @@ def test_the_offline_tune_prices_compressed_buckets_and_counts_compute_once() ->
     hook.iteration = 10  # compressing: the profiled steps' compute holds the compression's
     started = with_compression_priced(profile, hook, "cuda")
     assert started.bucket_wire == hook.planned_wire and started.flops_per_s == float("inf")
+
+
+def test_a_checkpoint_gather_of_the_compression_state_fails_on_every_rank_where_one_cannot_give_it(two_ranks) -> None:
+    """A rank whose state_dict() raises before the gather would leave its peers waiting in it (until the process
+    group's timeout): every rank raises instead, naming that rank."""
+    for rank, out in enumerate(two_ranks):
+        said = out["state_refused_on_one_rank"]
+        assert "could not be saved on every rank: rank 0: RuntimeError" in said, (rank, said)

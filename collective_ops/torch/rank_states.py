@@ -30,10 +30,18 @@ class RankCompressionStates:
     def state_dict(self) -> dict[str, Any]:
         """Every rank's compression state, by rank, on the host (a collective: every rank calls it, as both
         frameworks' saving does). Each rank holds them all while saving: the error-feedback memory is gradient-sized
-        per rank."""
-        local = json.dumps(state_json.encode(self.model.compression_state_dict())).encode()
-        blobs = self.model.engine.allgather_bytes(local)
-        states = [state_json.decode(json.loads(blob), torch.device("cpu")) for blob in blobs]
+        per rank. Where a rank cannot give its state (a step in flight after a failure), every rank raises, naming it,
+        rather than its peers waiting in the gather."""
+        engine = self.model.engine
+        try:
+            local = {"state": state_json.encode(self.model.compression_state_dict()), "error": None}
+        except Exception as exc:  # told to every rank: the peers are already on their way into the gather
+            local = {"state": None, "error": f"rank {engine.rank}: {type(exc).__name__}: {exc}"}
+        gathered = [json.loads(blob) for blob in engine.allgather_bytes(json.dumps(local).encode())]
+        errors = [entry["error"] for entry in gathered if entry["error"]]
+        if errors:
+            raise RuntimeError(f"the compression state could not be saved on every rank: {'; '.join(errors)}")
+        states = [state_json.decode(entry["state"], torch.device("cpu")) for entry in gathered]
         return {"world_size": len(states), "ranks": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
