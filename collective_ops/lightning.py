@@ -159,9 +159,11 @@ class CollectiveOpsStrategy(DDPStrategy):
         """The optimizers' states, then this rank's compression state (restored with the training state, once the
         model is wrapped)."""
         super().load_optimizer_state_dict(checkpoint)
-        if COMPRESSION_KEY in checkpoint and RankCompressionStates.needed(self.model):
+        if not RankCompressionStates.needed(self.model):
+            return
+        if COMPRESSION_KEY in checkpoint:
             RankCompressionStates(self.model).load_state_dict(checkpoint[COMPRESSION_KEY])
-        elif RankCompressionStates.needed(self.model):
+        else:
             _log.warning(
                 "this checkpoint holds no PowerSGD state (saved without compression, or by DDPStrategy): its error "
                 "feedback and step count start afresh, compressing from start_iter on"

@@ -141,13 +141,9 @@ def _average_by_hand(net, world: int) -> None:
         p.grad /= world
 
 
-def _failed_backward_steps(rank: int, wrap, world: int, steps: int = 5, failing: int = 2) -> dict:
-    """The model's last module raises in backward at step ``failing`` on every rank: after backward reached the
-    model's output, before any parameter's gradient. The loop catches it and goes on with the next batch.
-    ``wrap`` None: the reference (one all-reduce per gradient)."""
+def _failing_module():
+    """An identity module whose backward raises while its ``fail`` is set (an injected failure mid-backward)."""
     import torch
-
-    from tests.models import MLP, build, rank_batch
 
     class FailingBackward(torch.autograd.Function):
         @staticmethod
@@ -167,7 +163,18 @@ def _failed_backward_steps(rank: int, wrap, world: int, steps: int = 5, failing:
         def forward(self, x):
             return FailingBackward.apply(x, self.fail)
 
-    failing_module = Failing()
+    return Failing()
+
+
+def _failed_backward_steps(rank: int, wrap, world: int, steps: int = 5, failing: int = 2) -> dict:
+    """The model's last module raises in backward at step ``failing`` on every rank: after backward reached the
+    model's output, before any parameter's gradient. The loop catches it and goes on with the next batch.
+    ``wrap`` None: the reference (one all-reduce per gradient)."""
+    import torch
+
+    from tests.models import MLP, build, rank_batch
+
+    failing_module = _failing_module()
     net = torch.nn.Sequential(build("mlp"), failing_module)
     model = net if wrap is None else wrap(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -194,21 +201,10 @@ def _partway_failed_backward_error(rank: int) -> list[str]:
     import collective_ops as co
     from tests.models import MLP, rank_batch
 
-    class FailingBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            raise RuntimeError("a backward failed (injected)")
-
-    class Failing(torch.nn.Module):
-        def forward(self, x):
-            return FailingBackward.apply(x)
-
+    failing = _failing_module()
+    failing.fail = True
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(16, 64), Failing(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)]
+    layers = [torch.nn.Linear(16, 64), failing, torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)]
     model = co.wrap(torch.nn.Sequential(*layers), bucket_size_mb=0.004)
     x, y = rank_batch(MLP, 0, rank)
     try:

@@ -8,7 +8,6 @@ gathers every rank's state (a collective, as JSON: nothing is unpickled), loadin
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -34,15 +33,14 @@ class RankCompressionStates:
         rather than its peers waiting in the gather."""
         engine = self.model.engine
         try:
-            local = {"state": state_json.encode(self.model.compression_state_dict()), "error": None}
+            local = {"state": self.model.compression_state_dict(), "error": None}
         except Exception as exc:  # told to every rank: the peers are already on their way into the gather
             local = {"state": None, "error": f"rank {engine.rank}: {type(exc).__name__}: {exc}"}
-        gathered = [json.loads(blob) for blob in engine.allgather_bytes(json.dumps(local).encode())]
+        gathered = state_json.allgather(engine, local, device=torch.device("cpu"))
         errors = [entry["error"] for entry in gathered if entry["error"]]
         if errors:
             raise RuntimeError(f"the compression state could not be saved on every rank: {'; '.join(errors)}")
-        states = [state_json.decode(entry["state"], torch.device("cpu")) for entry in gathered]
-        return {"world_size": len(states), "ranks": states}
+        return {"world_size": len(gathered), "ranks": [entry["state"] for entry in gathered]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's compression state from :meth:`state_dict`'s, saved at the same world size."""
