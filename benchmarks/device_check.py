@@ -17,6 +17,8 @@ Checks:
   all-gather: NCCL's own in place) against DDP + the same SGD after 6 steps; Muon (hidden matrices)
   + AdamW given to one ``DistributedOptimizer`` against DDP + the two; the sharded state saved through
   torch.distributed.checkpoint (each rank's shards, device tensors) and read back whole;
+  ``compression=co.PowerSGD(rank=2)`` against DDP + torch's ``powerSGD_hook`` (reduced gradients to fp32
+  rounding, same buckets) and ``DistributedOptimizer`` + it against AdamW + it (bit-identical);
 - ``collective-ops bench --backend nccl`` (CLI, #wrong must be 0);
 - ``benchmarks/ddp_compare.py --backend nccl --world 1`` (step time and peak memory vs DDP).
 """
@@ -24,6 +26,7 @@ Checks:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
@@ -154,6 +157,64 @@ def optimizer_checks(rank: int, device: str) -> dict:
     return out
 
 
+def powersgd_checks(rank: int, device: str) -> dict:
+    """compression=co.PowerSGD on ``device`` tensors: each step's reduced gradients against DDP + torch's
+    powerSGD_hook (rank 2, same buckets; the largest difference relative to each gradient's largest entry), and
+    DistributedOptimizer + the compression against a plain optimizer + it (the tensors that differ)."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+    from tests.test_powersgd import DDP_CAP_MB, OUR_CAP_MB, SEED, START, _serial
+
+    batches = [tuple(t.to(device) for t in rank_batch(MLP, step, rank)) for step in range(6)]
+
+    def compressed():
+        compression = co.PowerSGD(rank=2, start_iter=START, random_seed=SEED)
+        return co.wrap(
+            build("mlp").to(device), bucket_size_mb=OUR_CAP_MB, first_bucket_mb=OUR_CAP_MB, compression=compression
+        )
+
+    def reduced(model) -> list:
+        grads = []
+        for x, y in batches:
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            grads.append([p.grad.detach().double().cpu() for p in model.parameters()])
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+        return grads
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build("mlp").to(device), bucket_cap_mb=DDP_CAP_MB)
+    state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=START, random_seed=SEED)
+    ddp.register_comm_hook(state, _serial(torch_powersgd.powerSGD_hook))
+    worst = max(
+        float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
+        for theirs, ours in zip(reduced(ddp), reduced(compressed()), strict=True)
+        for a, b in zip(theirs, ours, strict=True)
+    )
+
+    def train(model, optimizer) -> dict:
+        for x, y in batches:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        if hasattr(optimizer, "synchronize"):
+            optimizer.synchronize()
+        return {k: v.detach().cpu().numpy() for k, v in model.module.state_dict().items()}
+
+    plain = compressed()
+    reference = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    distributed = compressed()
+    ours = train(distributed, co.DistributedOptimizer(distributed, torch.optim.AdamW, lr=1e-2))
+    return {
+        "hook_max_rel": worst,
+        "optimizer_differ": [k for k in reference if not np.array_equal(reference[k], ours[k])],
+    }
+
+
 def _consolidation_faults(optimizer, rank: int) -> list[str]:
     """consolidate_state_dict(to=0): rank 0's state is the one state_dict() gives every rank, in host memory."""
     import torch
@@ -280,26 +341,33 @@ def accelerator_paths(device: str) -> dict:
     return out
 
 
-def _guarded(out: dict, key: str, fn) -> None:
+def _guarded(out: dict, key: str, fn, rank: int) -> None:
+    started = time.monotonic()
     try:
         out[key] = fn()
     except Exception:
         out[key] = {"crash": traceback.format_exc(limit=6)}
+        print(f"device_check rank {rank}: {key} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    print(f"device_check rank {rank}: {key} in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
 
-def rank_main(rank: int, world: int, port: int, backend: str, device: str, queue) -> None:
+def rank_main(rank: int, world: int, port: int, backend: str, device: str, group_timeout: float, queue) -> None:
     import torch
 
     import collective_ops as co
 
     torch.set_num_threads(1)
+    # a rank still running when its group's time is nearly up prints where each of its threads is
+    faulthandler.dump_traceback_later(max(group_timeout - 15, group_timeout / 2))
     co.init(backend, rank=rank, world_size=world, master_port=port)
     out: dict = {}
-    _guarded(out, "equality", lambda: equality_checks(rank, device))
-    _guarded(out, "primitives", lambda: primitive_checks(rank, world, device))
-    _guarded(out, "optimizers", lambda: optimizer_checks(rank, device))
+    _guarded(out, "equality", lambda: equality_checks(rank, device), rank)
+    _guarded(out, "primitives", lambda: primitive_checks(rank, world, device), rank)
+    _guarded(out, "optimizers", lambda: optimizer_checks(rank, device), rank)
+    _guarded(out, "powersgd", lambda: powersgd_checks(rank, device), rank)
     if backend != "gloo" or device == "cpu":
-        _guarded(out, "paths", lambda: accelerator_paths(device))
+        _guarded(out, "paths", lambda: accelerator_paths(device), rank)
+    faulthandler.cancel_dump_traceback_later()
     co.barrier()
     co.shutdown()
     if rank == 0:
@@ -332,6 +400,7 @@ def _group_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
                 detail += "; consolidate_state_dict(to=0): the state, on the host; DCP's sharded save read back whole"
             row = f"{label}: {name} == DDP + {r['reference']}"
             rows.append((row, "FAIL" if r["differ"] else "ok", f"{detail} ({r['order']})"))
+    rows += _powersgd_rows(label, out["powersgd"])
     if "paths" in out:
         paths = out["paths"]
         if "crash" in paths:
@@ -341,6 +410,25 @@ def _group_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
             detail = f"bench #wrong {paths['bench_wrong']}; tune -> {paths['tune_mb']:g} MiB; auto -> {paths['auto_mb']:g} MiB"
             rows.append((f"{label}: bench, tune, auto", "ok" if ok else "FAIL", detail))
     return rows
+
+
+def _powersgd_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
+    from tests.test_powersgd import FP32_AGREEMENT
+
+    if "crash" in out:
+        return [(f"{label}: PowerSGD", "FAIL", out["crash"].strip().splitlines()[-1])]
+    worst = out["hook_max_rel"]
+    hook = f"largest difference {worst:.2g} of each gradient's largest entry (tests allow {FP32_AGREEMENT:g}), 6 steps"
+    differ = out["optimizer_differ"]
+    optimizer = "bit-identical after 6 steps" if not differ else f"differ: {differ[:4]}"
+    return [
+        (
+            f"{label}: wrap(compression=PowerSGD(rank=2)) vs DDP + powerSGD_hook",
+            "ok" if worst <= FP32_AGREEMENT else "FAIL",
+            hook,
+        ),
+        (f"{label}: DistributedOptimizer + PowerSGD == AdamW + PowerSGD", "FAIL" if differ else "ok", optimizer),
+    ]
 
 
 def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
@@ -390,6 +478,10 @@ def ddp_compare_rows(backend: str) -> list[tuple[str, str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: try the script without a GPU")
+    parser.add_argument(
+        "--groups", choices=["all", "gloo2"], default="all", help="gloo2: only the 2-rank Gloo group's checks"
+    )
+    parser.add_argument("--group-timeout", type=float, default=240, help="seconds each group of ranks may run")
     args = parser.parse_args(argv)
     from benchmarks.common import spawn
 
@@ -403,13 +495,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         header += f", CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
         header += f", {torch.cuda.get_device_name(0)}"
-    for label, backend, world in (("gloo, 2 ranks", "gloo", 2), (f"{single_backend}, world 1", single_backend, 1)):
+    groups = [("gloo, 2 ranks", "gloo", 2)]
+    if args.groups == "all":
+        groups.append((f"{single_backend}, world 1", single_backend, 1))
+    for label, backend, world in groups:
         try:
-            rows += _group_rows(label, spawn(rank_main, world, backend, device, timeout=240))
+            rows += _group_rows(
+                label, spawn(rank_main, world, backend, device, args.group_timeout, timeout=args.group_timeout)
+            )
         except Exception as exc:
             rows.append((label, "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
-    rows.append(cli_bench_row(single_backend, args.device))
-    rows += ddp_compare_rows(single_backend)
+    if args.groups == "all":
+        rows.append(cli_bench_row(single_backend, args.device))
+        rows += ddp_compare_rows(single_backend)
     lines = [
         f"# device_check: {header}; {time.monotonic() - started:.0f} s",
         "",

@@ -680,6 +680,75 @@ def late_gathers(seconds: float = 0.05):
         TorchEngine.all_gather_shard = real
 
 
+class _CopiedBackWork:
+    """An allreduce's work whose result lands in the caller's tensor on another thread (see copied_back_late)."""
+
+    def __init__(self, thread) -> None:
+        self._thread = thread
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout=None) -> bool:
+        self._thread.join()
+        return True
+
+
+@contextlib.contextmanager
+def copied_back_late(seconds: float = 0.05):
+    """torch.distributed.all_reduce as Gloo runs it on device tensors: reduced in a host copy, the result copied
+    back into the tensor given (an in-place copy, moving its version counter) on another thread, ``seconds``
+    after the launch, while the loop may be between backward() and step()."""
+    import threading
+
+    real = torch.distributed.all_reduce
+
+    def emulated(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        staged = tensor.detach().clone()
+        work = real(staged, op=op, group=group, async_op=True)
+
+        def copy_back() -> None:
+            work.wait()
+            time.sleep(seconds)
+            tensor.copy_(staged)
+
+        thread = threading.Thread(target=copy_back, daemon=True)
+        thread.start()
+        if not async_op:
+            thread.join()
+            return None
+        return _CopiedBackWork(thread)
+
+    torch.distributed.all_reduce = emulated
+    try:
+        yield
+    finally:
+        torch.distributed.all_reduce = real
+
+
+def results_copied_back_late(rank: int, steps: int = 4) -> tuple[dict, dict]:
+    """(DDP + AdamW, DistributedOptimizer(AdamW)) after a loop that logs for 0.2 s between backward() and
+    step(), with every allreduce of ours landing as Gloo lands device tensors (copied_back_late): the
+    transport's own writes into a bucket are not the loop's in-place changes."""
+    import collective_ops as co
+    from tests.models import MLP, build, rank_batch
+
+    results = []
+    for ours in (False, True):
+        model, optimizer = _ddp_or_ours(
+            ours, lambda: build("mlp"), lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2)
+        )
+        with copied_back_late() if ours else contextlib.nullcontext():
+            for step in range(steps):
+                x, y = rank_batch(MLP, step, rank)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                time.sleep(0.2)
+                optimizer.step()
+            results.append(snapshot(model.module))
+    return results[0], results[1]
+
+
 def peeking_forwards(
     rank: int, name: str, opt_kind: str, shard: bool = False, steps: int = 5, compiled: str | None = None
 ) -> tuple:
@@ -1316,6 +1385,7 @@ def optimizer_checks(rank: int, world: int) -> dict:
         lambda m: co.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-2),
         clip="norm",
     )
+    checks["copied_back_late"] = functools.partial(results_copied_back_late, rank)
     checks["torch_clip_after_finish"] = functools.partial(
         clipped_by_torch_after_finish_reductions,
         rank,
@@ -1562,6 +1632,14 @@ def test_bit_equal_to_ddp_with_the_same_optimizer(two_ranks, case: str) -> None:
     for rank, out in enumerate(two_ranks):
         ddp, ours = out[case]
         assert_identical(ours, ddp, f"{case}, rank {rank}, {STEPS} steps")
+
+
+def test_a_result_the_transport_copies_back_during_the_loop_is_not_taken_for_the_loops_change(two_ranks) -> None:
+    """Gloo lands device tensors' results with an in-place copy on its own thread (found on an H200): a bucket
+    landing while the loop logs between backward() and step() trains as DDP, with no changed-gradients error."""
+    for rank, out in enumerate(two_ranks):
+        ddp, ours = out["copied_back_late"]
+        assert_identical(ours, ddp, f"rank {rank}")
 
 
 def test_an_evaluation_on_one_rank_alone_issues_no_collective_and_trains_as_ddp(two_ranks) -> None:

@@ -46,6 +46,17 @@ class StoreGoneError(ConnectionError):
     """The rendezvous store refused a read or write: the rank hosting it is gone."""
 
 
+def _written_by_transport(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a collective writes its result through: the same memory, with a version counter of its own.
+
+    Gloo lands a device tensor's result with an in-place copy from a host copy, made on its worker thread
+    whenever the collective ends. Made through the caller's tensor, that copy moves the version counter the
+    library's in-place guards read (collective_ops/torch/inplace.py), so a bucket whose reduction landed while the
+    loop ran between backward() and step() looked changed by the loop. NCCL and Gloo on host tensors write
+    below autograd and move no counter; through this alias no transport does."""
+    return tensor.data
+
+
 def _nonzero_rows(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The rows of the ``rows`` x ``cols`` table at the start of ``buffer`` that hold a non-zero (NaN != 0: sent).
 
@@ -150,7 +161,7 @@ class TorchEngine(Engine):
             )
         if self.check_shapes:
             self._check_same_everywhere(tensor, what)
-        return tensor
+        return _written_by_transport(tensor)
 
     def _check_same_everywhere(self, tensor: torch.Tensor, what: str) -> None:
         mine = f"{tuple(tensor.shape)} {dtype_name(tensor.dtype)}".encode()
@@ -474,7 +485,7 @@ class TorchEngine(Engine):
         """
         shard = self.shard_of(buffer)
         if self.backend != "gloo":
-            work = _reduce_scatter_single(shard, buffer, op=dist.ReduceOp.SUM, async_op=True)
+            work = _reduce_scatter_single(_written_by_transport(shard), buffer, op=dist.ReduceOp.SUM, async_op=True)
             return finish(ThenHandle(work, lambda: shard), async_op)
         numel, world, rank = shard.numel(), self._world_size, self._rank
         received = torch.empty((world - 1) * numel, dtype=buffer.dtype, device=buffer.device)
@@ -493,7 +504,7 @@ class TorchEngine(Engine):
         a bucket of several pieces, launched later, then went out beside the earlier ones' and delayed them."""
         shard = self.shard_of(buffer)
         if self.backend != "gloo":
-            work = _all_gather_single(buffer, shard, group=group, async_op=True)
+            work = _all_gather_single(_written_by_transport(buffer), shard, group=group, async_op=True)
             return finish(ThenHandle(work, lambda: buffer), async_op)
         works = self._send_pieces(buffer, buffer, _ALL_GATHER_TAG, owner_sends=True, group=group)
         return finish(ThenHandle(_Works(works), lambda: buffer), async_op)
@@ -510,7 +521,7 @@ class TorchEngine(Engine):
         (benchmarks/shard_collectives.py). Every rank posts the same pieces in the same order, and Gloo
         matches the messages of one pair and tag in the order they were posted.
         """
-        shard = source.numel() // self._world_size
+        shard, target = source.numel() // self._world_size, _written_by_transport(target)
         works = []
         for start, length in self._shard_chunks(source):
             for peer in range(self._world_size):
