@@ -101,7 +101,6 @@ def optimizer_checks(rank: int, device: str) -> dict:
     """DistributedOptimizer, unsharded (default schedule) and sharded, vs DDP + SGD: the tensors that differ."""
     import torch
 
-    import collective_ops as co
     from tests.models import TinyTransformer, build, rank_batch
 
     batches = [tuple(t.to(device) for t in rank_batch(TinyTransformer, step, rank)) for step in range(6)]
@@ -133,28 +132,42 @@ def optimizer_checks(rank: int, device: str) -> dict:
         ("DistributedOptimizer([Muon, AdamW])", {}),  # two classes given as optimizers
     )
     for label, options in cases:
-        wrap_options = {"rebuild_buckets": False} if "chunked" in label else {}
-        wrapped = co.wrap(build("transformer").to(device), bucket_size_mb=0.004, first_bucket_mb=0.001, **wrap_options)
-        muon = "Muon" in label
-        if muon:
-            optimizer = co.DistributedOptimizer(wrapped, muon_and_adamw(wrapped))
-        else:
-            optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=0.05, momentum=0.9, **options)
-        reference = references["Muon + AdamW" if muon else "SGD"]
-        if "chunked" in label:
-            _hold_in_chunks(wrapped.manager)
-        ours = train(wrapped, optimizer)
-        differ = [k for k in reference if not np.array_equal(reference[k], ours[k])]
-        if options.get("shard"):
-            differ += _consolidation_faults(optimizer, rank) + _dcp_faults(wrapped, optimizer)
-        out[label] = {
-            "reference": "Muon + AdamW" if muon else "SGD",
-            "differ": differ,
-            "order": "planned"
-            if getattr(optimizer, "schedule_report", None)
-            else ("chunked" if len(wrapped.manager.launch_order) > len(wrapped.manager.plan.buckets) else "plan order"),
-        }
+        try:
+            out[label] = _optimizer_case(rank, device, label, options, train, references)
+        except Exception:  # one case's crash: the others still report (a rank out of step fails theirs too)
+            out[label] = {"crash": traceback.format_exc(limit=6)}
+            print(f"device_check rank {rank}: {label} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
     return out
+
+
+def _optimizer_case(rank: int, device: str, label: str, options: dict, train, references: dict) -> dict:
+    import torch
+
+    import collective_ops as co
+    from benchmarks.optimizer_compare import muon_and_adamw
+    from tests.models import build
+
+    wrap_options = {"rebuild_buckets": False} if "chunked" in label else {}
+    wrapped = co.wrap(build("transformer").to(device), bucket_size_mb=0.004, first_bucket_mb=0.001, **wrap_options)
+    muon = "Muon" in label
+    if muon:
+        optimizer = co.DistributedOptimizer(wrapped, muon_and_adamw(wrapped))
+    else:
+        optimizer = co.DistributedOptimizer(wrapped, torch.optim.SGD, lr=0.05, momentum=0.9, **options)
+    reference = references["Muon + AdamW" if muon else "SGD"]
+    if "chunked" in label:
+        _hold_in_chunks(wrapped.manager)
+    ours = train(wrapped, optimizer)
+    differ = [k for k in reference if not np.array_equal(reference[k], ours[k])]
+    if options.get("shard"):
+        differ += _consolidation_faults(optimizer, rank) + _dcp_faults(wrapped, optimizer)
+    return {
+        "reference": "Muon + AdamW" if muon else "SGD",
+        "differ": differ,
+        "order": "planned"
+        if getattr(optimizer, "schedule_report", None)
+        else ("chunked" if len(wrapped.manager.launch_order) > len(wrapped.manager.plan.buckets) else "plan order"),
+    }
 
 
 def powersgd_checks(rank: int, device: str) -> dict:
@@ -395,6 +408,9 @@ def _group_rows(label: str, out: dict) -> list[tuple[str, str, str]]:
         )
     else:
         for name, r in optimizers.items():
+            if "crash" in r:
+                rows.append((f"{label}: {name}", "FAIL", r["crash"].strip().splitlines()[-1]))
+                continue
             detail = "bit-identical after 6 steps" if not r["differ"] else f"differ: {r['differ'][:4]}"
             if "shard" in name:
                 detail += "; consolidate_state_dict(to=0): the state, on the host; DCP's sharded save read back whole"

@@ -74,6 +74,17 @@ def _ddp_and_sharded(rank: int, name: str, opt_kind: str, **train_kwargs) -> tup
     return results[0], results[1]
 
 
+def _staged_on_host(rank: int) -> tuple[dict, dict]:
+    """(DDP, sharded) with every reduce-scatter and all-gather of ours going through a host copy, as Gloo's
+    point-to-point pieces of a device buffer do (here forced on host buffers, copied all the same)."""
+    from unittest import mock
+
+    from collective_ops.comm.torch_engine import TorchEngine
+
+    with mock.patch.object(TorchEngine, "_staged_on_host", staticmethod(lambda buffer: True)):
+        return _ddp_and_sharded(rank, "transformer", "adamw", steps=6)
+
+
 def _build(name: str):
     import torch
 
@@ -978,6 +989,7 @@ def two_rank_checks(rank: int, world: int, checkpoint: str) -> dict:
         _ddp_and_sharded, rank, "unused", "adamw", unused=lambda r, s: not (s % 4 == 2 or (r == 1 and s % 3 == 1))
     )
     checks["no_overlap"] = functools.partial(_without_overlap, rank)
+    checks["staged_on_host"] = functools.partial(_staged_on_host, rank)
     for set_to_none in (True, False):
         checks[f"zero_grad_after_step_{set_to_none}"] = functools.partial(
             zero_grad_after_step, rank, mlp, sharded_adamw, set_to_none
@@ -1331,6 +1343,7 @@ def two_ranks(checkpoint) -> list[dict]:
         "accumulation",
         "unused",
         "no_overlap",
+        "staged_on_host",
         "zero_grad_after_step_True",
         "zero_grad_after_step_False",
         "group_added",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -481,19 +482,27 @@ class TorchEngine(Engine):
         pieces of at most 1 MiB per rank (see _send_pieces), then summed here in rank order. The other ranks'
         copies of this rank's shard arrive in a receive buffer of (N-1) shards made for this call and freed
         once summed: none is kept between steps (an all-to-all, one call for a one-piece shard, needs one as
-        large as the whole buffer). Other backends reduce-scatter in place.
+        large as the whole buffer). A device buffer goes through a host copy (see _staged_on_host). Other
+        backends reduce-scatter in place.
         """
         shard = self.shard_of(buffer)
         if self.backend != "gloo":
             work = _reduce_scatter_single(_written_by_transport(shard), buffer, op=dist.ReduceOp.SUM, async_op=True)
             return finish(ThenHandle(work, lambda: shard), async_op)
+        if self._staged_on_host(buffer):
+            return self._through_host(buffer, self._reduce_scatter_pieces, shard, async_op)
+        return finish(self._reduce_scatter_pieces(buffer), async_op)
+
+    def _reduce_scatter_pieces(self, buffer: torch.Tensor) -> ThenHandle:
+        """reduce_scatter_shard on Gloo, point-to-point: each rank's shard summed into it when waited for."""
+        shard = self.shard_of(buffer)
         numel, world, rank = shard.numel(), self._world_size, self._rank
         received = torch.empty((world - 1) * numel, dtype=buffer.dtype, device=buffer.device)
         works = self._send_pieces(buffer, received, _REDUCE_SCATTER_TAG, owner_sends=False, group=None)
         slots = iter(received.split(numel))
         parts = [shard if r == rank else next(slots) for r in range(world)]
         # ThenHandle drops the works and this closure once waited: the receive buffer goes with them
-        return finish(ThenHandle(_Works(works), lambda: _sum_in_rank_order(parts, rank)), async_op)
+        return ThenHandle(_Works(works), lambda: _sum_in_rank_order(parts, rank))
 
     def all_gather_shard(self, buffer: torch.Tensor, async_op: bool = False, group: Any = None) -> Any:
         """Every rank's shard of ``buffer`` into ``buffer`` (on Gloo point-to-point in pieces of at most 1 MiB per rank).
@@ -506,8 +515,32 @@ class TorchEngine(Engine):
         if self.backend != "gloo":
             work = _all_gather_single(_written_by_transport(buffer), shard, group=group, async_op=True)
             return finish(ThenHandle(work, lambda: buffer), async_op)
+        gather = partial(self._all_gather_pieces, group=group)
+        if self._staged_on_host(buffer):
+            return self._through_host(buffer, gather, buffer, async_op)
+        return finish(gather(buffer), async_op)
+
+    def _all_gather_pieces(self, buffer: torch.Tensor, group: Any) -> ThenHandle:
         works = self._send_pieces(buffer, buffer, _ALL_GATHER_TAG, owner_sends=True, group=group)
-        return finish(ThenHandle(_Works(works), lambda: buffer), async_op)
+        return ThenHandle(_Works(works), lambda: buffer)
+
+    @staticmethod
+    def _staged_on_host(buffer: torch.Tensor) -> bool:
+        """Gloo's point-to-point calls read and write host memory only: a device buffer's pointer fails in the
+        socket's write ('writev: Bad address', seen on an H200), so a device buffer goes through a host copy."""
+        return buffer.device.type != "cpu"
+
+    @staticmethod
+    def _through_host(buffer: torch.Tensor, collective: Callable, result: Any, async_op: bool) -> Any:
+        """``collective`` run on a host copy of ``buffer``, copied back into it when waited for (then ``result``)."""
+        host = buffer.to("cpu", copy=True)
+        handle = collective(host)
+
+        def land() -> Any:
+            _written_by_transport(buffer).copy_(host)
+            return result
+
+        return finish(ThenHandle(handle, land), async_op)
 
     def _send_pieces(self, source: torch.Tensor, target: torch.Tensor, tag: int, owner_sends: bool, group: Any) -> list:
         """Point-to-point exchange of shards between every pair of ranks, piece by piece (Gloo).
