@@ -23,6 +23,7 @@ def _uneven(
     zero_grad_last: bool = False,
     scaled: bool = False,
     snapshot_wrapper: bool = False,
+    scheduled: bool = False,
 ) -> dict:
     import warnings
 
@@ -45,6 +46,10 @@ def _uneven(
         context = model.join(divide_by_initial_world_size=divide)
     # a GradScaler's power-of-two scale is undone exactly: the weights of the loop without it, a joined rank's too
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+    # an LR scheduler steps on the ranks still training only (a joined rank's loop is over)
+    scheduler = (
+        torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.2, total_steps=max(BATCHES.values())) if scheduled else None
+    )
     with context, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch announces a change of scaler.step's protocol
         for step in range(BATCHES[rank]):
@@ -57,6 +62,8 @@ def _uneven(
             scaler.update()
             if zero_grad_last:  # a joined rank then shadows steps with no gradients left on its parameters
                 optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
     owner = model if distributed or snapshot_wrapper else model.module  # ours: the wrapper's (owed updates land first)
     return snapshot(owner)
 
@@ -128,6 +135,10 @@ def join_checks(rank: int, world: int) -> dict:
     out["ours_sharded_active"] = _uneven(
         rank, co.wrap(build("mlp"), bucket_size_mb=0.01), divide=False, distributed=True, shard=True
     )
+    out["ddp_scheduled"] = _uneven(rank, torch.nn.parallel.DistributedDataParallel(build("mlp")), scheduled=True)
+    out["ours_sharded_scheduled"] = _uneven(  # lr and momentum from the active ranks' OneCycleLR
+        rank, co.wrap(build("mlp"), bucket_size_mb=0.01), distributed=True, shard=True, scheduled=True
+    )
     out["ours_sharded_lm"] = _uneven(
         rank, co.wrap(build("untied-lm"), bucket_size_mb=0.001), model_cls=UntiedLM, distributed=True, shard=True
     )
@@ -155,6 +166,7 @@ def test_join_equals_ddp_join_with_uneven_inputs(world: int) -> None:
             ("ours_sharded_active", "ddp_active"),
             ("ours_sharded_zero_grad_last", "ddp"),
             ("ours_sharded_lm", "ddp_lm"),
+            ("ours_sharded_scheduled", "ddp_scheduled"),
         ):
             if world == 2:
                 assert_identical(out[ours], out[ddp], f"{ours} vs DDP join, rank {rank}")
@@ -203,3 +215,38 @@ def test_join_with_powersgd_under_the_distributed_optimizer_equals_the_plain_opt
         assert_identical(out["distributed_join_class"], out["plain"], f"... with Join([model, opt]), rank {rank}")
     for key in results[0]["plain"]:  # every rank ends with the same model
         assert all(np.array_equal(r["plain"][key], results[0]["plain"][key]) for r in results)
+
+
+def test_a_joined_rank_takes_each_scheduled_setting_of_its_active_peers_in_place() -> None:
+    """share_settings on a joined rank: a tensor lr filled in place (as schedulers fill it), Adam's betas kept a
+    tuple, an int momentum kept an int; settings no scheduler changes (eps) left as the rank built them."""
+    import torch
+
+    from collective_ops.torch.optim.joined_settings import share_settings
+
+    def groups(lr, betas, momentum, eps):
+        return [
+            {"lr": torch.tensor(lr), "betas": betas, "weight_decay": 0.01, "eps": eps},
+            {"lr": lr, "momentum": momentum},
+        ]
+
+    active = groups(0.25, (0.85, 0.99), 1, 1e-8)
+
+    class ActivePeer:  # the max over the ranks: the active peer's values
+        def reduce_floats(self, values, op):
+            assert op == "max" and all(v == float("-inf") for v in values)
+            return [
+                v
+                for g in active
+                for k in ("lr", "momentum", "betas", "weight_decay")
+                if k in g
+                for v in (g[k] if isinstance(g[k], tuple) else [float(g[k])])
+            ]
+
+    joined = groups(0.5, (0.9, 0.999), 0, 1e-6)
+    tensor_lr = joined[0]["lr"]
+    share_settings(ActivePeer(), joined, active=False)
+    assert joined[0]["lr"] is tensor_lr and float(tensor_lr) == 0.25
+    assert joined[0]["betas"] == (0.85, 0.99) and isinstance(joined[0]["betas"], tuple)
+    assert joined[1] == {"lr": 0.25, "momentum": 1} and isinstance(joined[1]["momentum"], int)
+    assert joined[0]["eps"] == 1e-6

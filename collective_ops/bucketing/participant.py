@@ -65,6 +65,10 @@ class UpdateParticipant(Protocol):
     def step_while_joined(self) -> None:
         """A step that a rank out of data shadows (``model.join()``), where the optimizer :attr:`shards`."""
 
+    def settings_while_joined(self, active: bool) -> None:
+        """Inside ``model.join()`` where the optimizer :attr:`shards`, at each step on every rank alike: the
+        active ranks' settings (an LR scheduler's) given to the joined ones."""
+
     def before_optimizer_beside(self, optimizer: Any) -> None:
         """Another optimizer is about to step parameters of this wrapper's model."""
 

@@ -733,6 +733,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """A step a joined rank shadows (``model.join()``): unsharded, nothing; the rank skips its updates, as a
         plain optimizer does under DDP's join, and takes the last joiner's parameters at the end."""
 
+    def settings_while_joined(self, active: bool) -> None:
+        """Unsharded, nothing: a joined rank makes no updates (sharded, it takes its active peers' settings)."""
+
     @property
     def join_device(self) -> torch.device:
         return self.model.engine.device

@@ -24,7 +24,6 @@ would interleave differently on each rank with the forward's buffer broadcast or
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -46,6 +45,7 @@ from .amp import SHARDED_SCALER_ATTRIBUTES, found_inf_on_any_rank
 from .checks import frozen_setting
 from .dcp import ModelParamsGroup, dcp_asks_sharded_state
 from .grads import clip_global_norm_, gather_gradients_whole, nonfinite_params
+from .joined_settings import share_settings
 from .optimizer import DistributedOptimizer
 from .sharded_checks import (
     RankArrivals,
@@ -70,7 +70,6 @@ from .sharded_state import (
     take_params_into_masters,
 )
 
-_log = logging.getLogger(__name__)
 _GATHER_NAMED = "the all-gather of updated parameters"  # how a failed all-gather is named in its error
 
 
@@ -121,7 +120,6 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._kept: dict[int, torch.Tensor] = {}  # bucket -> reduced shard in another dtype (fp32, fp16)
         # the gather order, how far it got, the all-gathers in flight, the reduction the last step consumed
         self._shard_step = ShardStep()
-        self._warned_joined = False  # step_while_joined's warning: once
         # The gradients the last step used, and the reduction of a backward that added onto them (a GAN's
         # generator step through this discriminator before its zero_grad()): never stepped on, dropped by a
         # zero_grad() (the optimizer's, or the module's before the next backward).
@@ -317,16 +315,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def step_while_joined(self) -> None:
         """In a step a joined rank shadows (``model.join()``): its shards' update from the reduced gradients and
         their all-gathers, which its peers' forwards wait for, as torch's ZeroRedundancyOptimizer steps under
-        Join. With its own ``param_groups``: a learning-rate scheduler stepped on the other ranks after this
-        one joined does not reach its shards (warned once)."""
-        if not self._warned_joined:
-            self._warned_joined = True
-            _log.warning(
-                "rank %d joined: it keeps updating its shards with its own optimizer settings (lr %s); changes "
-                "that the other ranks' schedulers make from now on do not reach them",
-                self.model.engine.rank,
-                [group["lr"] for group in self._groups],
-            )
+        Join; with the settings its active peers step with (:meth:`settings_while_joined`)."""
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
         if scaler is None or not scaler.is_enabled():
             self.step()
@@ -336,6 +325,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         # the scaler too, unscaling by that scale, taking part in the agreement and backing off alike.
         scaler.step(self)
         scaler.update()
+
+    def settings_while_joined(self, active: bool) -> None:
+        share_settings(self.model.engine, self._groups, active)
 
     def _reduction(self) -> int:
         """The number of the model's synchronised step whose gradients are (being) reduced."""
