@@ -22,6 +22,7 @@ loaders and schedulers are Accelerate's, unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from accelerate import Accelerator
@@ -95,7 +96,7 @@ def _prepare_model(accelerator: Accelerator, model: nn.Module, wrap_options: dic
         handler.register_comm_hook(wrapped)  # its comm_hook, as on DDP (none by default)
     accelerator._models[:] = [wrapped if m is prepared else m for m in accelerator._models]
     if RankCompressionStates.needed(wrapped):  # save_state()/load_state() carry every rank's PowerSGD state
-        accelerator.register_for_checkpointing(RankCompressionStates(wrapped))
+        accelerator.register_for_checkpointing(RankCompressionStates(wrapped, writer=_writer_of(accelerator)))
     return wrapped
 
 
@@ -111,6 +112,12 @@ def _route_unwrap(accelerator: Accelerator) -> None:
 
     accelerator.unwrap_model = unwrap_model
     accelerator._collective_ops_unwraps = True
+
+
+def _writer_of(accelerator: Accelerator) -> Callable[[], int | None]:
+    """The rank that writes ``save_state``'s files, as Accelerate's ``save`` decides when it writes: the main
+    process, or with ``save_on_each_node`` each node's first (None: every rank then receives every state)."""
+    return lambda: None if accelerator.project_configuration.save_on_each_node else 0
 
 
 __all__ = ["prepare", "use"]

@@ -88,3 +88,16 @@ def test_save_and_load_state_carry_every_ranks_powersgd_state(tmp_path: Path) ->
         full, resumed = (torch.load(tmp_path / f"{phase}_rank{rank}.pt") for phase in ("full", "resume"))
         for name, tensor in full.items():
             assert torch.equal(resumed[name], tensor), f"rank {rank}: {name} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize("each_node", [False, True])
+def test_the_powersgd_state_is_gathered_onto_the_ranks_that_write_save_states_files(each_node: bool) -> None:
+    """Accelerate's save() writes on the main process, or with save_on_each_node on each node's first: the
+    compression state goes to rank 0 alone, or to every rank."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from collective_ops.accelerate import _writer_of
+
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(save_on_each_node=each_node))
+    assert _writer_of(accelerator)() == (None if each_node else 0)

@@ -306,6 +306,28 @@ def _state_refused_on_one_rank(rank: int) -> str:
     return "nothing raised"
 
 
+def _states_for_a_checkpoint(rank: int) -> dict:
+    """RankCompressionStates.state_dict() written by rank 1, and written by every rank (writer None): which ranks'
+    states each rank holds, and whether the held ones are each rank's own."""
+    import torch
+
+    from collective_ops.torch.optim.state_json import encode
+    from collective_ops.torch.rank_states import RankCompressionStates
+
+    model = _powersgd_mlp()
+    _train(rank, model, torch.optim.SGD(model.parameters(), lr=0.1), range(4))
+    own = model.compression_state_dict()
+    out = {}
+    for label, writer in (("rank 1 writes", 1), ("every rank writes", None)):
+        saved = RankCompressionStates(model, writer=lambda writer=writer: writer).state_dict()
+        ranks = saved["ranks"]
+        out[label] = None if ranks is None else len(ranks)
+        if ranks is not None:
+            assert saved["world_size"] == 2
+            assert encode(ranks[rank]) == encode(own), f"{label}: rank {rank}'s own state differs"  # bit for bit
+    return out
+
+
 def powersgd_checks(rank: int, world: int) -> dict:
     return {
         "ddp_rank2": functools.partial(_against_ddp, rank, "mlp", 2, DDP_CAP_MB, OUR_CAP_MB),
@@ -327,6 +349,7 @@ def powersgd_checks(rank: int, world: int) -> dict:
         "bytes": functools.partial(_bytes_per_step, rank),
         "errors": functools.partial(_errors, rank),
         "state_refused_on_one_rank": functools.partial(_state_refused_on_one_rank, rank),
+        "states_for_a_checkpoint": functools.partial(_states_for_a_checkpoint, rank),
         "auto": functools.partial(_auto_tuned, rank),
         # overlapped: each bucket's update lands in the next forward
         "distributed_optimizer": functools.partial(_with_distributed_optimizer, rank, 8, "plan"),
@@ -552,6 +575,14 @@ def test_the_offline_tune_prices_compressed_buckets_and_counts_compute_once() ->
     hook.iteration = 10  # compressing: the profiled steps' compute holds the compression's
     started = with_compression_priced(profile, hook, "cuda")
     assert started.bucket_wire == hook.planned_wire and started.flops_per_s == float("inf")
+
+
+def test_a_checkpoint_gathers_every_ranks_compression_state_onto_the_rank_that_writes_it(two_ranks) -> None:
+    """The writing rank alone receives every rank's PowerSGD state (gradient-sized per rank); where every rank
+    writes (Accelerate's save_on_each_node), every rank receives them."""
+    for results in two_ranks:
+        held = results["states_for_a_checkpoint"]
+        assert held == {"rank 1 writes": 2 if results.rank == 1 else None, "every rank writes": 2}, held
 
 
 def test_a_checkpoint_gather_of_the_compression_state_fails_on_every_rank_where_one_cannot_give_it(two_ranks) -> None:

@@ -648,14 +648,27 @@ class TorchEngine(Engine):
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Small metadata (e.g. JSON model signatures) from every rank. Bytes, never pickles."""
-        world = self.world_size
-        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        lengths = torch.empty(world, dtype=torch.int64, device=self.device)
-        _all_gather_single(lengths, length)
-        longest = int(lengths.max())
-        payload = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
-        gathered = torch.empty(world * longest, dtype=torch.uint8, device=self.device)
+        lengths, payload = self._padded_bytes(data)
+        gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=self.device)
         _all_gather_single(gathered, payload)
-        rows = gathered.view(world, longest).cpu()
-        return [rows[r, : int(lengths[r])].numpy().tobytes() for r in range(world)]
+        rows = gathered.view(self.world_size, payload.numel()).cpu()
+        return [rows[r, : lengths[r]].numpy().tobytes() for r in range(self.world_size)]
+
+    def gather_bytes(self, data: bytes, dst: int) -> list[bytes] | None:
+        """Every rank's ``data`` on rank ``dst`` alone (None on the others, which hold only their own)."""
+        lengths, payload = self._padded_bytes(data)
+        rows = [torch.empty_like(payload) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(payload, rows, dst=dst)
+        if rows is None:
+            return None
+        return [row[: lengths[r]].cpu().numpy().tobytes() for r, row in enumerate(rows)]
+
+    def _padded_bytes(self, data: bytes) -> tuple[list[int], torch.Tensor]:
+        """Every rank's length (one small all-gather) and ``data`` in a uint8 tensor of the longest's length."""
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        lengths = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        _all_gather_single(lengths, length)
+        lengths = lengths.tolist()
+        payload = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
+        return lengths, payload

@@ -3,11 +3,14 @@
 PowerSGD's error-feedback memory differs on every rank (each holds what compressing its own gradients lost), so a
 checkpoint written by rank 0 alone must carry every rank's. :class:`RankCompressionStates` is that state as one
 object with ``state_dict()`` / ``load_state_dict()``, the shape both frameworks' checkpoint hooks take: saving
-gathers every rank's state (a collective, as JSON: nothing is unpickled), loading takes this rank's back.
+gathers every rank's state onto the rank that writes (a collective, as JSON: nothing is unpickled), loading takes
+this rank's back.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,10 +19,14 @@ from .optim import state_json
 
 
 class RankCompressionStates:
-    """Every rank's :meth:`compression_state_dict` of a wrapped ``model``, for a checkpoint one rank writes."""
+    """Every rank's :meth:`compression_state_dict` of a wrapped ``model``, for a checkpoint one rank writes.
 
-    def __init__(self, model: Any) -> None:
+    ``writer()``: the rank that writes the checkpoint, which alone receives every rank's state (the others hold
+    only their own while saving), or None where several ranks write (each then receives them all)."""
+
+    def __init__(self, model: Any, writer: Callable[[], int | None] = lambda: 0) -> None:
         self.model = model
+        self.writer = writer
 
     @staticmethod
     def needed(model: Any) -> bool:
@@ -27,20 +34,21 @@ class RankCompressionStates:
         return hasattr(getattr(getattr(model, "manager", None), "comm_hook", None), "state_dict")
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's compression state, by rank, on the host (a collective: every rank calls it, as both
-        frameworks' saving does). Each rank holds them all while saving: the error-feedback memory is gradient-sized
-        per rank. Where a rank cannot give its state (a step in flight after a failure), every rank raises, naming it,
-        rather than its peers waiting in the gather."""
+        """Every rank's compression state, by rank, on the host, on the writing rank (``ranks`` is None on the
+        others). A collective: every rank calls it, as both frameworks' saving does. Where a rank cannot give its
+        state (a step in flight after a failure), every rank raises, naming it, rather than its peers waiting."""
         engine = self.model.engine
         try:
-            local = {"state": self.model.compression_state_dict(), "error": None}
+            mine, error = json.dumps(state_json.encode(self.model.compression_state_dict())).encode(), None
         except Exception as exc:  # told to every rank: the peers are already on their way into the gather
-            local = {"state": None, "error": f"rank {engine.rank}: {type(exc).__name__}: {exc}"}
-        gathered = state_json.allgather(engine, local, device=torch.device("cpu"))
-        errors = [entry["error"] for entry in gathered if entry["error"]]
+            mine, error = b"", f"rank {engine.rank}: {type(exc).__name__}: {exc}"
+        errors = [e.decode() for e in engine.allgather_bytes((error or "").encode()) if e]
         if errors:
             raise RuntimeError(f"the compression state could not be saved on every rank: {'; '.join(errors)}")
-        return {"world_size": len(gathered), "ranks": [entry["state"] for entry in gathered]}
+        writer = self.writer()
+        blobs = engine.allgather_bytes(mine) if writer is None else engine.gather_bytes(mine, writer)
+        ranks = None if blobs is None else [state_json.decode(json.loads(b), torch.device("cpu")) for b in blobs]
+        return {"world_size": engine.world_size, "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's compression state from :meth:`state_dict`'s, saved at the same world size."""

@@ -64,8 +64,8 @@ def decode(data: Any, device: torch.device) -> Any:
     return {k: decode(v, device) for k, v in data.items()}
 
 
-def allgather(engine: Any, value: Any, device: torch.device | None = None) -> list[Any]:
+def allgather(engine: Any, value: Any) -> list[Any]:
     """``value`` from every rank (a collective), as JSON bytes in uint8 tensors: sizes, then the padded bytes;
-    tensors that were not on the CPU rebuilt on ``device`` (default: this rank's)."""
+    tensors that were not on the CPU rebuilt on this rank's device."""
     blobs = engine.allgather_bytes(json.dumps(encode(value)).encode())
-    return [decode(json.loads(blob), engine.device if device is None else device) for blob in blobs]
+    return [decode(json.loads(blob), engine.device) for blob in blobs]
