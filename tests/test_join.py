@@ -218,8 +218,10 @@ def test_join_with_powersgd_under_the_distributed_optimizer_equals_the_plain_opt
 
 
 def test_a_joined_rank_takes_each_scheduled_setting_of_its_active_peers_in_place() -> None:
-    """share_settings on a joined rank: a tensor lr filled in place (as schedulers fill it), Adam's betas kept a
-    tuple, an int momentum kept an int; settings no scheduler changes (eps) left as the rank built them."""
+    """share_settings on a joined rank: tensors filled in place (a tensor lr, as schedulers fill it; tensor betas),
+    Adam's betas kept a tuple, an int kept an int only where the value is whole (an int lr of 1 may become 0.5);
+    settings no scheduler changes (eps) left as the rank built them; a different number of settings on some rank
+    refused on every rank, naming what to do."""
     import torch
 
     from collective_ops.torch.optim.joined_settings import share_settings
@@ -230,23 +232,27 @@ def test_a_joined_rank_takes_each_scheduled_setting_of_its_active_peers_in_place
             {"lr": lr, "momentum": momentum},
         ]
 
-    active = groups(0.25, (0.85, 0.99), 1, 1e-8)
+    # the active peer's lr (a tensor), betas (tensors), weight_decay; second group's lr and momentum
+    active = [float(torch.tensor(0.25)), float(torch.tensor(0.85)), float(torch.tensor(0.99)), 0.01, 0.5, 1.0]
 
-    class ActivePeer:  # the max over the ranks: the active peer's values
+    class Ranks:  # the active peer and this joined rank: the number of values, then the max of the values
+        rank = 1
+
+        def __init__(self, counts: tuple = (len(active), len(active))) -> None:
+            self.replies = iter([[max(counts), -min(counts)], active])
+
         def reduce_floats(self, values, op):
-            assert op == "max" and all(v == float("-inf") for v in values)
-            return [
-                v
-                for g in active
-                for k in ("lr", "momentum", "betas", "weight_decay")
-                if k in g
-                for v in (g[k] if isinstance(g[k], tuple) else [float(g[k])])
-            ]
+            assert op == "max"
+            return next(self.replies)
 
-    joined = groups(0.5, (0.9, 0.999), 0, 1e-6)
-    tensor_lr = joined[0]["lr"]
-    share_settings(ActivePeer(), joined, active=False)
+    joined = groups(0.5, (torch.tensor(0.9), torch.tensor(0.999)), 0, 1e-6)
+    joined[1]["lr"] = 1
+    tensor_lr, beta1 = joined[0]["lr"], joined[0]["betas"][0]
+    share_settings(Ranks(), joined, active=False)
     assert joined[0]["lr"] is tensor_lr and float(tensor_lr) == 0.25
-    assert joined[0]["betas"] == (0.85, 0.99) and isinstance(joined[0]["betas"], tuple)
-    assert joined[1] == {"lr": 0.25, "momentum": 1} and isinstance(joined[1]["momentum"], int)
+    assert isinstance(joined[0]["betas"], tuple) and joined[0]["betas"][0] is beta1
+    assert [float(b) for b in joined[0]["betas"]] == [float(torch.tensor(0.85)), float(torch.tensor(0.99))]
+    assert joined[1] == {"lr": 0.5, "momentum": 1} and isinstance(joined[1]["momentum"], int)
     assert joined[0]["eps"] == 1e-6
+    with pytest.raises(ValueError, match="differ in number between ranks.*same parameter groups"):
+        share_settings(Ranks(counts=(7, 6)), groups(0.5, (0.9, 0.999), 0, 1e-6), active=False)

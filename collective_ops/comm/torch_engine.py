@@ -490,7 +490,7 @@ class TorchEngine(Engine):
             work = _reduce_scatter_single(_written_by_transport(shard), buffer, op=dist.ReduceOp.SUM, async_op=True)
             return finish(ThenHandle(work, lambda: shard), async_op)
         if self._staged_on_host(buffer):
-            return self._through_host(buffer, self._reduce_scatter_pieces, shard, async_op)
+            return self._through_host(buffer, self._reduce_scatter_pieces, self.shard_of, async_op)
         return finish(self._reduce_scatter_pieces(buffer), async_op)
 
     def _reduce_scatter_pieces(self, buffer: torch.Tensor) -> ThenHandle:
@@ -517,7 +517,7 @@ class TorchEngine(Engine):
             return finish(ThenHandle(work, lambda: buffer), async_op)
         gather = partial(self._all_gather_pieces, group=group)
         if self._staged_on_host(buffer):
-            return self._through_host(buffer, gather, buffer, async_op)
+            return self._through_host(buffer, gather, lambda whole: whole, async_op)
         return finish(gather(buffer), async_op)
 
     def _all_gather_pieces(self, buffer: torch.Tensor, group: Any) -> ThenHandle:
@@ -531,14 +531,15 @@ class TorchEngine(Engine):
         return buffer.device.type != "cpu"
 
     @staticmethod
-    def _through_host(buffer: torch.Tensor, collective: Callable, result: Any, async_op: bool) -> Any:
-        """``collective`` run on a host copy of ``buffer``, copied back into it when waited for (then ``result``)."""
+    def _through_host(buffer: torch.Tensor, collective: Callable, part: Callable, async_op: bool) -> Any:
+        """``collective`` run on a host copy of ``buffer``; when waited for, the ``part`` of it that the collective
+        writes (``part(buffer)``: a view) copied back, and returned."""
         host = buffer.to("cpu", copy=True)
         handle = collective(host)
 
         def land() -> Any:
-            _written_by_transport(buffer).copy_(host)
-            return result
+            _written_by_transport(part(buffer)).copy_(part(host))
+            return part(buffer)
 
         return finish(ThenHandle(handle, land), async_op)
 

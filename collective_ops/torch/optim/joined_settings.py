@@ -8,6 +8,7 @@ a joined rank gives -inf)."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +21,10 @@ SCHEDULED_SETTINGS = ("lr", "momentum", "betas", "weight_decay")
 
 def _values(setting: Any) -> list[float]:
     if isinstance(setting, (tuple, list)):
-        return [float(v) for v in setting]
-    if isinstance(setting, torch.Tensor) or (isinstance(setting, (int, float)) and not isinstance(setting, bool)):
+        return [v for item in setting for v in _values(item)]
+    if isinstance(setting, torch.Tensor) and setting.numel() == 1:
+        return [float(setting)]
+    if isinstance(setting, numbers.Real) and not isinstance(setting, bool):
         return [float(setting)]
     return []
 
@@ -30,27 +33,40 @@ def _flat(groups: Sequence[dict]) -> list[float]:
     return [v for group in groups for key in SCHEDULED_SETTINGS if key in group for v in _values(group[key])]
 
 
+def _taken(setting: Any, value: float) -> Any:
+    """``value`` in ``setting``'s place: a tensor filled in place (as a scheduler fills a tensor lr); an int kept
+    an int only where ``value`` is whole (an int lr of 1 may become 0.5)."""
+    if isinstance(setting, torch.Tensor):
+        return setting.fill_(value)
+    if isinstance(setting, int) and value.is_integer():
+        return type(setting)(value)
+    return value
+
+
 def _assign(groups: Sequence[dict], values: list[float]) -> None:
     position = iter(values)
     for group in groups:
         for key in SCHEDULED_SETTINGS:
             setting = group.get(key)
-            count = len(_values(setting)) if key in group else 0
-            taken = [next(position) for _ in range(count)]
-            if not count:
+            if key not in group or not _values(setting):
                 continue
-            if isinstance(setting, torch.Tensor):
-                setting.fill_(taken[0])  # in place, as a scheduler fills a tensor lr
-            elif isinstance(setting, (tuple, list)):
-                group[key] = type(setting)(type(old)(new) for old, new in zip(setting, taken))
+            if isinstance(setting, (tuple, list)):
+                group[key] = type(setting)(_taken(item, next(position)) if _values(item) else item for item in setting)
             else:
-                group[key] = type(setting)(taken[0])
+                group[key] = _taken(setting, next(position))
 
 
 def share_settings(engine: Any, groups: Sequence[dict], active: bool) -> None:
-    """The active ranks' scheduled settings into a joined rank's ``groups`` (every rank calls it alike; the
-    optimizer class, hence the number of values, is the same on every rank)."""
+    """The active ranks' scheduled settings into a joined rank's ``groups`` (every rank calls it alike). Two small
+    collectives: the number of values, which must be the same on every rank, then the values."""
     mine = _flat(groups)
+    most, fewest = engine.reduce_floats([len(mine), -len(mine)], "max")
+    if most != -fewest:
+        raise ValueError(
+            f"rank {engine.rank}: the optimizer's {', '.join(SCHEDULED_SETTINGS)} settings differ in number between "
+            f"ranks ({len(mine)} values here; from {int(-fewest)} to {int(most)} over the ranks) inside join(): "
+            "build the optimizer with the same parameter groups and settings on every rank"
+        )
     if not mine:
         return
     shared = engine.reduce_floats(mine if active else [-math.inf] * len(mine), "max")
