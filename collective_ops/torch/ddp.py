@@ -684,7 +684,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _count_active_ranks(self, active: bool) -> None:
         """Inside join(divide_by_initial_world_size=False): one small collective per step (joined ranks add 0,
-        as DDP's forward does), so the step averages over the ranks still active. Sharded, another gives the
+        as DDP's forward does), so the step averages over the ranks still active. Sharded, two more give the
         joined ranks the optimizer settings their active peers step with."""
         if self._join_config.enable and not self._divide_by_initial_world_size:
             count = int(self.engine.reduce_floats([1.0 if active else 0.0], "sum")[0])

@@ -2,8 +2,8 @@
 updates them in every step it shadows, so it needs the settings its active peers step with. An LR scheduler
 (or a loop setting ``lr`` by hand) runs only on the ranks still training; each step, at the point where every
 rank is (an active rank's forward, a joined rank's shadowed step), the settings that schedulers change are
-taken from the active ranks: one small collective, a max over the active ranks' values (all the same, so exact;
-a joined rank gives -inf)."""
+taken from the active ranks: two small collectives, the number of values (the same on every rank, or refused),
+then a max over the active ranks' values (all the same, so exact; a joined rank gives -inf)."""
 
 from __future__ import annotations
 
