@@ -105,24 +105,13 @@ def optimizer_checks(rank: int, device: str) -> dict:
 
     batches = [tuple(t.to(device) for t in rank_batch(TinyTransformer, step, rank)) for step in range(6)]
 
-    def train(model, optimizer) -> dict:
-        for x, y in batches:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        if hasattr(optimizer, "synchronize"):
-            optimizer.synchronize()
-        module = getattr(model, "module", model)
-        return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
-
     from benchmarks.optimizer_compare import muon_and_adamw
     from tests.reference import InTurn
 
     ddp = torch.nn.parallel.DistributedDataParallel(build("transformer").to(device))
-    references = {"SGD": train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))}
+    references = {"SGD": _trained(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), batches)}
     ddp = torch.nn.parallel.DistributedDataParallel(build("transformer").to(device))
-    references["Muon + AdamW"] = train(ddp, InTurn(muon_and_adamw(ddp)))
+    references["Muon + AdamW"] = _trained(ddp, InTurn(muon_and_adamw(ddp)), batches)
     out = {}
     cases = (
         ("DistributedOptimizer", {}),  # schedule="auto": a launch order planned after step 3
@@ -133,14 +122,32 @@ def optimizer_checks(rank: int, device: str) -> dict:
     )
     for label, options in cases:
         try:
-            out[label] = _optimizer_case(rank, device, label, options, train, references)
+            out[label] = _optimizer_case(rank, device, label, options, batches, references)
         except Exception:  # one case's crash: the others still report (a rank out of step fails theirs too)
-            out[label] = {"crash": traceback.format_exc(limit=6)}
-            print(f"device_check rank {rank}: {label} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            out[label] = _crashed(rank, label)
     return out
 
 
-def _optimizer_case(rank: int, device: str, label: str, options: dict, train, references: dict) -> dict:
+def _trained(model, optimizer, batches: list) -> dict:
+    """``model``'s weights (numpy) after a step on each batch, the optimizer's owed work finished."""
+    import torch
+
+    for x, y in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    if hasattr(optimizer, "synchronize"):
+        optimizer.synchronize()
+    return {k: v.detach().cpu().numpy() for k, v in model.module.state_dict().items()}
+
+
+def _crashed(rank: int, what: str) -> dict:
+    """The exception being handled, as a check's result, and on stderr in full."""
+    print(f"device_check rank {rank}: {what} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    return {"crash": traceback.format_exc(limit=6)}
+
+
+def _optimizer_case(rank: int, device: str, label: str, options: dict, batches: list, references: dict) -> dict:
     import torch
 
     import collective_ops as co
@@ -157,7 +164,7 @@ def _optimizer_case(rank: int, device: str, label: str, options: dict, train, re
     reference = references["Muon + AdamW" if muon else "SGD"]
     if "chunked" in label:
         _hold_in_chunks(wrapped.manager)
-    ours = train(wrapped, optimizer)
+    ours = _trained(wrapped, optimizer, batches)
     differ = [k for k in reference if not np.array_equal(reference[k], ours[k])]
     if options.get("shard"):
         differ += _consolidation_faults(optimizer, rank) + _dcp_faults(wrapped, optimizer)
@@ -209,19 +216,10 @@ def powersgd_checks(rank: int, device: str) -> dict:
         for a, b in zip(theirs, ours, strict=True)
     )
 
-    def train(model, optimizer) -> dict:
-        for x, y in batches:
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-        if hasattr(optimizer, "synchronize"):
-            optimizer.synchronize()
-        return {k: v.detach().cpu().numpy() for k, v in model.module.state_dict().items()}
-
     plain = compressed()
-    reference = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    reference = _trained(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), batches)
     distributed = compressed()
-    ours = train(distributed, co.DistributedOptimizer(distributed, torch.optim.AdamW, lr=1e-2))
+    ours = _trained(distributed, co.DistributedOptimizer(distributed, torch.optim.AdamW, lr=1e-2), batches)
     return {
         "hook_max_rel": worst,
         "optimizer_differ": [k for k in reference if not np.array_equal(reference[k], ours[k])],
@@ -359,8 +357,7 @@ def _guarded(out: dict, key: str, fn, rank: int) -> None:
     try:
         out[key] = fn()
     except Exception:
-        out[key] = {"crash": traceback.format_exc(limit=6)}
-        print(f"device_check rank {rank}: {key} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        out[key] = _crashed(rank, key)
     print(f"device_check rank {rank}: {key} in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
 

@@ -66,8 +66,8 @@ class UpdateParticipant(Protocol):
         """A step that a rank out of data shadows (``model.join()``), where the optimizer :attr:`shards`."""
 
     def settings_while_joined(self, active: bool) -> None:
-        """Inside ``model.join()`` where the optimizer :attr:`shards`, at each step on every rank alike: the
-        active ranks' settings (an LR scheduler's) given to the joined ones."""
+        """Inside ``model.join()``, at each forward on every rank alike: where the optimizer :attr:`shards`, the
+        active ranks' settings (an LR scheduler's) given to the joined ones; unsharded, nothing."""
 
     def before_optimizer_beside(self, optimizer: Any) -> None:
         """Another optimizer is about to step parameters of this wrapper's model."""

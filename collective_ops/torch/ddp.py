@@ -690,8 +690,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             count = int(self.engine.reduce_floats([1.0 if active else 0.0], "sum")[0])
             if active:
                 self.manager.set_divisor(count)
-        if self._join_config.enable and self.optimizer is not None and self.optimizer.shards:
-            self.optimizer.settings_while_joined(active)
+        if self._join_config.enable and self.optimizer is not None:
+            self.optimizer.settings_while_joined(active)  # (unsharded: nothing)
 
     @property
     def join_device(self) -> torch.device:

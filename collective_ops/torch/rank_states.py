@@ -9,7 +9,6 @@ this rank's back.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +38,7 @@ class RankCompressionStates:
         state (a step in flight after a failure), every rank raises, naming it, rather than its peers waiting."""
         engine = self.model.engine
         try:
-            mine, error = json.dumps(state_json.encode(self.model.compression_state_dict())).encode(), None
+            mine, error = state_json.to_bytes(self.model.compression_state_dict()), None
         except Exception as exc:  # told to every rank: the peers are already on their way into the gather
             mine, error = b"", f"rank {engine.rank}: {type(exc).__name__}: {exc}"
         errors = [e.decode() for e in engine.allgather_bytes((error or "").encode()) if e]
@@ -47,7 +46,7 @@ class RankCompressionStates:
             raise RuntimeError(f"the compression state could not be saved on every rank: {'; '.join(errors)}")
         writer = self.writer()
         blobs = engine.allgather_bytes(mine) if writer is None else engine.gather_bytes(mine, writer)
-        ranks = None if blobs is None else [state_json.decode(json.loads(b), torch.device("cpu")) for b in blobs]
+        ranks = None if blobs is None else [state_json.from_bytes(b, torch.device("cpu")) for b in blobs]
         return {"world_size": engine.world_size, "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

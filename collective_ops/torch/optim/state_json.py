@@ -64,8 +64,17 @@ def decode(data: Any, device: torch.device) -> Any:
     return {k: decode(v, device) for k, v in data.items()}
 
 
+def to_bytes(value: Any) -> bytes:
+    """``value`` as the JSON bytes that travel between ranks."""
+    return json.dumps(encode(value)).encode()
+
+
+def from_bytes(blob: bytes, device: torch.device) -> Any:
+    """What :func:`to_bytes` made, tensors that were not on the CPU rebuilt on ``device``."""
+    return decode(json.loads(blob), device)
+
+
 def allgather(engine: Any, value: Any) -> list[Any]:
     """``value`` from every rank (a collective), as JSON bytes in uint8 tensors: sizes, then the padded bytes;
     tensors that were not on the CPU rebuilt on this rank's device."""
-    blobs = engine.allgather_bytes(json.dumps(encode(value)).encode())
-    return [decode(json.loads(blob), engine.device) for blob in blobs]
+    return [from_bytes(blob, engine.device) for blob in engine.allgather_bytes(to_bytes(value))]
