@@ -15,7 +15,9 @@ On the emulated link (``--link``), and with ``--compression``, it also prints co
 optimizer, no wrapper and no communication, trained in turn like the others), the wire time at the link's rate of
 one step's bytes (as ``comm_stats()['bytes_per_step']`` counts them, wrap's) and each step as a multiple of
 max(compute, wire): its distance to the physical limit (benchmarks/common.py ``physical_limit``). The step there is
-the median of the whole loop.
+the median of the whole loop. With ``--shard`` on the link it prints the sharded step's forward window: the wire time
+of the all-gathers that step() launches (every parameter's bytes, (N-1)/N of them in each direction) against the
+forward alone, which is all the compute they can hide behind (the unsharded step puts nothing on the wire then).
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import COMPUTE_ALONE, link_rate, physical_limit, run_benchmark, where  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    COMPUTE_ALONE,
+    link_rate,
+    link_seconds,
+    physical_limit,
+    run_benchmark,
+    where,
+)
 from benchmarks.ddp_compare import MODELS, build_model  # noqa: E402
 
 
@@ -118,6 +127,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb, compression=compression)
     out["wrap"] = _phases(wrapped, optimizer_class(wrapped.parameters(), **settings), batches, args.steps, skip)
     sent = wrapped.comm_stats()["bytes_per_step"]
+    param_bytes = sum(p.numel() * p.element_size() for p in wrapped.parameters() if p.requires_grad)
     for shard in (False, True) if args.shard else (False,):
         model, _ = build_model(args.model)
         wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb, compression=compression)
@@ -130,7 +140,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     co.barrier()
     co.shutdown()
     if rank == 0:
-        queue.put((out, sent))
+        queue.put((out, sent, param_bytes))
 
 
 def main(argv=None) -> int:
@@ -150,7 +160,7 @@ def main(argv=None) -> int:
     outcome = run_benchmark(parser, argv, rank_main)
     if isinstance(outcome, int):
         return outcome
-    args, (out, sent) = outcome
+    args, (out, sent, param_bytes) = outcome
     print(
         f"# optimizer_phases: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb} MiB, "
         f"{args.optimizer}, compression {args.compression}"
@@ -166,7 +176,21 @@ def main(argv=None) -> int:
         totals = {setup: phases["total"] for setup, phases in out.items() if setup != COMPUTE_ALONE}
         limit = physical_limit(totals, out[COMPUTE_ALONE]["total"], sent, args.world)
         print("  median step (whole loop), rank 0:\n" + "\n".join(limit.lines(whose="wrap")))
+    if args.shard and link_rate():
+        print(_forward_window(param_bytes, args.world, out[COMPUTE_ALONE]["forward"]))
     return 0
+
+
+def _forward_window(param_bytes: int, world: int, forward_ms: float) -> str:
+    """The sharded step's all-gathers against the forward they overlap: the part of their wire time the forward
+    alone cannot cover is a floor on what shard=True adds to the step (its updates wait for step(), so no
+    all-gather can start in backward)."""
+    gather_ms = link_seconds(param_bytes * (world - 1) / world) * 1e3
+    return (
+        f"  shard=True's all-gathers after step(): {param_bytes * (world - 1) / world / 2**20:.2f} MiB each way, "
+        f"{gather_ms:.1f} ms at {link_rate()}, against the forward alone {forward_ms:.1f} ms: the next forward "
+        f"waits at least {max(gather_ms - forward_ms, 0.0):.1f} ms for the wire"
+    )
 
 
 def _size(value: str) -> float | str:
