@@ -15,9 +15,12 @@ On the emulated link (``--link``), and with ``--compression``, it also prints co
 optimizer, no wrapper and no communication, trained in turn like the others), the wire time at the link's rate of
 one step's bytes (as ``comm_stats()['bytes_per_step']`` counts them, wrap's) and each step as a multiple of
 max(compute, wire): its distance to the physical limit (benchmarks/common.py ``physical_limit``). The step there is
-the median of the whole loop. With ``--shard`` on the link it prints the sharded step's forward window: the wire time
-of the all-gathers that step() launches (every parameter's bytes, (N-1)/N of them in each direction) against the
-forward alone, which is all the compute they can hide behind (the unsharded step puts nothing on the wire then).
+the median of the whole loop. With ``--shard`` on the link it prints each DistributedOptimizer's floor: its step
+if every transfer hid behind the compute it can overlap. Unsharded, the allreduces overlap backward:
+max(backward, allreduce wire) + forward + step. Sharded, the reduce-scatters overlap backward, each rank updates 1/N
+of the parameters, and the all-gathers step() launches overlap the next forward (its updates wait for step(), so no
+all-gather starts in backward): max(backward, reduce-scatter wire) + step / N + max(forward, all-gather wire).
+The phases are compute alone's; the wire times are one step's bytes per direction at the link's rate.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     where,
 )
 from benchmarks.ddp_compare import MODELS, build_model  # noqa: E402
+from benchmarks.sharded_compare import step_wire_bytes  # noqa: E402
 
 
 def _phases(model, optimizer, batches: list, steps: int, skip: int = 0, skipped=lambda: None) -> dict:
@@ -127,7 +131,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb, compression=compression)
     out["wrap"] = _phases(wrapped, optimizer_class(wrapped.parameters(), **settings), batches, args.steps, skip)
     sent = wrapped.comm_stats()["bytes_per_step"]
-    param_bytes = sum(p.numel() * p.element_size() for p in wrapped.parameters() if p.requires_grad)
+    gathered = sharded_sent = 0  # shard=True: the all-gathers' bytes per direction, and the whole step's
     for shard in (False, True) if args.shard else (False,):
         model, _ = build_model(args.model)
         wrapped = co.wrap(model, bucket_size_mb=args.bucket_size_mb, compression=compression)
@@ -136,11 +140,14 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         label = f"DistributedOptimizer{'(shard=True)' if shard else ''}"
         out[label] = _phases(wrapped, optimizer, batches, args.steps, skip, waits.clear)
         out[label]["finishing buckets"] = sum(waits) / (args.steps - skip) * 1e3
+        if shard:
+            params = sum(p.numel() * p.element_size() for p in wrapped.parameters() if p.requires_grad)
+            gathered, sharded_sent = params * (world - 1) // world, step_wire_bytes(label, wrapped, optimizer)
         optimizer.synchronize()
     co.barrier()
     co.shutdown()
     if rank == 0:
-        queue.put((out, sent, param_bytes))
+        queue.put((out, sent, (gathered, sharded_sent)))
 
 
 def main(argv=None) -> int:
@@ -160,7 +167,7 @@ def main(argv=None) -> int:
     outcome = run_benchmark(parser, argv, rank_main)
     if isinstance(outcome, int):
         return outcome
-    args, (out, sent, param_bytes) = outcome
+    args, (out, sent, sharded_bytes) = outcome
     print(
         f"# optimizer_phases: {args.model}, {args.world} Gloo ranks, {where()}, bucket {args.bucket_size_mb} MiB, "
         f"{args.optimizer}, compression {args.compression}"
@@ -177,20 +184,25 @@ def main(argv=None) -> int:
         limit = physical_limit(totals, out[COMPUTE_ALONE]["total"], sent, args.world)
         print("  median step (whole loop), rank 0:\n" + "\n".join(limit.lines(whose="wrap")))
     if args.shard and link_rate():
-        print(_forward_window(param_bytes, args.world, out[COMPUTE_ALONE]["forward"]))
+        print("\n".join(_floors(out[COMPUTE_ALONE], limit.wire_ms, *sharded_bytes, args.world)))
     return 0
 
 
-def _forward_window(param_bytes: int, world: int, forward_ms: float) -> str:
-    """The sharded step's all-gathers against the forward they overlap: the part of their wire time the forward
-    alone cannot cover is a floor on what shard=True adds to the step (its updates wait for step(), so no
-    all-gather can start in backward)."""
-    gather_ms = link_seconds(param_bytes * (world - 1) / world) * 1e3
-    return (
-        f"  shard=True's all-gathers after step(): {param_bytes * (world - 1) / world / 2**20:.2f} MiB each way, "
-        f"{gather_ms:.1f} ms at {link_rate()}, against the forward alone {forward_ms:.1f} ms: the next forward "
-        f"waits at least {max(gather_ms - forward_ms, 0.0):.1f} ms for the wire"
-    )
+def _floors(compute: dict, allreduce_ms: float, gathered: int, sharded_sent: int, world: int) -> list[str]:
+    """Each DistributedOptimizer's floor on the link (see the module's docstring), from compute alone's phases."""
+    gather_ms = link_seconds(gathered) * 1e3
+    scatter_ms = link_seconds(sharded_sent) * 1e3 - gather_ms
+    forward, backward, step = compute["forward"], compute["backward"], compute["step"]
+    unsharded = max(backward, allreduce_ms) + forward + step
+    sharded = max(backward, scatter_ms) + step / world + max(forward, gather_ms)
+    return [
+        "  floors (every transfer hidden behind the compute it can overlap; compute alone's phases):",
+        f"    DistributedOptimizer              max(backward {backward:.1f}, allreduce wire {allreduce_ms:.1f}) "
+        f"+ forward {forward:.1f} + step {step:.1f} = {unsharded:.1f} ms",
+        f"    DistributedOptimizer(shard=True)  max(backward {backward:.1f}, reduce-scatter wire {scatter_ms:.1f}) "
+        f"+ step/{world} {step / world:.1f} + max(forward {forward:.1f}, all-gather wire {gather_ms:.1f}) "
+        f"= {sharded:.1f} ms ({sharded / unsharded:.3f}x the unsharded floor)",
+    ]
 
 
 def _size(value: str) -> float | str:
