@@ -4,9 +4,11 @@
 FAULT_SCENARIO  ``train`` (default: a wrapped MLP and a DistributedOptimizer, FAULT_STEPS steps),
                 ``init`` (only the rendezvous) or ``state_on_rank_0`` (a sharded optimizer's state_dict() on
                 rank 0 alone, its error caught, the script then ending without co.shutdown());
-FAULT           ``stop`` (SIGSTOP), ``kill`` (SIGKILL), ``raise`` (an exception in the loop) or
+FAULT           ``stop`` (SIGSTOP), ``sleep`` (600 s), ``kill`` (SIGKILL), ``raise`` (an exception in the loop) or
                 ``partition`` (runs FAULT_COMMAND, e.g. taking the link down), on rank FAULT_RANK
-                before the backward of step FAULT_STEP; unset: no fault.
+                before the backward of step FAULT_STEP (before its forward with FAULT_PHASE=forward, where
+                the peers' forwards end in the collectives that settle a launch order), after FAULT_DELAY_S
+                seconds; unset: no fault.
 Prints ``FAULT_AT <unix time>`` just before the fault and ``ERROR <json text>`` for the error a rank
 raises (then re-raised: the process exits as a client script would).
 """
@@ -22,9 +24,12 @@ import time
 
 
 def _inject(fault: str) -> None:
+    time.sleep(float(os.environ.get("FAULT_DELAY_S", "0")))  # (the collectives in flight finish meanwhile)
     print(f"FAULT_AT {time.time():.3f}", flush=True)
     if fault == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault == "sleep":  # a stall in Python (a slow loader, a long evaluation): its transport threads run on
+        time.sleep(600)
     elif fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "raise":
@@ -47,11 +52,14 @@ def _train(rank: int) -> None:
     fault, fault_rank, fault_step = os.environ.get("FAULT"), int(os.environ.get("FAULT_RANK", "0")), None
     if fault:
         fault_step = int(os.environ.get("FAULT_STEP", "2"))
+    phase = os.environ.get("FAULT_PHASE", "backward")
     for step in range(int(os.environ.get("FAULT_STEPS", "5"))):
         x, y = rank_batch(MLP, step, rank)
         optimizer.zero_grad()
+        if step == fault_step and rank == fault_rank and phase == "forward":
+            _inject(fault)
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        if step == fault_step and rank == fault_rank:
+        if step == fault_step and rank == fault_rank and phase == "backward":
             _inject(fault)
         loss.backward()
         optimizer.step()

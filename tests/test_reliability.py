@@ -489,11 +489,11 @@ def test_shutdown_leaves_a_process_group_the_user_created(monkeypatch) -> None:
 STALL_S = 5
 
 
-def _fault_ranks(fault: str, fault_rank: int) -> list[dict]:
+def _fault_ranks(fault: str, fault_rank: int, **extra: str) -> list[dict]:
     port = str(free_port())
     common = {"MASTER_PORT": port, "WORLD_SIZE": "2", "COLLECTIVE_OPS_STALL_TIMEOUT": str(STALL_S)}
-    common |= {"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "60", "FAULT": fault, "FAULT_RANK": str(fault_rank)}
-    peers = [r for r in range(2) if not (fault == "stop" and r == fault_rank)]  # a stopped rank never exits
+    common |= {"COLLECTIVE_OPS_RENDEZVOUS_TIMEOUT": "60", "FAULT": fault, "FAULT_RANK": str(fault_rank), **extra}
+    peers = [r for r in range(2) if not (fault in ("stop", "sleep") and r == fault_rank)]  # (it does not exit)
     return run_rank_processes([{**common, "RANK": str(r)} for r in range(2)], timeout=STALL_S + 30 + 60, wait_for=peers)
 
 
@@ -532,6 +532,24 @@ def test_a_stopped_rank_is_named_and_its_peer_exits_within_seconds(stopped: int)
     assert peer["exited_after"] is not None, "the rank that reported the stall did not exit"
     assert peer["exited_after"] - fault_at < STALL_S + 30, (peer["exited_after"], fault_at)
     assert peer["returncode"] == 1, peer["output"]  # the StallError's, not a crash in teardown
+
+
+@pytest.mark.parametrize("fault", ["sleep", "kill"])
+def test_a_rank_lost_before_the_launch_order_is_settled_is_named_in_bounded_time(fault: str) -> None:
+    """Rank 0 stalls (in Python: its transport still runs) or is killed before the forward whose end settles the
+    DistributedOptimizer's launch order (schedule="auto": rank 0's decision broadcast, outside any reduction). Its
+    peer waited there with no limit (still silent after 90 s) or raised Gloo's raw 'Connection reset by peer'."""
+    from collective_ops.bucketing.update.planner import SCHEDULE_AFTER_STEPS
+
+    at = {"FAULT_PHASE": "forward", "FAULT_STEP": str(SCHEDULE_AFTER_STEPS), "FAULT_DELAY_S": "2"}
+    results = _fault_ranks(fault, 0, **at)  # (the delay: the last step's reductions land on both ranks)
+    peer, fault_at = results[1], results[0]["fault_at"]
+    assert fault_at is not None, results[0]["output"]
+    expected = "StallError" if fault == "sleep" else "CommunicationError"
+    assert peer["error"] and peer["error"].startswith(expected), peer["output"]
+    assert "rank 1 waited in the launch-order plan" in peer["error"], peer["error"]
+    assert "[0]" in peer["error"], peer["error"]  # the rank not taking part, or gone
+    assert peer["exited_after"] is not None and peer["exited_after"] - fault_at < STALL_S + 30, peer["output"]
 
 
 @pytest.mark.parametrize("worlds", [(2, 3), (3, 2)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -69,6 +70,9 @@ class _Manager:
 
     def set_launch_order(self, order: tuple | None) -> None:
         self.orders.append(order)
+
+    def agreeing(self, what: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 def test_the_trial_runs_each_order_in_turn_and_keeps_the_fastest_with_its_overlap() -> None:

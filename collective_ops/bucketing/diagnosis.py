@@ -75,6 +75,8 @@ def _peer_line(peer: int, info: dict | None, mine: int) -> str:
             "(it stopped, crashed, skipped a backward, or is blocked in another collective)"
         )
     differs = " <- a different step: a rank skipped or added a backward" if info["step"] != mine else ""
+    if "agreeing" in info:  # between steps, in a collective every rank issues there
+        return f"  rank {peer}: after step {info['step']}, in {info['agreeing']}{differs}"
     return (
         f"  rank {peer}: step {info['step']}, waiting for bucket {info['waiting_for_bucket']} of "
         f"{info['buckets']}, {info['gradients_ready']}/{info['gradients']} gradients ready{differs}"

@@ -745,9 +745,31 @@ class BucketManager:
         progress.update(launched=self._next_launch, gradients_ready=len(self._marked), gradients=len(self._param_names))
         return diagnose(self.engine, where, exc, progress, self.stall_timeout_s)
 
+    @contextlib.contextmanager
+    def agreeing(self, what: str) -> Iterator[None]:
+        """Around the collectives every rank issues between steps to agree on something (the first-step rebuild, a
+        bucket size, a launch order): each is bounded by the stall timeout, and a stall or a failed peer there
+        raises as a bucket's does, naming the ranks not taking part."""
+        bounded = getattr(self.engine, "bounded", None)
+        with bounded(self.stall_timeout_s) if bounded is not None else contextlib.nullcontext():
+            try:
+                yield
+            except (StallError, CommunicationError):
+                raise  # explained already
+            except Exception as exc:
+                if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
+                    raise self._explain_agreement(what, exc) from exc
+                raise
+
+    def _explain_agreement(self, what: str, exc: BaseException) -> RuntimeError:
+        where = f"rank {self.engine.rank} waited in {what}, after step {self.steps_synced}"
+        progress = {"step": self.steps_synced, "agreeing": what, "buckets": len(self.plan.buckets)}
+        return diagnose(self.engine, where, exc, progress, self.stall_timeout_s)
+
     def _rebuild(self, observed: list[int]) -> None:
         """Replan from rank 0's observed ready order."""
-        order = self.engine.broadcast_ints(complete_order(observed, len(self._param_names)), src=0)
+        with self.agreeing("the bucket rebuild after the first step (rank 0's gradient order, broadcast)"):
+            order = self.engine.broadcast_ints(complete_order(observed, len(self._param_names)), src=0)
         if self._adopt(self.plan.rebuild(order)):
             logger.info("rebuilt buckets from the observed gradient order: %d bucket(s)", len(self.plan.buckets))
 

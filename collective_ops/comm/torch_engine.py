@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..bucketing.interfaces import CompletedHandle, ThenHandle, call_with_deadline
+from ..bucketing.interfaces import CompletedHandle, ThenHandle, call_with_deadline, wait_with_timeout
 from ..ops import parse_reduce_op
 from .base import Engine, finish
 
@@ -130,6 +130,7 @@ class TorchEngine(Engine):
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         self.stalled = False  # a collective never completed (mark_stalled): its groups cannot be destroyed
+        self._blocking_timeout_s: float | None = None  # set by bounded(): the blocking collectives' limit
         # who serves the rendezvous store (the side channel of stall diagnosis), named when it does not answer
         self.store_host = "rank 0"
         self.store_rank: int | None = 0  # None where a launcher's agent hosts it
@@ -195,8 +196,8 @@ class TorchEngine(Engine):
                 return tensor
 
             return finish(ThenHandle(work, done), async_op)
-        if not async_op:  # the latency-critical path: no handle objects
-            dist.all_reduce(t, op=_TORCH_OPS[op], group=group)
+        if not async_op:  # the latency-critical path: no handle objects (unless bounded)
+            self._blocking(dist.all_reduce, t, op=_TORCH_OPS[op], group=group)
             return tensor
         work = dist.all_reduce(t, op=_TORCH_OPS[op], group=group, async_op=True)
         return ThenHandle(work, lambda: tensor)
@@ -237,7 +238,25 @@ class TorchEngine(Engine):
         return finish(ThenHandle(work, done), async_op)
 
     def barrier(self) -> None:
-        dist.barrier()
+        self._blocking(dist.barrier)
+
+    @contextlib.contextmanager
+    def bounded(self, seconds: float | None) -> Iterator[None]:
+        """Inside, each blocking collective (``barrier``, ``reduce_floats``, ``broadcast_ints``, ``allgather_bytes``,
+        ``gather_bytes``, a blocking ``allreduce``) raises ``TimeoutError`` after ``seconds`` (None: the process
+        group's own timeout) instead of waiting on for a peer that is not coming."""
+        previous, self._blocking_timeout_s = self._blocking_timeout_s, seconds
+        try:
+            yield
+        finally:
+            self._blocking_timeout_s = previous
+
+    def _blocking(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """``collective(*args, **kwargs)`` waited for, within :meth:`bounded`'s limit where one is set."""
+        if self._blocking_timeout_s is None:
+            collective(*args, **kwargs)
+            return
+        wait_with_timeout(collective(*args, async_op=True, **kwargs), self._blocking_timeout_s)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Destroy the process group if this library created it (an adopted one stays the user's); after a
@@ -268,7 +287,7 @@ class TorchEngine(Engine):
     def reduce_floats(self, values: Sequence[float], op: str = "max") -> list[float]:
         """``values`` reduced over ranks (small bookkeeping, e.g. the slowest rank's time), on this engine's device."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=_TORCH_OPS[op])
+        self._blocking(dist.all_reduce, t, op=_TORCH_OPS[op])
         return t.tolist()
 
     @staticmethod
@@ -575,7 +594,7 @@ class TorchEngine(Engine):
 
     def broadcast_ints(self, values: Sequence[int], src: int = 0) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=src)
+        self._blocking(dist.broadcast, t, src=src)
         return t.tolist()
 
     def exchange_progress(self, mine: dict, grace_s: float = 2.0) -> dict[int, dict | None]:
@@ -651,7 +670,7 @@ class TorchEngine(Engine):
         """Small metadata (e.g. JSON model signatures) from every rank. Bytes, never pickles."""
         lengths, payload = self._padded_bytes(data)
         gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=self.device)
-        _all_gather_single(gathered, payload)
+        self._blocking(_all_gather_single, gathered, payload)
         rows = gathered.view(self.world_size, payload.numel()).cpu()
         return [rows[r, : lengths[r]].numpy().tobytes() for r in range(self.world_size)]
 
@@ -659,7 +678,7 @@ class TorchEngine(Engine):
         """Every rank's ``data`` on rank ``dst`` alone (None on the others, which hold only their own)."""
         lengths, payload = self._padded_bytes(data)
         rows = [torch.empty_like(payload) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(payload, rows, dst=dst)
+        self._blocking(dist.gather, payload, rows, dst=dst)
         if rows is None:
             return None
         return [row[: lengths[r]].cpu().numpy().tobytes() for r, row in enumerate(rows)]
@@ -668,7 +687,7 @@ class TorchEngine(Engine):
         """Every rank's length (one small all-gather) and ``data`` in a uint8 tensor of the longest's length."""
         length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         lengths = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
-        _all_gather_single(lengths, length)
+        self._blocking(_all_gather_single, lengths, length)
         lengths = lengths.tolist()
         payload = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
         payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0

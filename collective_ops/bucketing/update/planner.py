@@ -71,6 +71,19 @@ class LaunchOrderPlanner:
         ``compiled``: the forward ran under torch.compile (no per-module timeline: plan order kept);
         ``measure_cost``: the fitted alpha/beta of the channel (a collective); ``sharded``: the sharded step's
         reduce-scatter orders simulated for a fitted cost, best first (None: allreduce orders, unsharded)."""
+        with manager.agreeing("the launch-order plan (rank 0's decision, the fitted cost and the orders, shared)"):
+            self._plan(manager, engine, timeline, compiled, chunk_candidates_mib, measure_cost, sharded)
+
+    def _plan(
+        self,
+        manager: Any,
+        engine: Any,
+        timeline: ForwardTimeline,
+        compiled: bool,
+        chunk_candidates_mib: Sequence[float],
+        measure_cost: Callable[[], Any],
+        sharded: Callable[[Any], list[OrderPrediction]] | None,
+    ) -> None:
         stats = manager.last_stats
         complete = timeline.complete(stats.backward_start)
         # rank 0's timeline decides, on every rank: 1 plan from it, 0 not complete yet, 2 never (compiled forwards)
@@ -130,7 +143,8 @@ class LaunchOrderPlanner:
             manager.set_launch_order(trial.orders[trial.current])
             self.defers_now = self.trial_defers[trial.current]
             return
-        medians = engine.reduce_floats(trial.medians(), "max")  # the slowest rank's: alike everywhere
+        with manager.agreeing("the end of the launch-order trial (the slowest rank's step times, all-reduced)"):
+            medians = engine.reduce_floats(trial.medians(), "max")  # the slowest rank's: alike everywhere
         kept = trial.pick(medians)
         manager.set_launch_order(trial.orders[kept])
         self.defers_now = self.trial_defers[kept]
