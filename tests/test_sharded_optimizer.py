@@ -183,11 +183,13 @@ def _rank0_checkpoints(rank: int) -> list[dict]:
 def _optimizer_state_on_rank_0_alone(rank: int, stall_s: float = 2.0) -> dict:
     """Rank 0 alone calls opt.state_dict() (a DDP loop's checkpoint; with shard=True it is a collective) while
     the other rank waits in a barrier: rank 0's error (None if it returned); then every rank calls it, and
-    each's state (as arrays)."""
+    each's state (as arrays); then, after a backward, rank 0's state_dict() against rank 1's gather_gradients()."""
+    import time
+
     import torch
 
     import collective_ops as co
-    from tests.models import MLP, build
+    from tests.models import MLP, build, rank_batch
 
     model = co.wrap(build("mlp"), **BUCKET)
     model.manager.stall_timeout_s = stall_s
@@ -203,6 +205,20 @@ def _optimizer_state_on_rank_0_alone(rank: int, stall_s: float = 2.0) -> dict:
     co.barrier()
     out["state"] = _state_arrays(optimizer.state_dict())
     out["stalled_after_every_rank_came"] = model.engine.stalled  # (nothing left in flight: shutdown finishes work)
+    # after a backward rank 0 checkpoints while rank 1 clips through gather_gradients(): both gather from every
+    # rank, and their arrivals matched each other, so rank 0 went on into the state's gather while rank 1 waited
+    # for its reductions (a bucket's stall, then Gloo's raw error on rank 0); now each names the other's call
+    x, y = rank_batch(MLP, 2, rank)
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    started, out["differ"] = time.monotonic(), None
+    try:
+        optimizer.state_dict() if rank == 0 else optimizer.gather_gradients()
+    except RuntimeError as exc:
+        out["differ"] = f"{type(exc).__name__}: {exc}"
+    out["differ_s"] = time.monotonic() - started
+    optimizer.step()
+    co.barrier()
     return out
 
 
@@ -1501,6 +1517,11 @@ def test_optimizer_state_dict_on_rank_0_alone_is_refused_not_hung(two_ranks) -> 
     assert two_ranks[1]["state_on_rank_0"]["error"] is None
     assert out["stalled_after_error"] and not out["stalled_after_every_rank_came"], out
     assert_identical(two_ranks[1]["state_on_rank_0"]["state"], out["state"], "the state gathered on every rank")
+    for rank, other in ((0, "rank 1 in opt.gather_gradients()"), (1, "rank 0 in opt.state_dict()")):
+        got = two_ranks[rank]["state_on_rank_0"]
+        assert got["differ"] and got["differ"].startswith("GatheringCallsDifferError"), got["differ"]
+        assert other in got["differ"] and "every rank calls it at the same point" in got["differ"], got["differ"]
+        assert got["differ_s"] < 2.0, got["differ_s"]  # named at once, not after the stall timeout (2 s)
 
 
 def test_layout_identical_on_every_rank_and_padding_small(two_ranks) -> None:

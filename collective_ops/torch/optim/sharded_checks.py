@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ...bucketing.hooks import allreduce_hook
 from ...bucketing.interfaces import wait_with_timeout
 from ...bucketing.manager import StallError
+from ...comm.torch_engine import _all_gather_single
 from ...options import names_text
 from .optimizer_set import given_optimizers
 
@@ -133,37 +134,63 @@ def kept_gradients(what: str, kept: list[str]) -> RuntimeError:
     )
 
 
+# The sharded optimizer's calls that gather from every rank: every rank makes the same one at the same point.
+GATHERING_CALLS = ("state_dict()", "consolidate_state_dict()", "gather_gradients()", "add_param_group()")
+_EVERY_RANK_CALLS = (
+    "with shard=True it gathers from every rank, so every rank calls it at the same point (then save the result on "
+    "one: state = opt.state_dict(); if rank == 0: torch.save(state, path)), as FSDP's and DeepSpeed's checkpoints; "
+    "or, as torch's ZeroRedundancyOptimizer, opt.consolidate_state_dict(to=0) on every rank, then opt.state_dict() "
+    "on rank 0 alone (only rank 0 then holds the state, in host memory)"
+)
+
+
+class GatheringCallsDifferError(RuntimeError):
+    """The ranks came to different calls of the sharded optimizer that gather from every rank."""
+
+
 def state_gather_stalled(rank: int, timeout: float, call: str) -> StallError:
     return StallError(
-        f"rank {rank} waited {timeout:g} s in opt.{call} for the other ranks: with "
-        "shard=True it gathers the optimizer state from every rank, so every rank calls it at the same "
-        "point (then save the result on one: state = opt.state_dict(); if rank == 0: torch.save(state, "
-        "path)), as FSDP's and DeepSpeed's checkpoints; or, as torch's ZeroRedundancyOptimizer, "
-        "opt.consolidate_state_dict(to=0) on every rank, then opt.state_dict() on rank 0 alone (only rank 0 "
-        "then holds the state, in host memory). Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
+        f"rank {rank} waited {timeout:g} s in opt.{call} for the other ranks: {_EVERY_RANK_CALLS}. Set "
+        "COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
+    )
+
+
+def _call_code(call: str) -> int:
+    return GATHERING_CALLS.index(call.split("(")[0] + "()") + 1
+
+
+def gathering_calls_differ(rank: int, call: str, codes: list[int]) -> GatheringCallsDifferError:
+    others = ", ".join(f"rank {r} in opt.{GATHERING_CALLS[c - 1]}" for r, c in enumerate(codes) if r != rank)
+    return GatheringCallsDifferError(
+        f"rank {rank} came to opt.{call} while the other ranks came to other calls ({others}): {_EVERY_RANK_CALLS}"
     )
 
 
 class RankArrivals:
-    """Only for "has every rank come to gather the full state?", on a group of its own: a rank that never comes
-    (state_dict() called on rank 0 alone, as a DDP loop saves) cannot pair it with its training collectives, as it
-    would on theirs. (Every rank constructs it at the same point: creating a group is a collective.)"""
+    """Only for "has every rank come to the same call that gathers from every rank?", on a group of its own: a rank
+    that never comes (state_dict() called on rank 0 alone, as a DDP loop saves) cannot pair it with its training
+    collectives, as it would on theirs. (Every rank constructs it at the same point: creating a group is a
+    collective.)"""
 
     def __init__(self) -> None:
         self.group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
-        self._posted: Any = None  # this rank's arrival, posted and not yet matched by every rank
+        self._posted: Any = None  # this rank's arrival (its work, every rank's call), not yet matched by every rank
         self._marked_stalled = False  # the engine marked stalled by an arrival that had not been matched
 
     def wait(self, engine: Any, timeout: float, call: str) -> None:
-        """Return once every rank has come to ``call``; else raise ``StallError`` after ``timeout`` seconds. The
-        arrival then stays posted, and ``engine`` is marked stalled until a later call on every rank matches it: at
-        exit meanwhile its groups are left behind, as destroying this one would wait for that allreduce."""
+        """Return once every rank has come to ``call``; raise ``GatheringCallsDifferError`` on every rank where they
+        came to different calls, and ``StallError`` after ``timeout`` seconds where some did not come. The arrival
+        then stays posted, and ``engine`` is marked stalled until a later call on every rank matches it: at exit
+        meanwhile its groups are left behind, as destroying this one would wait for its all-gather."""
         if self.group is None:
             return
         if self._posted is None:  # else the arrival of a call that gave up waiting, still posted: matched now
-            self._posted = dist.all_reduce(torch.zeros(1, device=engine.device), group=self.group, async_op=True)
+            mine = torch.tensor([_call_code(call)], dtype=torch.int64, device=engine.device)
+            calls = torch.empty(dist.get_world_size(self.group), dtype=torch.int64, device=engine.device)
+            self._posted = (_all_gather_single(calls, mine, group=self.group, async_op=True), calls)
+        work, calls = self._posted
         try:
-            wait_with_timeout(self._posted, timeout)
+            wait_with_timeout(work, timeout)
         except TimeoutError as exc:
             engine.mark_stalled()
             self._marked_stalled = True
@@ -171,6 +198,9 @@ class RankArrivals:
         self._posted = None
         if self._marked_stalled:  # every rank came at last: nothing of this group is left in flight
             engine.stalled = self._marked_stalled = False
+        codes = calls.tolist()
+        if len(set(codes)) > 1:  # (every rank sees the same codes: each raises)
+            raise gathering_calls_differ(engine.rank, call, codes)
 
     def release(self) -> None:
         """Let go of the group (``co.shutdown()``: destroying it joins its worker threads while Python is alive)."""
