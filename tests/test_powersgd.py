@@ -308,7 +308,10 @@ def _state_refused_on_one_rank(rank: int) -> str:
 
 def _states_for_a_checkpoint(rank: int) -> dict:
     """RankCompressionStates.state_dict() written by rank 1, and written by every rank (writer None): which ranks'
-    states each rank holds, and whether the held ones are each rank's own."""
+    states each rank holds, and whether the held ones are each rank's own; whether loading its own state, and
+    another rank's, warns."""
+    import warnings
+
     import torch
 
     from collective_ops.torch.optim.state_json import encode
@@ -325,6 +328,12 @@ def _states_for_a_checkpoint(rank: int) -> dict:
         if ranks is not None:
             assert saved["world_size"] == 2
             assert encode(ranks[rank]) == encode(own), f"{label}: rank {rank}'s own state differs"  # bit for bit
+    fresh = _powersgd_mlp()
+    for label, state in (("own", own), ("another rank's", {**own, "rank": 1 - rank})):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fresh.load_compression_state_dict(state)
+        out[f"warned loading {label}"] = any("error-feedback memory is its own" in str(w.message) for w in caught)
     return out
 
 
@@ -582,7 +591,16 @@ def test_a_checkpoint_gathers_every_ranks_compression_state_onto_the_rank_that_w
     writes (Accelerate's save_on_each_node), every rank receives them."""
     for results in two_ranks:
         held = results["states_for_a_checkpoint"]
-        assert held == {"rank 1 writes": 2 if results.rank == 1 else None, "every rank writes": 2}, held
+        writes = {key: value for key, value in held.items() if key.endswith("writes")}
+        assert writes == {"rank 1 writes": 2 if results.rank == 1 else None, "every rank writes": 2}, held
+
+
+def test_a_ranks_compression_state_loaded_on_another_rank_warns(two_ranks) -> None:
+    """Each rank's error-feedback memory is its own: rank 0's checkpoint loaded on every rank (a DDP habit: rank 0
+    saves everything) trained on silently with rank 0's memory on rank 1."""
+    for results in two_ranks:
+        held = results["states_for_a_checkpoint"]
+        assert not held["warned loading own"] and held["warned loading another rank's"], held
 
 
 def test_a_checkpoint_gather_of_the_compression_state_fails_on_every_rank_where_one_cannot_give_it(two_ranks) -> None:

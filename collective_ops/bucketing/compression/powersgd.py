@@ -19,6 +19,7 @@ collectives pair up without any agreement between ranks.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -415,6 +416,7 @@ class PowerSGDHook:
             params.update(self._by_parameter(state))
         return {
             "options": dict(self.options.__dict__),
+            "rank": None if self._engine is None else self._engine.rank,  # whose error memory this is
             # the step the next launch belongs to (the counter moves at a step's first launch)
             "iteration": self.iteration + (1 if self._seen else 0),
             "rng": None if rng is None else [rng[0], rng[1].tolist(), int(rng[2]), int(rng[3]), float(rng[4])],
@@ -434,6 +436,15 @@ class PowerSGDHook:
             raise ValueError(
                 f"PowerSGD state saved with {state['options']}, loaded into PowerSGD with {dict(self.options.__dict__)}: "
                 "wrap the model with the same PowerSGD options as the checkpoint's"
+            )
+        saved_by = state.get("rank")
+        if saved_by is not None and saved_by != engine.rank and any(state["params"].values()):
+            warnings.warn(
+                f"PowerSGD state saved by rank {saved_by} loaded on rank {engine.rank}: each rank's error-feedback "
+                "memory is its own, so this rank trains on with another's (not as the saved run would). Save "
+                "model.compression_state_dict() on every rank and give each rank its own (Lightning's and "
+                "Accelerate's checkpoints through collective_ops do)",
+                stacklevel=3,
             )
         self.iteration = int(state["iteration"])
         self._seen, self._seeds, self._rng = set(), [], None
