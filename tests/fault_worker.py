@@ -4,6 +4,7 @@
 FAULT_SCENARIO  ``train`` (default: a wrapped MLP and a DistributedOptimizer, FAULT_STEPS steps),
                 ``init`` (only the rendezvous) or ``state_on_rank_0`` (a sharded optimizer's state_dict() on
                 rank 0 alone, its error caught, the script then ending without co.shutdown());
+FAULT_MODEL     ``mlp`` (default) or ``cnn`` (BatchNorm: each forward broadcasts its buffers) for ``train``;
 FAULT           ``stop`` (SIGSTOP), ``sleep`` (600 s), ``kill`` (SIGKILL), ``raise`` (an exception in the loop) or
                 ``partition`` (runs FAULT_COMMAND, e.g. taking the link down), on rank FAULT_RANK
                 before the backward of step FAULT_STEP (before its forward with FAULT_PHASE=forward, where
@@ -44,17 +45,19 @@ def _train(rank: int) -> None:
     import torch
 
     import collective_ops as co
-    from tests.models import MLP, build, rank_batch
+    from tests.models import build, rank_batch
 
     torch.manual_seed(0)
-    model = co.wrap(build("mlp"), bucket_size_mb=0.001)
+    name = os.environ.get("FAULT_MODEL", "mlp")  # cnn: BatchNorm, whose buffers each forward broadcasts
+    model = co.wrap(build(name), bucket_size_mb=0.001)
+    model_cls = type(model.module)
     optimizer = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
     fault, fault_rank, fault_step = os.environ.get("FAULT"), int(os.environ.get("FAULT_RANK", "0")), None
     if fault:
         fault_step = int(os.environ.get("FAULT_STEP", "2"))
     phase = os.environ.get("FAULT_PHASE", "backward")
     for step in range(int(os.environ.get("FAULT_STEPS", "5"))):
-        x, y = rank_batch(MLP, step, rank)
+        x, y = rank_batch(model_cls, step, rank)
         optimizer.zero_grad()
         if step == fault_step and rank == fault_rank and phase == "forward":
             _inject(fault)

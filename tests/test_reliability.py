@@ -534,20 +534,28 @@ def test_a_stopped_rank_is_named_and_its_peer_exits_within_seconds(stopped: int)
     assert peer["returncode"] == 1, peer["output"]  # the StallError's, not a crash in teardown
 
 
-@pytest.mark.parametrize("fault", ["sleep", "kill"])
-def test_a_rank_lost_before_the_launch_order_is_settled_is_named_in_bounded_time(fault: str) -> None:
-    """Rank 0 stalls (in Python: its transport still runs) or is killed before the forward whose end settles the
-    DistributedOptimizer's launch order (schedule="auto": rank 0's decision broadcast, outside any reduction). Its
-    peer waited there with no limit (still silent after 90 s) or raised Gloo's raw 'Connection reset by peer'."""
+@pytest.mark.parametrize(
+    ("fault", "model", "waited_in"),
+    [
+        ("sleep", "mlp", "the launch-order plan"),
+        ("kill", "mlp", "the launch-order plan"),
+        ("sleep", "cnn", "the collectives before a forward (join()'s count, the buffers' broadcast)"),
+    ],
+)
+def test_a_rank_lost_between_steps_is_named_in_bounded_time(fault: str, model: str, waited_in: str) -> None:
+    """Rank 0 stalls (in Python: its transport still runs, as in a slow loader or a long evaluation) or is killed
+    between steps, before the forward whose start broadcasts BatchNorm's buffers (cnn) and whose end settles the
+    DistributedOptimizer's launch order (schedule="auto": rank 0's decision broadcast). Its peer waited there with
+    no limit (still silent after 90 s) or raised Gloo's raw 'Connection reset by peer', naming no rank."""
     from collective_ops.bucketing.update.planner import SCHEDULE_AFTER_STEPS
 
     at = {"FAULT_PHASE": "forward", "FAULT_STEP": str(SCHEDULE_AFTER_STEPS), "FAULT_DELAY_S": "2"}
-    results = _fault_ranks(fault, 0, **at)  # (the delay: the last step's reductions land on both ranks)
+    results = _fault_ranks(fault, 0, FAULT_MODEL=model, **at)  # (the delay: the last step's reductions land)
     peer, fault_at = results[1], results[0]["fault_at"]
     assert fault_at is not None, results[0]["output"]
     expected = "StallError" if fault == "sleep" else "CommunicationError"
     assert peer["error"] and peer["error"].startswith(expected), peer["output"]
-    assert "rank 1 waited in the launch-order plan" in peer["error"], peer["error"]
+    assert f"rank 1 waited in {waited_in}" in peer["error"], peer["error"]
     assert "[0]" in peer["error"], peer["error"]  # the rank not taking part, or gone
     assert peer["exited_after"] is not None and peer["exited_after"] - fault_at < STALL_S + 30, peer["output"]
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .interfaces import BucketEngine, Handle, ThenHandle
+from .interfaces import BucketEngine, Handle, ThenHandle, wait_with_timeout
 from .plan import ParamSpec, plan_buckets
 
 
@@ -69,8 +70,13 @@ class _AllOf:
     def __init__(self, handles: list[Handle]) -> None:
         self._handles = handles
 
-    def wait(self) -> None:
-        return None
+    def wait(self, timeout: Any = None) -> None:
+        """Every handle waited for, within ``timeout`` (seconds or a timedelta, for all of them: None, no limit),
+        so that a bounded wait is bounded here, not only in the callback's own waits."""
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        deadline = None if seconds is None else time.monotonic() + seconds
+        for handle in self._handles:
+            wait_with_timeout(handle, None if deadline is None else max(deadline - time.monotonic(), 0.001))
 
     def is_completed(self) -> bool:
         return all(h.is_completed() for h in self._handles)

@@ -251,6 +251,11 @@ class TorchEngine(Engine):
         finally:
             self._blocking_timeout_s = previous
 
+    @property
+    def blocking_timeout_s(self) -> float | None:
+        """The limit :meth:`bounded` sets for blocking waits (None: none set)."""
+        return self._blocking_timeout_s
+
     def _blocking(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """``collective(*args, **kwargs)`` waited for, within :meth:`bounded`'s limit where one is set."""
         if self._blocking_timeout_s is None:

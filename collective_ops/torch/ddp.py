@@ -613,8 +613,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "checkpoint), or a custom loop skipped the end of backward (call model.sync_gradients() after it)"
             )
         Join.notify_join_context(self)  # inside join(): "still active", before this step's collectives
-        self._count_active_ranks(active=True)
-        self._sync_buffers(active=True)
+        self._before_forward_collectives(active=True)
 
     def _end_forward(self) -> None:
         # As DDP's _post_forward: a forward under autograd decides whether its backward reduces, and whether the
@@ -636,13 +635,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             # error, met in its first wait) is run again or skipped by the loop, and must not count twice
             self.manager.alignment.count_forward()
 
-    def _sync_buffers(self, active: bool) -> None:
-        """Rank 0's buffers (running statistics) to every rank before a forward, when DDP does: where the
-        forward before it ran under autograd outside no_sync() (``require_forward_param_sync``), so once per
-        accumulated step (before its first micro-batch) and before the first of a run of evaluation forwards
-        (inside ``join()``: the highest active rank's, :func:`sync_buffers`)."""
-        if self.require_forward_param_sync and self.broadcast_buffers and self.engine.world_size > 1:
-            sync_buffers(self.engine, self.module, active, self._join_config.enable, self._buffer_group)
+    def _before_forward_collectives(self, active: bool) -> None:
+        """join()'s count of active ranks, then rank 0's buffers (running statistics) to every rank, when DDP sends
+        them: where the forward before ran under autograd outside no_sync() (``require_forward_param_sync``), so
+        once per accumulated step and before the first of a run of evaluation forwards (inside ``join()``: the
+        highest active rank's, :func:`sync_buffers`). Bounded by the stall timeout, as a bucket's wait."""
+        with self.manager.agreeing("the collectives before a forward (join()'s count, the buffers' broadcast)"):
+            self._count_active_ranks(active)
+            if self.require_forward_param_sync and self.broadcast_buffers and self.engine.world_size > 1:
+                sync_buffers(self.engine, self.module, active, self._join_config.enable, self._buffer_group)
 
     def register_comm_hook(self, state: Any, hook: DDPCommHook) -> None:
         """As DDP's: ``hook(state, bucket)`` reduces each bucket and returns a ``torch.futures.Future`` of the
@@ -707,8 +708,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         In the order an active rank issues them: step count, buffers, what the end of its forward
         settles (rebuild, auto-tune), then the step's reductions.
         """
-        self._count_active_ranks(active=False)
-        self._sync_buffers(active=False)
+        self._before_forward_collectives(active=False)
         self.require_forward_param_sync = True  # as DDP's joined rank: the step it shadows reduces
         self._finish_owed_updates()  # this rank's own last step, if a DistributedOptimizer deferred it
         self._settle()

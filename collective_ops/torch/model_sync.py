@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..bucketing import fused_collective
+from ..bucketing.interfaces import wait_with_timeout
 from ..comm.torch_engine import dtype_name
 
 BROADCAST_BUCKET_MB = 250.0  # as DDP: parameters and buffers are broadcast in large fused chunks
@@ -30,7 +31,7 @@ def broadcast_tensors(engine: Any, tensors: list[torch.Tensor], src: int = 0, gr
     handle, _ = fused_collective(
         engine, tensors, BROADCAST_BUCKET_MB, lambda buffer: engine.broadcast(buffer, src, async_op=True, group=group)
     )
-    handle.wait()
+    wait_with_timeout(handle, getattr(engine, "blocking_timeout_s", None))  # (inside engine.bounded(): its limit)
 
 
 def highest_rank_where(engine: Any, condition: bool) -> int:
