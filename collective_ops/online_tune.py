@@ -24,6 +24,7 @@ from .bucketing.cost import (
     choose,
     predict,
 )
+from .bucketing.diagnosis import agreeing
 from .comm import measure
 
 logger = logging.getLogger("collective_ops")
@@ -73,7 +74,7 @@ def last_backward_profile(manager: Any, device_type: str = "cpu") -> BackwardPro
 def choose_online(manager: Any, engine: Any, device_type: str, overlapped_steps: OverlappedSteps) -> OnlineChoice:
     """Every candidate simulated on the step just profiled; rank 0's choice for all (every rank calls it, at the
     end of the same step: it issues collectives). ``overlapped_steps``: the optimizer's simulated steps, if any."""
-    with manager.agreeing("bucket_size_mb='auto' (the fitted cost and rank 0's choice, shared)"):
+    with agreeing(manager, "bucket_size_mb='auto' (the fitted cost and rank 0's choice, shared)"):
         return _choose_online(manager, engine, device_type, overlapped_steps)
 
 

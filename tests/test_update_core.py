@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -67,12 +66,10 @@ def test_the_buckets_read_are_each_bucket_once_in_plan_order(bucket_of: list[int
 class _Manager:
     def __init__(self) -> None:
         self.orders: list = []
+        self.engine, self.steps_synced, self.stall_timeout_s = SimpleNamespace(), 0, None  # (for agreeing)
 
     def set_launch_order(self, order: tuple | None) -> None:
         self.orders.append(order)
-
-    def agreeing(self, what: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
 
 def test_the_trial_runs_each_order_in_turn_and_keeps_the_fastest_with_its_overlap() -> None:

@@ -3,6 +3,8 @@ part (from each peer's progress, exchanged on the engine's side channel where it
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from .interfaces import env_seconds
@@ -66,6 +68,25 @@ def diagnose(
         + ("\n" + "\n".join(lines) if lines else "")
         + store_note
     )
+
+
+@contextlib.contextmanager
+def agreeing(manager: Any, what: str) -> Iterator[None]:
+    """Around the collectives every rank issues between steps to agree on ``what`` (the first-step rebuild, a bucket
+    size, a launch order): each blocking one inside is bounded by ``manager``'s stall timeout (where its engine can:
+    ``engine.bounded``), and a stall or a failed peer there raises as a bucket's does, saying what this rank waited
+    in and naming the ranks not taking part."""
+    engine, step, timeout = manager.engine, manager.steps_synced, manager.stall_timeout_s
+    with engine.bounded(timeout) if hasattr(engine, "bounded") else contextlib.nullcontext():
+        try:
+            yield
+        except (StallError, CommunicationError):
+            raise  # explained already
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) or is_transport_error(engine, exc):
+                where = f"rank {engine.rank} waited in {what}, after step {step}"
+                raise diagnose(engine, where, exc, {"step": step, "agreeing": what}, timeout) from exc
+            raise
 
 
 def _peer_line(peer: int, info: dict | None, mine: int) -> str:

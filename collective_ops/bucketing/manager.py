@@ -23,6 +23,7 @@ from .diagnosis import (  # noqa: F401  (the errors, importable from here as bef
     CommHookError,
     CommunicationError,
     StallError,
+    agreeing,
     diagnose,
     is_transport_error,
     stall_timeout_from_env,
@@ -655,13 +656,10 @@ class BucketManager:
 
     def record_compiled_step(self, start: float, end: float, collectives: int | None = None) -> None:
         """Account for a step whose buckets an engine reduced in one compiled call (all of them, in plan order),
-        with ``collectives`` collectives (default: one a bucket).
-
-        ``start``/``end`` bracket the call; engines that run it asynchronously return before the
-        communication ends, so the step's exposed communication is then only the launch time. With
-        step alignment, the step's table follows the buckets: where the ranks' forward counts differ,
-        every rank raises here, before the adapter returns the reduced gradients.
-        """
+        with ``collectives`` collectives (default: one a bucket). ``start``/``end`` bracket the call; engines that run
+        it asynchronously return before the communication ends, so the step's exposed communication is then only the
+        launch time. With step alignment, the step's table follows the buckets: where the ranks' forward counts
+        differ, every rank raises here, before the adapter returns the reduced gradients."""
         if self._marked:
             raise RuntimeError("a compiled reduction cannot finish a step whose gradients were marked one by one")
         if self.alignment is not None:  # the step's table after its buckets: every rank raises before any update
@@ -745,30 +743,9 @@ class BucketManager:
         progress.update(launched=self._next_launch, gradients_ready=len(self._marked), gradients=len(self._param_names))
         return diagnose(self.engine, where, exc, progress, self.stall_timeout_s)
 
-    @contextlib.contextmanager
-    def agreeing(self, what: str) -> Iterator[None]:
-        """Around the collectives every rank issues between steps to agree on something (the first-step rebuild, a
-        bucket size, a launch order): each is bounded by the stall timeout, and a stall or a failed peer there
-        raises as a bucket's does, naming the ranks not taking part."""
-        bounded = getattr(self.engine, "bounded", None)
-        with bounded(self.stall_timeout_s) if bounded is not None else contextlib.nullcontext():
-            try:
-                yield
-            except (StallError, CommunicationError):
-                raise  # explained already
-            except Exception as exc:
-                if isinstance(exc, TimeoutError) or self.is_transport_error(exc):
-                    raise self._explain_agreement(what, exc) from exc
-                raise
-
-    def _explain_agreement(self, what: str, exc: BaseException) -> RuntimeError:
-        where = f"rank {self.engine.rank} waited in {what}, after step {self.steps_synced}"
-        progress = {"step": self.steps_synced, "agreeing": what, "buckets": len(self.plan.buckets)}
-        return diagnose(self.engine, where, exc, progress, self.stall_timeout_s)
-
     def _rebuild(self, observed: list[int]) -> None:
         """Replan from rank 0's observed ready order."""
-        with self.agreeing("the bucket rebuild after the first step (rank 0's gradient order, broadcast)"):
+        with agreeing(self, "the bucket rebuild after the first step (rank 0's gradient order, broadcast)"):
             order = self.engine.broadcast_ints(complete_order(observed, len(self._param_names)), src=0)
         if self._adopt(self.plan.rebuild(order)):
             logger.info("rebuilt buckets from the observed gradient order: %d bucket(s)", len(self.plan.buckets))

@@ -37,6 +37,7 @@ from ..bucketing import (
     validate_bucket_mb,
 )
 from ..bucketing.compression import load_hook_state
+from ..bucketing.diagnosis import agreeing
 from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..bucketing.participant import UpdateParticipant
 from ..comm.torch_engine import TorchEngine
@@ -640,7 +641,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         them: where the forward before ran under autograd outside no_sync() (``require_forward_param_sync``), so
         once per accumulated step and before the first of a run of evaluation forwards (inside ``join()``: the
         highest active rank's, :func:`sync_buffers`). Bounded by the stall timeout, as a bucket's wait."""
-        with self.manager.agreeing("the collectives before a forward (join()'s count, the buffers' broadcast)"):
+        with agreeing(self.manager, "the collectives before a forward (join()'s count, the buffers' broadcast)"):
             self._count_active_ranks(active)
             if self.require_forward_param_sync and self.broadcast_buffers and self.engine.world_size > 1:
                 sync_buffers(self.engine, self.module, active, self._join_config.enable, self._buffer_group)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..diagnosis import agreeing
 from ..plan import MIB
 from .schedule import OrderPrediction, OrderTrial, Price, StepProfile, best_first, chunk_counts, plan_order, step_bound
 from .timeline import ForwardTimeline
@@ -71,7 +72,7 @@ class LaunchOrderPlanner:
         ``compiled``: the forward ran under torch.compile (no per-module timeline: plan order kept);
         ``measure_cost``: the fitted alpha/beta of the channel (a collective); ``sharded``: the sharded step's
         reduce-scatter orders simulated for a fitted cost, best first (None: allreduce orders, unsharded)."""
-        with manager.agreeing("the launch-order plan (rank 0's decision, the fitted cost and the orders, shared)"):
+        with agreeing(manager, "the launch-order plan (rank 0's decision, the fitted cost and the orders, shared)"):
             self._plan(manager, engine, timeline, compiled, chunk_candidates_mib, measure_cost, sharded)
 
     def _plan(
@@ -143,7 +144,7 @@ class LaunchOrderPlanner:
             manager.set_launch_order(trial.orders[trial.current])
             self.defers_now = self.trial_defers[trial.current]
             return
-        with manager.agreeing("the end of the launch-order trial (the slowest rank's step times, all-reduced)"):
+        with agreeing(manager, "the end of the launch-order trial (the slowest rank's step times, all-reduced)"):
             medians = engine.reduce_floats(trial.medians(), "max")  # the slowest rank's: alike everywhere
         kept = trial.pick(medians)
         manager.set_launch_order(trial.orders[kept])
