@@ -182,14 +182,15 @@ def _rank0_checkpoints(rank: int) -> list[dict]:
 
 def _optimizer_state_on_rank_0_alone(rank: int, stall_s: float = 2.0) -> dict:
     """Rank 0 alone calls opt.state_dict() (a DDP loop's checkpoint; with shard=True it is a collective) while
-    the other rank waits in a barrier: rank 0's error (None if it returned); then every rank calls it, and
-    each's state (as arrays); then, after a backward, rank 0's state_dict() against rank 1's gather_gradients()."""
+    the other rank waits in a barrier: rank 0's error (None if it returned); then every rank clips through
+    gather_gradients(), steps and calls it, and each's state (as arrays); then, after a backward, rank 0's
+    state_dict() against rank 1's gather_gradients()."""
     import time
 
     import torch
 
     import collective_ops as co
-    from tests.models import MLP, build, rank_batch
+    from tests.models import MLP, build
 
     model = co.wrap(build("mlp"), **BUCKET)
     model.manager.stall_timeout_s = stall_s
@@ -203,14 +204,17 @@ def _optimizer_state_on_rank_0_alone(rank: int, stall_s: float = 2.0) -> dict:
             out["error"] = f"{type(exc).__name__}: {exc}"
     out["stalled_after_error"] = model.engine.stalled
     co.barrier()
+    # every rank clips through gather_gradients() next: rank 0's arrival left posted by the state_dict() that gave
+    # up is matched by rank 1's, and both go on (the calls each makes now agree)
+    _backward(model, optimizer, MLP, rank, 2)
+    optimizer.gather_gradients()
+    optimizer.step()
     out["state"] = _state_arrays(optimizer.state_dict())
     out["stalled_after_every_rank_came"] = model.engine.stalled  # (nothing left in flight: shutdown finishes work)
     # after a backward rank 0 checkpoints while rank 1 clips through gather_gradients(): both gather from every
     # rank, and their arrivals matched each other, so rank 0 went on into the state's gather while rank 1 waited
     # for its reductions (a bucket's stall, then Gloo's raw error on rank 0); now each names the other's call
-    x, y = rank_batch(MLP, 2, rank)
-    optimizer.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    _backward(model, optimizer, MLP, rank, 3)
     started, out["differ"] = time.monotonic(), None
     try:
         optimizer.state_dict() if rank == 0 else optimizer.gather_gradients()
@@ -220,6 +224,16 @@ def _optimizer_state_on_rank_0_alone(rank: int, stall_s: float = 2.0) -> dict:
     optimizer.step()
     co.barrier()
     return out
+
+
+def _backward(model, optimizer, model_cls: type, rank: int, step: int) -> None:
+    import torch
+
+    from tests.models import rank_batch
+
+    x, y = rank_batch(model_cls, step, rank)
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
 
 
 def _replanned_mid_training(rank: int) -> tuple[dict, dict]:

@@ -35,11 +35,27 @@ def is_transport_error(engine: Any, exc: BaseException) -> bool:
     return is_transport is not None and is_transport(exc)
 
 
+_BACKWARD_ADVICE = (
+    "Every rank must run the same number of backward passes, and with data-dependent branches pass "
+    "find_unused_parameters=True."
+)
+_BETWEEN_STEPS_ADVICE = (
+    "A rank that stopped or crashed, or one busy between steps for longer (an evaluation, a checkpoint, a slow data "
+    "loader on that rank alone), looks the same: give every rank's pauses alike, or a longer limit."
+)
+
+
 def diagnose(
-    engine: Any, where: str, exc: BaseException, progress: dict, stall_timeout_s: float | None
+    engine: Any,
+    where: str,
+    exc: BaseException,
+    progress: dict,
+    stall_timeout_s: float | None,
+    advice: str = _BACKWARD_ADVICE,
 ) -> RuntimeError:
     """A clear error for a bucket that did not complete (``where``: which rank waited for what), naming the ranks
-    not taking part. ``progress``: this rank's, as its peers' reports are compared with it."""
+    not taking part. ``progress``: this rank's, as its peers' reports are compared with it; ``advice``: what to do
+    about a stall."""
     if not isinstance(exc, TimeoutError):
         # an engine that cannot tell blames the transport
         if hasattr(engine, "is_transport_error") and not is_transport_error(engine, exc):
@@ -63,8 +79,7 @@ def diagnose(
     return StallError(
         f"stall: {where} for {stall_timeout_s:g} s. "
         + (f"Ranks not taking part: {missing}. " if missing else "")
-        + "Every rank must run the same number of backward passes, and with data-dependent branches "
-        "pass find_unused_parameters=True. Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
+        + f"{advice} Set COLLECTIVE_OPS_STALL_TIMEOUT (seconds) to wait longer."
         + ("\n" + "\n".join(lines) if lines else "")
         + store_note
     )
@@ -76,7 +91,8 @@ def agreeing(manager: Any, what: str) -> Iterator[None]:
     size, a launch order): each blocking one inside is bounded by ``manager``'s stall timeout (where its engine can:
     ``engine.bounded``), and a stall or a failed peer there raises as a bucket's does, saying what this rank waited
     in and naming the ranks not taking part."""
-    engine, step, timeout = manager.engine, manager.steps_synced, manager.stall_timeout_s
+    engine, timeout = manager.engine, manager.stall_timeout_s
+    step = manager.steps_synced + (1 if getattr(manager, "deferred_pending", False) else 0)  # (owed ones count)
     with engine.bounded(timeout) if hasattr(engine, "bounded") else contextlib.nullcontext():
         try:
             yield
@@ -85,7 +101,8 @@ def agreeing(manager: Any, what: str) -> Iterator[None]:
         except Exception as exc:
             if isinstance(exc, TimeoutError) or is_transport_error(engine, exc):
                 where = f"rank {engine.rank} waited in {what}, after step {step}"
-                raise diagnose(engine, where, exc, {"step": step, "agreeing": what}, timeout) from exc
+                progress = {"step": step, "agreeing": what}
+                raise diagnose(engine, where, exc, progress, timeout, _BETWEEN_STEPS_ADVICE) from exc
             raise
 
 

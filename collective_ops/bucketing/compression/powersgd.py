@@ -444,7 +444,7 @@ class PowerSGDHook:
                 "memory is its own, so this rank trains on with another's (not as the saved run would). Save "
                 "model.compression_state_dict() on every rank and give each rank its own (Lightning's and "
                 "Accelerate's checkpoints through collective_ops do)",
-                stacklevel=3,
+                stacklevel=4,  # (the caller of the wrapper's load_compression_state_dict)
             )
         self.iteration = int(state["iteration"])
         self._seen, self._seeds, self._rng = set(), [], None

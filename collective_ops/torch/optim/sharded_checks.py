@@ -184,7 +184,17 @@ class RankArrivals:
         meanwhile its groups are left behind, as destroying this one would wait for its all-gather."""
         if self.group is None:
             return
-        if self._posted is None:  # else the arrival of a call that gave up waiting, still posted: matched now
+        codes = self._arrive(engine, timeout, call)
+        if len(set(codes)) > 1:
+            # An arrival left posted by a call that gave up waiting carries that call: every rank (each sees the
+            # same codes) says again where it is now, and only a difference then is one.
+            codes = self._arrive(engine, timeout, call)
+            if len(set(codes)) > 1:
+                raise gathering_calls_differ(engine.rank, call, codes)
+
+    def _arrive(self, engine: Any, timeout: float, call: str) -> list[int]:
+        """Every rank's call, from this rank's arrival (or the one a call that gave up waiting left posted)."""
+        if self._posted is None:
             mine = torch.tensor([_call_code(call)], dtype=torch.int64, device=engine.device)
             calls = torch.empty(dist.get_world_size(self.group), dtype=torch.int64, device=engine.device)
             self._posted = (_all_gather_single(calls, mine, group=self.group, async_op=True), calls)
@@ -198,9 +208,7 @@ class RankArrivals:
         self._posted = None
         if self._marked_stalled:  # every rank came at last: nothing of this group is left in flight
             engine.stalled = self._marked_stalled = False
-        codes = calls.tolist()
-        if len(set(codes)) > 1:  # (every rank sees the same codes: each raises)
-            raise gathering_calls_differ(engine.rank, call, codes)
+        return calls.tolist()
 
     def release(self) -> None:
         """Let go of the group (``co.shutdown()``: destroying it joins its worker threads while Python is alive)."""
