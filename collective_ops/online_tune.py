@@ -75,18 +75,16 @@ def choose_online(manager: Any, engine: Any, device_type: str, overlapped_steps:
     """Every candidate simulated on the step just profiled; rank 0's choice for all (every rank calls it, at the
     end of the same step: it issues collectives). ``overlapped_steps``: the optimizer's simulated steps, if any."""
     with agreeing(manager, "bucket_size_mb='auto' (the fitted cost and rank 0's choice, shared)"):
-        return _choose_online(manager, engine, device_type, overlapped_steps)
-
-
-def _choose_online(manager: Any, engine: Any, device_type: str, overlapped_steps: OverlappedSteps) -> OnlineChoice:
-    profile = last_backward_profile(manager, device_type)
-    cost = measure.measure_alpha_beta(engine)
-    contention = measure.estimated_contention(cost, device_type)
-    plan = manager.plan
-    predictions = predict(plan.params, profile, cost, CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, plan.order, contention)
-    overlapped = overlapped_steps(predictions, cost, contention)
-    best = choose(predictions, overlapped)  # with updates overlapping the forward: that step
-    chosen = engine.broadcast_ints([round(best.bucket_size_mb * 1000), round(best.first_bucket_mb * 1000)])
+        profile = last_backward_profile(manager, device_type)
+        cost = measure.measure_alpha_beta(engine)
+        contention = measure.estimated_contention(cost, device_type)
+        plan = manager.plan
+        predictions = predict(
+            plan.params, profile, cost, CANDIDATES_MB, FIRST_BUCKET_CANDIDATES_MB, plan.order, contention
+        )
+        overlapped = overlapped_steps(predictions, cost, contention)
+        best = choose(predictions, overlapped)  # with updates overlapping the forward: that step
+        chosen = engine.broadcast_ints([round(best.bucket_size_mb * 1000), round(best.first_bucket_mb * 1000)])
     choice = OnlineChoice(chosen[0] / 1000, chosen[1] / 1000, predictions, overlapped, contention)
     _log(choice, cost)
     return choice

@@ -72,40 +72,28 @@ class LaunchOrderPlanner:
         ``compiled``: the forward ran under torch.compile (no per-module timeline: plan order kept);
         ``measure_cost``: the fitted alpha/beta of the channel (a collective); ``sharded``: the sharded step's
         reduce-scatter orders simulated for a fitted cost, best first (None: allreduce orders, unsharded)."""
-        with agreeing(manager, "the launch-order plan (rank 0's decision, the fitted cost and the orders, shared)"):
-            self._plan(manager, engine, timeline, compiled, chunk_candidates_mib, measure_cost, sharded)
-
-    def _plan(
-        self,
-        manager: Any,
-        engine: Any,
-        timeline: ForwardTimeline,
-        compiled: bool,
-        chunk_candidates_mib: Sequence[float],
-        measure_cost: Callable[[], Any],
-        sharded: Callable[[Any], list[OrderPrediction]] | None,
-    ) -> None:
         stats = manager.last_stats
         complete = timeline.complete(stats.backward_start)
-        # rank 0's timeline decides, on every rank: 1 plan from it, 0 not complete yet, 2 never (compiled forwards)
-        decision = engine.broadcast_ints([2 if compiled else int(complete)])[0]
-        if decision == 2:
-            self.planned_for = manager.plan  # plan order, overlapped: nothing to plan from
-            logger.info("collective_ops: DistributedOptimizer keeps plan order (the forward is compiled)")
-        if decision != 1:
-            return
-        cost = measure_cost()  # a collective: every rank is here
-        count = len(manager.plan.buckets)
-        predictions = None
-        if complete and sharded is not None:
-            predictions = sharded(cost)
-        elif complete:
-            inputs = planner_inputs(timeline, manager, stats, manager.plan, cost)
-            predictions = ranked_orders(
-                inputs, manager, manager.plan, engine.world_size, chunk_candidates_mib, chunked=True
-            )
-            self.bound_s = step_bound(*inputs)
-        orders = broadcast_orders(engine, shortlist(predictions or [], TRIAL_CANDIDATES, count))  # rank 0's
+        with agreeing(manager, "the launch-order plan (rank 0's decision, the fitted cost and the orders, shared)"):
+            # rank 0's timeline decides, on every rank: 1 plan from it, 0 not complete yet, 2 never (compiled forwards)
+            decision = engine.broadcast_ints([2 if compiled else int(complete)])[0]
+            if decision == 2:
+                self.planned_for = manager.plan  # plan order, overlapped: nothing to plan from
+                logger.info("collective_ops: DistributedOptimizer keeps plan order (the forward is compiled)")
+            if decision != 1:
+                return
+            cost = measure_cost()  # a collective: every rank is here
+            count = len(manager.plan.buckets)
+            predictions = None
+            if complete and sharded is not None:
+                predictions = sharded(cost)
+            elif complete:
+                inputs = planner_inputs(timeline, manager, stats, manager.plan, cost)
+                predictions = ranked_orders(
+                    inputs, manager, manager.plan, engine.world_size, chunk_candidates_mib, chunked=True
+                )
+                self.bound_s = step_bound(*inputs)
+            orders = broadcast_orders(engine, shortlist(predictions or [], TRIAL_CANDIDATES, count))  # rank 0's
         self.report, self.planned_for = predictions, manager.plan
         self._start_trial(manager, orders, finished_first=sharded is None)
         if predictions:
