@@ -83,8 +83,9 @@ def batches(name: str, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
     def one() -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(*shape, generator=gen)
-        classes = shape[-1]
-        return x, torch.randint(0, classes, shape[:1] + shape[2:] if name == "cnn" else shape[:-1], generator=gen)
+        # classes over the last dimension (mlp, transformer: rows flattened by _Loss), or the channels (cnn)
+        labels = (BATCH, 4, 4) if name == "cnn" else (BATCH * (2 if name == "transformer" else 1),)
+        return x, torch.randint(0, shape[1] if name == "cnn" else WIDTH, labels, generator=gen)
 
     return [one() for _ in range(4)]
 
