@@ -217,23 +217,29 @@ def table(result: dict) -> list[dict]:
 
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
-    print(f"  {'setup':<42} {'ms/step':>8} {'spread':>15} {'x peer':>7} {'x bare':>7} {'us/tensor':>9} "
-          f"{'buckets':>7} {'us/bucket':>9}")
+    print(
+        f"  {'setup':<42} {'ms/step':>8} {'spread':>15} {'x peer':>7} {'x bare':>7} {'us/tensor':>9} "
+        f"{'buckets':>7} {'us/bucket':>9}"
+    )
     for r in rows:
+
         def fmt(value, spec):
             return format(value, spec) if value is not None else "-".rjust(len(format(0, spec)))
 
         spread = f"{r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}"
-        print(f"  {r['setup']:<42} {r['ms_per_step']:>8.2f} {spread:>15} {fmt(r['x_peer'], '7.3f')} "
-              f"{fmt(r['x_bare'], '7.3f')} {fmt(r['us_per_tensor_beyond_bare'], '9.2f')} "
-              f"{fmt(r['buckets'], '7d')} {fmt(r['us_per_bucket_beyond_bare'], '9.1f')}")
+        print(
+            f"  {r['setup']:<42} {r['ms_per_step']:>8.2f} {spread:>15} {fmt(r['x_peer'], '7.3f')} "
+            f"{fmt(r['x_bare'], '7.3f')} {fmt(r['us_per_tensor_beyond_bare'], '9.2f')} "
+            f"{fmt(r['buckets'], '7d')} {fmt(r['us_per_bucket_beyond_bare'], '9.1f')}"
+        )
 
 
 def commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-        dirty = subprocess.run(["git", "status", "--porcelain", "collective_ops"], capture_output=True, text=True,
-                               cwd=ROOT).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "collective_ops"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
         return out.stdout.strip() + ("+changes" if dirty else "")
     except OSError:
         return "unknown"
@@ -242,8 +248,10 @@ def commit() -> str:
 def machine() -> str:
     import os
 
-    return (f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}; Gloo over loopback, 1 thread per rank")
+    return (
+        f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python "
+        f"{platform.python_version()}, torch {torch.__version__}; Gloo over loopback, 1 thread per rank"
+    )
 
 
 def main(argv=None) -> int:
@@ -261,12 +269,15 @@ def main(argv=None) -> int:
     for world in args.worlds:
         results = spawn(rank_main, world, args)
         for key, result in results.items():
-            title = f"{result['model']}, {result['tensors']} tensors, world {world} (Gloo), " \
-                    f"bucket_size_mb={args.bucket_size_mb}"
+            title = (
+                f"{result['model']}, {result['tensors']} tensors, world {world} (Gloo), "
+                f"bucket_size_mb={args.bucket_size_mb}"
+            )
             rows = table(result)
             print_table(title, rows)
-            tables.append({"title": title, "model": result["model"], "tensors": result["tensors"], "world": world,
-                           "rows": rows})
+            tables.append(
+                {"title": title, "model": result["model"], "tensors": result["tensors"], "world": world, "rows": rows}
+            )
     if args.json:
         data = {
             "benchmark": "benchmarks/host_overhead.py",

@@ -63,6 +63,7 @@ from .checks import (
     refuse_unusable,
     refuse_unwrapped,
 )
+from .flat_update import FlatUpdates, steps_flat
 from .grads import clear_grad
 from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params, watch_given
 from .owed_reads import OwedReads, hook_model, is_compiled, without_autocast
@@ -97,6 +98,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     # GradScaler.step(opt) then calls step(grad_scaler=scaler) instead of unscaling gradients itself:
     # it would read them while their reductions are still in flight.
     _step_supports_amp_scaling = True
+    _flat: FlatUpdates | None = None  # element-wise classes: each bucket stepped as one flat tensor
 
     def __init__(
         self,
@@ -137,6 +139,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._optimizer = self._make_optimizer(optimizer_class, groups, args, kwargs)
         super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
         self._rebind()  # one list of groups and one state, shared with the class's own optimizer
+        if not self.shards and self._given is None and steps_flat(optimizer_class, kwargs):
+            self._flat = FlatUpdates(optimizer_class, args, kwargs)  # one step per bucket, on its flat buffers
+            self._flat.lay_out(model.manager.plan, model.param_list, self._optimizer.param_groups)
         self._built = True  # add_param_group from now on is the user's (torch's __init__ called it above)
         self._pending: PendingUpdates | None = None
         # Parameters this step still writes (their update, sharded their all-gather, lands at the next forward),
@@ -187,6 +192,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.state = self._optimizer.state
         self._trained = {id(p) for p in self._model_params()}
         self._known_groups = list(self._groups)  # (a given optimizer's own add_param_group appends to it)
+        if self._flat is not None:  # a new state (load_state_dict) or group: packed again at the next flat step
+            self._flat.unpack()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -321,7 +328,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.update_seconds = 0.0
         manager = self.model.manager
         if not manager.deferred_pending:  # every bucket already finished (or nothing was reduced)
-            self._timed_step(None, None)
+            if self._flat is None:
+                self._timed_step(None, None)
+            else:
+                self._apply_updates(list(self._buckets()), None)
             return
         self._pending = PendingUpdates.start(len(manager.plan.buckets), self._groups, frozen_setting)
         self._finish([bucket for bucket in self._pending.buckets if manager.bucket_ready(bucket)])
@@ -699,9 +709,25 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if pending.finished:
             self._pending = None
 
-    def _apply_updates(self, buckets: list[int], frozen: PendingUpdates) -> None:
-        """The class's step over these buckets' parameters."""
+    def _apply_updates(self, buckets: list[int], frozen: PendingUpdates | None) -> None:
+        """The class's step over these buckets' parameters: one call per bucket on its flat buffers where the class
+        is element-wise (:mod:`.flat_update`), else one call over their parameters."""
+        if self._flat is not None:
+            buckets = self._flat_step(buckets, frozen)
+            if not buckets:
+                return
         self._timed_step(self._params_of(buckets), frozen)
+
+    def _flat_step(self, buckets: list[int], frozen: PendingUpdates | None) -> list[int]:
+        """The flat steps of these buckets; those left to step per parameter."""
+        start = time.perf_counter()
+        self._stepping = True  # (torch's global step hooks: this optimizer's own steps)
+        try:
+            left = self._flat.step(buckets, self.model.manager.buffers, self._optimizer.state, frozen)
+        finally:
+            self._stepping = False
+        self.update_seconds += time.perf_counter() - start
+        return left
 
     def _timed_step(self, only: set[int] | None, frozen: PendingUpdates | None) -> None:
         """The class's step over ``only`` (parameter ids; None: all) with the groups' settings at ``frozen``'s
@@ -812,6 +838,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def on_plan_change(self, plan: Any) -> None:
         """The model's buckets were replanned (first-step rebuild, auto-tune): a trial of the old plan's orders ends."""
         self._planner.on_plan_change()
+        if self._flat is not None:
+            self._flat.lay_out(plan, self.model.param_list, self._optimizer.param_groups)
 
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks (after a final synchronize)."""
