@@ -244,8 +244,8 @@ class BucketManager:
                 "a gradient arrived while the previous step's buckets are still being finished (a deferred "
                 "step): finish them first (DistributedOptimizer.synchronize())"
             )
-        name = self._param_names[index]
         if index in self._marked:
+            name = self._param_names[index]
             raise RuntimeError(
                 f"gradient of parameter {name!r} was marked ready twice in one iteration: the previous "
                 "iteration's reduction has not been finalized. Call backward() once per step, or wrap "

@@ -62,6 +62,8 @@ logger = logging.getLogger("collective_ops")
 
 # the options that decide which collectives a step issues (besides the resolved ones): a rank that differs would
 # pair them wrongly, so every rank compares them at wrap
+_STRIDED = torch.strided  # (compared once per gradient)
+
 COLLECTIVE_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "rebuild_buckets", "check_finite", "init_sync")
 
 
@@ -192,7 +194,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._hook_handles += record_lookups(tables, self.manager.row_sparse)
         weakref.finalize(self, remove_all, self._hook_handles)
         LIVE_WRAPPERS[self.module] = this
-        self._planned = PlannedParameters(self._params)  # (watched while this wrapper lives)
+        self._planned = PlannedParameters(self._params, self.module)  # (watched while this wrapper lives)
         watch(self.module, self._planned)
 
     def _verify_and_broadcast(self, plan: BucketPlan, options: tuple, broadcast: bool = True) -> None:
@@ -242,14 +244,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
         """Runs in the autograd engine once ``param``'s gradient is fully accumulated."""
         manager = self.manager
-        optimizer = self.optimizer
+        ref = self._optimizer_ref  # (self.optimizer, without the property's call: this runs once per gradient)
+        optimizer = None if ref is None else ref()
         if optimizer is not None and optimizer.awaits_first_gradient:  # (under no_sync() too)
             optimizer.first_gradient_after_step(param)
         if not manager.sync_enabled:
             manager.mark_ready(index)  # only noted: used while accumulating (the usage map counts it)
             return
         grad = param.grad
-        if grad.layout != torch.strided:
+        if grad.layout is not _STRIDED:
             raise ValueError(
                 f"parameter {self._param_names[index]!r} received a sparse gradient; collective_ops reduces dense "
                 "gradients only: use sparse=False (nn.Embedding/EmbeddingBag) or densify the gradient"
@@ -266,7 +269,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._step_end_owed = True
-        self._contribute(index, param)
+        self._contribute(index, param, grad=grad)
 
     def _outputs_reached(self) -> None:
         """A backward reached this forward's outputs: the end of that backward finalizes the step.
@@ -291,22 +294,24 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._step_end_owed:
             self._finalize()
 
-    def _contribute(self, index: int, param: torch.Tensor, used: bool = True) -> None:
-        """Hand ``param.grad`` to its bucket (as a view, or copied in) and mark it ready."""
+    def _contribute(self, index: int, param: torch.Tensor, used: bool = True, grad: Any = None) -> None:
+        """Hand ``param.grad`` (``grad``, where the caller read it) to its bucket (as a view, or copied in) and mark
+        it ready."""
         manager = self.manager
-        grad = param.grad
+        if grad is None:
+            grad = param.grad
         if not self.gradient_as_bucket_view:
             manager.mark_ready(index, grad, used=used)
             return
-        view = self._views[index]
         prescaled = False
         if grad.data_ptr() != self._view_addresses[index]:
-            if (grad.dtype, grad.device) != (view.dtype, view.device):  # copy_ would cast it silently
-                self.manager.check_gradient(index, grad)
+            view = self._views[index]
+            # The usual fresh gradient passes this first test (autograd makes it on its parameter's device: one
+            # elsewhere comes of a conversion after wrap, refused at the backward's start); the full checks else.
+            if grad.dtype is not view.dtype or grad.stride() != view.stride():
+                self._check_fresh_gradient(index, grad, view)
             if view.data_ptr() != self._view_addresses[index]:
                 raise guards.view_moved_error(self._param_names[index])
-            if not guards.same_memory_order(grad, view):  # autograd lays a fresh gradient out as its parameter
-                raise guards.relaid_out_error(self._param_names[index], grad, view)
             # A fresh gradient (the first step, or after zero_grad(set_to_none=True)): the copy into
             # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
             if sys.getrefcount(view) > self._view_references_alone and not self._warned_gradient_kept:
@@ -319,6 +324,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                 prescaled = True
             param.grad = view  # from now on autograd accumulates straight into the bucket
         manager.mark_ready(index, prescaled=prescaled, used=used)
+
+    def _check_fresh_gradient(self, index: int, grad: torch.Tensor, view: torch.Tensor) -> None:
+        """A fresh gradient that is not laid out as its bucket view: refused where copying it in would be wrong."""
+        if (grad.dtype, grad.device) != (view.dtype, view.device):  # copy_ would cast it silently
+            self.manager.check_gradient(index, grad)
+        if not guards.same_memory_order(grad, view):  # autograd lays a fresh gradient out as its parameter
+            raise guards.relaid_out_error(self._param_names[index], grad, view)
 
     def _warn_gradient_kept(self, index: int) -> None:
         """Once: a gradient the loop kept across zero_grad(set_to_none=True) is about to be overwritten."""
@@ -439,7 +451,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _check_requires_grad_unchanged(self) -> None:
         """The plan holds the parameters trainable at wrap time: one frozen or unfrozen since is refused (a
-        frozen one added since passes: nothing to average)."""
+        frozen one added since passes: nothing to average). The model is walked only where something may have
+        changed (a registration on it since wrap, a planned parameter frozen, a frozen one unfrozen)."""
+        if self._planned.trainable_unchanged():
+            return
         error = requires_grad_change_error(self.module, self._planned.ids, self._param_names, self._params)
         if error is not None:
             self.manager.abort_iteration()

@@ -34,9 +34,21 @@ class PlannedParameters:
     """The ids of the parameters a wrapper planned (they stay alive with it, so the ids stay theirs), and the
     trainable parameters registered since that the plan does not hold (``added``, names, for the error)."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], module: nn.Module) -> None:
         self.ids = {id(p) for p in params}
+        self.params = list(params)
         self.added: list[str] = []
+        # the model's parameters frozen at wrap: one unfrozen since is trainable outside the plan
+        self.frozen = [p for p in module.parameters() if id(p) not in self.ids]
+        # a parameter or module registered on the model since wrap (planned or not): the model is walked again
+        self.registered = False
+
+    def trainable_unchanged(self) -> bool:
+        """True where the model's trainable parameters are still the planned ones, seen without walking the model:
+        nothing registered on it since wrap, every planned parameter still trainable, no frozen one unfrozen."""
+        if self.registered:
+            return False
+        return all(p.requires_grad for p in self.params) and not any(p.requires_grad for p in self.frozen)
 
     def refuse_training_if_added(self) -> None:
         if self.added:
@@ -66,12 +78,16 @@ def _planned_for(module: nn.Module) -> PlannedParameters | None:
 
 def _on_parameter_registered(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
     planned = _planned_for(module)
+    if planned is not None:
+        planned.registered = True
     if planned is not None and param is not None and param.requires_grad and id(param) not in planned.ids:
         planned.added.append(f"{name} of a {type(module).__name__}")
 
 
 def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
     planned = _planned_for(module)
+    if planned is not None:
+        planned.registered = True
     if planned is None or submodule is None:
         return
     planned.added += [
