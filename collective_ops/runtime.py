@@ -400,6 +400,27 @@ _in_flight_finishers: list[weakref.WeakMethod] = []
 EXIT_FINISH_TIMEOUT_S = 10.0  # at exit without shutdown(), a peer may be gone: wait this long at most
 
 
+_process_wide_releases: dict[Any, None] = {}  # what shutdown() removes from the process (hooks on torch's tables)
+
+
+def release_at_shutdown(release: Any) -> None:
+    """Have ``shutdown()`` call ``release()`` (once, however often registered): it removes something process-wide
+    the library added, such as a hook on a framework's global table, so that the process is as before."""
+    _process_wide_releases[release] = None
+
+
+def _release_process_wide() -> list[BaseException]:
+    errors: list[BaseException] = []
+    releases = list(_process_wide_releases)
+    _process_wide_releases.clear()
+    for release in releases:
+        try:
+            release()
+        except Exception as exc:
+            errors.append(exc)
+    return errors
+
+
 def finish_in_flight_before_leaving(method: Any) -> None:
     """Have ``shutdown()`` (and the exit hook) call ``method`` first: it finishes work left in flight."""
     _in_flight_finishers[:] = [ref for ref in _in_flight_finishers if ref() is not None]  # objects since deleted
@@ -572,6 +593,7 @@ def shutdown(timeout: float | None = None) -> None:
             engine.shutdown(timeout)
         except Exception as exc:
             errors.append(exc)
+    errors += _release_process_wide()
     if errors:
         raise RuntimeError(
             f"collective_ops.shutdown() left its process groups, but: {'; '.join(str(e) for e in errors)}"

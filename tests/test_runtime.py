@@ -223,6 +223,7 @@ def shutdown_with_work_in_flight(rank: int, world: int) -> dict:
     net = UntiedLM()
     net.register_buffer("steps_seen", torch.zeros(1))  # a buffer: broadcast on a group of its own
     model = co.wrap(net, bucket_size_mb=0.001)  # row-sparse: a mask group of its own
+    hooks_while_wrapped = _global_hooks()
     opt = co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, shard=True)  # an all-gather group too
     for step in range(2):
         x, y = UntiedLM.batch(torch.Generator().manual_seed(step * 10 + rank))
@@ -234,20 +235,54 @@ def shutdown_with_work_in_flight(rank: int, world: int) -> dict:
     co.shutdown()
     after = {"in_flight": opt.in_flight, "threads": _gloo_worker_threads()}
     groups = [opt._gather_group, opt._arrivals.group, model._buffer_group, model.manager.row_sparse]
-    return {"before": before, "after": after, "groups_left": [g is not None for g in groups]}
+    return {
+        "before": before,
+        "after": after,
+        "groups_left": [g is not None for g in groups],
+        "hooks_while_wrapped": hooks_while_wrapped,
+        "hooks_left": _global_hooks(),
+    }
+
+
+def _global_hooks() -> dict:
+    """The entries of torch's process-wide hook tables the library registers into (read here, in the test only)."""
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+
+    tables = {
+        "optimizer step pre": optimizer_hooks._global_optimizer_pre_hooks,
+        "optimizer step post": optimizer_hooks._global_optimizer_post_hooks,
+        "module registration": module_hooks._global_module_registration_hooks,
+        "parameter registration": module_hooks._global_parameter_registration_hooks,
+    }
+    return {name: len(table) for name, table in tables.items()}
+
+
+@pytest.fixture(scope="module")
+def shutdown_runs() -> list[dict]:
+    return run_ranks(2, shutdown_with_work_in_flight, clean_exit=False)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
-def test_shutdown_finishes_work_in_flight_and_joins_the_groups_it_made() -> None:
+def test_shutdown_finishes_work_in_flight_and_joins_the_groups_it_made(shutdown_runs) -> None:
     """A Gloo work still running, or still held by Gloo's worker, when the interpreter finalizes is freed on
     that worker, which then needs the GIL and aborts the process ("terminate called without an active
     exception"): 1 to 6 runs in 50 of a 2-rank DistributedOptimizer script did, before shutdown() finished
     the last step's work and let go of the library's own groups (0 of 160 after), and the README's script
     about 1 rank run in 80 while torch kept the default group alive after destroy_process_group()."""
-    for out in run_ranks(2, shutdown_with_work_in_flight, clean_exit=False):
+    for out in shutdown_runs:
         assert out["before"]["in_flight"] and not out["after"]["in_flight"], out
         assert out["groups_left"] == [False, False, False, False], out
         # default, masks', all-gathers', checkpoint arrivals' and buffers' groups: two workers each; none stays.
         # The default group's stayed (torch.distributed.nn.functional, imported with the first optimizer, held
         # it in its functions' default arguments): its threads met the interpreter's teardown
         assert out["before"]["threads"] == 10 and out["after"]["threads"] == 0, out
+
+
+def test_shutdown_leaves_no_process_wide_hook_and_a_plain_loop_trains_as_without_the_library(shutdown_runs) -> None:
+    """wrap() registers on torch's global tables (optimizer-step and module/parameter registration hooks); after
+    co.shutdown() none is left, and a plain torch loop on the same model (a module added to it too) runs as if
+    the library had never been used: no warning, no hook."""
+    for out in shutdown_runs:
+        assert all(out["hooks_while_wrapped"].values()), out["hooks_while_wrapped"]  # (the test sees the tables)
+        assert not any(out["hooks_left"].values()), out["hooks_left"]

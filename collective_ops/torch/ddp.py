@@ -52,11 +52,11 @@ from .ddp_hooks import DDPCommHook, ddp_comm_hook
 from .ddp_keywords import check_ddp_keywords, inputs_to
 from .join import ShadowingHook, join_context
 from .model_sync import broadcast_tensors, highest_rank_where, model_signature, sync_buffers
-from .model_watch import PlannedParameters, converted_error, requires_grad_change_error, watch
+from .model_watch import PlannedParameters, converted_error, requires_grad_change_error, stop_watching, watch
 from .nonfinite import NonfiniteWatch
 from .owned_gradients import OwnedGradients
 from .row_sparse import plan_with_rows, record_lookups, row_sparse_tables
-from .step_watch import LIVE_WRAPPERS, watch_optimizer_steps
+from .step_watch import LIVE_WRAPPERS, live_wrappers, stop_watching_optimizer_steps, watch_optimizer_steps
 
 logger = logging.getLogger("collective_ops")
 
@@ -196,6 +196,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         LIVE_WRAPPERS[self.module] = this
         self._planned = PlannedParameters(self._params, self.module)  # (watched while this wrapper lives)
         watch(self.module, self._planned)
+        # torch's global tables (the step and registration hooks) as before the first wrap: at co.shutdown(), or
+        # once the last wrapper is gone
+        runtime.release_at_shutdown(release_process_hooks)
+        weakref.finalize(self, release_process_hooks_if_unused)
 
     def _verify_and_broadcast(self, plan: BucketPlan, options: tuple, broadcast: bool = True) -> None:
         """Every rank must hold the same model, plan the same buckets and pass the same collective-deciding
@@ -805,6 +809,18 @@ class DistributedDataParallel(nn.Module, Joinable):
     def extra_repr(self) -> str:
         plan = self.manager.plan
         return f"buckets={len(plan.buckets)}, bucket_size_mb={plan.bucket_size_mb:g}, backend={self.engine.backend}"
+
+
+def release_process_hooks() -> None:
+    """The process-wide hooks the wrappers share, removed from torch's global tables."""
+    stop_watching_optimizer_steps()
+    stop_watching()
+
+
+def release_process_hooks_if_unused() -> None:
+    """A wrapper was collected: with none left, torch's global tables are as before the first wrap."""
+    if not live_wrappers():
+        release_process_hooks()
 
 
 def wrap(model: nn.Module, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options: Any) -> DistributedDataParallel:

@@ -71,6 +71,15 @@ def watch(module: nn.Module, planned: PlannedParameters) -> None:
         _WATCHED[submodule] = weakref.ref(planned)
 
 
+def stop_watching() -> None:
+    """torch's global registration hooks removed, and every model forgotten: at ``co.shutdown()``, and once no
+    wrapper is left."""
+    for handle in _HANDLES:
+        handle.remove()
+    _HANDLES.clear()
+    _WATCHED.clear()
+
+
 def _planned_for(module: nn.Module) -> PlannedParameters | None:
     ref = _WATCHED.get(module)
     return None if ref is None else ref()

@@ -19,12 +19,27 @@ _STEP_WATCH: Any = None  # torch's global optimizer step pre-hook, registered at
 
 
 def watch_optimizer_steps() -> None:
+    """torch's global optimizer-step hooks, registered once (removed by :func:`stop_watching_optimizer_steps`)."""
     global _STEP_WATCH
     if _STEP_WATCH is None:
         _STEP_WATCH = (
             register_optimizer_step_pre_hook(_before_any_optimizer_step),
             register_optimizer_step_post_hook(_after_any_optimizer_step),
         )
+
+
+def stop_watching_optimizer_steps() -> None:
+    """The global step hooks removed: at ``co.shutdown()``, and once no wrapper is left."""
+    global _STEP_WATCH
+    if _STEP_WATCH is not None:
+        for handle in _STEP_WATCH:
+            handle.remove()
+        _STEP_WATCH = None
+
+
+def live_wrappers() -> bool:
+    """True while some wrapped model's wrapper is alive."""
+    return any(ref() is not None for ref in LIVE_WRAPPERS.values())
 
 
 def _before_any_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
