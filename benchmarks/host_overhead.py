@@ -109,10 +109,11 @@ def _optimizer_class(kind: str):
 
 def build_setup(label: str, name: str, tensors: int, bucket_size_mb: float, world: int):
     """(model, optimizer) for one row of SETUPS."""
-    import collective_ops as co
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import collective_ops as co
 
     wrapper, opt_kind, _ = SETUPS[label]
     cls, kwargs = _optimizer_class(opt_kind)
@@ -268,7 +269,7 @@ def main(argv=None) -> int:
     tables = []
     for world in args.worlds:
         results = spawn(rank_main, world, args)
-        for key, result in results.items():
+        for result in results.values():
             title = (
                 f"{result['model']}, {result['tensors']} tensors, world {world} (Gloo), "
                 f"bucket_size_mb={args.bucket_size_mb}"
