@@ -4,7 +4,9 @@
 - no import circle among the library's modules (module-level imports), and no function-level import that
   closes one (a "back-edge") beyond the ones listed with their reason;
 - nothing in the library outside ``tools/`` imports ``collective_ops.tools``;
-- ``collective_ops.torch`` never imports ``collective_ops.mindspore``, nor the reverse.
+- ``collective_ops.torch`` never imports ``collective_ops.mindspore``, nor the reverse;
+- a private torch or MindSpore name (``torch.x._y``, ``from mindspore... import _z``, an attribute the
+  frameworks keep private, ``sys._getframe``) only in that framework's ``_compat.py``.
 
 Modules are split by concept, not by a line count: there is no size cap.
 """
@@ -224,6 +226,84 @@ def framework_crossings(graph: list[Import]) -> set[tuple[str, str]]:
     }
 
 
+# The one module per framework allowed its private APIs (each listed there, each checked by tests/test_compat.py).
+COMPAT_MODULES = {f"{PACKAGE}.torch._compat", f"{PACKAGE}.mindspore._compat"}
+FRAMEWORK_ROOTS = {"torch", "dist", "nn", "mindspore", "ms", "sys"}  # names the library binds the frameworks to
+# Private members of the frameworks' objects the library reads through ``_compat`` (any receiver)
+PRIVATE_MEMBERS = {
+    "_version",
+    "_per_optimizer_states",
+    "_opt_called",
+    "_modules",
+    "_parameters",
+    "_buffers",
+    "_params",
+    "_execution_engine",
+    "_config_level",
+    "_active_ddp_module",
+    "_world",
+    "_getframe",
+    "_disable_dynamo",
+}
+
+
+def _dotted(node: ast.AST) -> list[str]:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return parts[::-1]
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def private_framework_uses(root: Path = ROOT) -> list[str]:
+    """Each use of a framework's private API outside its ``_compat.py``, as ``module:line what``."""
+    found = []
+    for name, path in library_files(root).items():
+        if name in COMPAT_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            what = None
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                top = node.module.split(".")[0]
+                names = [a.name for a in node.names]
+                if top in FRAMEWORKS and (
+                    any(map(_is_private, node.module.split("."))) or any(map(_is_private, names))
+                ):
+                    what = f"from {node.module} import {', '.join(names)}"
+            elif isinstance(node, ast.Import):
+                private = [
+                    a.name
+                    for a in node.names
+                    if a.name.split(".")[0] in FRAMEWORKS and any(map(_is_private, a.name.split(".")))
+                ]
+                what = f"import {', '.join(private)}" if private else None
+            elif isinstance(node, ast.Attribute) and _is_private(node.attr):
+                parts = _dotted(node)
+                if parts[:1] in (["self"], ["cls"]):  # the library's own objects
+                    continue
+                if node.attr in PRIVATE_MEMBERS or (parts and parts[0] in FRAMEWORK_ROOTS):
+                    what = ".".join(parts) or node.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+                name_arg = node.args[1]
+                if node.func.id in ("getattr", "hasattr", "setattr") and isinstance(name_arg, ast.Constant):
+                    attr, parts = str(name_arg.value), _dotted(node.args[0])
+                    if _is_private(attr) and (attr in PRIVATE_MEMBERS or parts[:1] and parts[0] in FRAMEWORK_ROOTS):
+                        what = f"{node.func.id}({'.'.join(parts)}, {attr!r})"
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                dotted = node.value.split(".")
+                if dotted[0] in FRAMEWORKS and len(dotted) > 1 and any(map(_is_private, dotted)):
+                    what = repr(node.value)
+            if what:
+                found.append(f"{name}:{node.lineno} {what}")
+    return sorted(set(found))
+
+
 @pytest.fixture(scope="module")
 def graph() -> list[Import]:
     return import_graph()
@@ -253,6 +333,10 @@ def test_the_framework_packages_do_not_import_each_other(graph) -> None:
     assert found <= set(ALLOWED_CROSSINGS), sorted(found - set(ALLOWED_CROSSINGS))
 
 
+def test_private_framework_apis_only_in_compat() -> None:
+    assert private_framework_uses() == []
+
+
 def test_the_checks_see_what_they_look_for(tmp_path) -> None:
     """Each check finds its violation in a small package built for it (so a check that parses nothing, or
     resolves imports wrongly, cannot pass silently)."""
@@ -272,6 +356,9 @@ def test_the_checks_see_what_they_look_for(tmp_path) -> None:
         "torch/w.py": "def k():\n    from ..mindspore import optim\n",
         "mindspore/__init__.py": "",
         "mindspore/optim.py": "if TYPE_CHECKING:\n    import torch\n",
+        "torch/p.py": "import torch\nfrom torch.distributed import _x\ndef f(t):\n    return t._version, torch._C\n",
+        "torch/_compat.py": "import torch\ny = torch._C\n",
+        "torch/q.py": "import sys, torch\nz = getattr(torch, '_w', sys.modules.get('torch._dynamo'))\n",
     }
     for name, text in files.items():
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
@@ -282,3 +369,10 @@ def test_the_checks_see_what_they_look_for(tmp_path) -> None:
     assert function_level_back_edges(found) == {(f"{PACKAGE}.c", f"{PACKAGE}.d")}
     assert tools_imported_outside_tools(found) == [f"{PACKAGE}.e:1 imports {PACKAGE}.tools.bench"]
     assert framework_crossings(found) == {(f"{PACKAGE}.torch.w", f"{PACKAGE}.mindspore.optim")}
+    assert private_framework_uses(tmp_path) == [
+        f"{PACKAGE}.torch.p:2 from torch.distributed import _x",
+        f"{PACKAGE}.torch.p:4 t._version",
+        f"{PACKAGE}.torch.p:4 torch._C",
+        f"{PACKAGE}.torch.q:2 'torch._dynamo'",
+        f"{PACKAGE}.torch.q:2 getattr(torch, '_w')",
+    ]

@@ -24,6 +24,7 @@ SUITES = {
         "alignment",
         "sharded",
         "adapter",
+        "after_shutdown",
     ),
     ("pynative", 3): ("join", "sharded", "adapter:1e-06"),
     ("graph", 2): ("model_train", "loss_scale", "adapter"),
@@ -181,6 +182,15 @@ def test_model_train_equals_model_under_mindspores_data_parallel(mode: str) -> N
             assert_identical(out["loaded"], out["ours"], "checkpoint loaded into a plain network")
         else:
             assert out["checkpoint_files"] == []
+
+
+def test_shutdown_leaves_every_mindspore_class_as_before_the_first_wrap() -> None:
+    """The wrappers replace MindSpore's training cells' constructors, ``amp.build_train_network`` and
+    ``Cell.parameters_and_names`` while they live (Model over a wrapper reduces through it: the Model tests);
+    after the suite's parts (every kind of wrapper, Model, DistributedOptimizer) and ``co.shutdown()``, each
+    is MindSpore's own object again."""
+    for result in results_of("pynative", 2, "after_shutdown"):
+        assert result["changed"] == [], result
 
 
 @pytest.mark.parametrize("mode", ["pynative", "graph"])

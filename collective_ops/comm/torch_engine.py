@@ -611,7 +611,9 @@ class TorchEngine(Engine):
         gone: a TCPStore read has no limit of its own then), ``StoreUnansweredError`` names the host.
         """
         try:
-            store = dist.distributed_c10d._get_default_store()
+            from ..torch._compat import default_store  # (the torch package imports this engine)
+
+            store = default_store()
         except Exception:  # no store (a user-made group without one): no peer view
             return {}
         try:
@@ -664,7 +666,9 @@ class TorchEngine(Engine):
         """Every process group made in this process, held for good (never destroyed), then unregistered."""
         import ctypes
 
-        for group in list(dist.distributed_c10d._world.pg_map):
+        from ..torch._compat import every_process_group
+
+        for group in every_process_group():
             _ABANDONED.append(group)
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # survives the interpreter's teardown too
         if dist.is_initialized():

@@ -28,7 +28,6 @@ the group's position, which an optimizer over one bucket's groups does not keep)
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,9 +39,10 @@ from mindspore import Parameter, ParameterTuple, nn
 from ..bucketing.update.overlap import ForwardReads, buckets_read
 from ..bucketing.update.pending import PendingUpdates
 from ..comm.mindspore_engine import fresh_copy
+from ._compat import TRAINING_PATCHES, no_grad, optimizer_parameter_table, own_parameters
 
 _OWING: set[BucketUpdates] = set()  # the optimizers with updates owed: every parameter read applies them first
-_parameters_and_names = nn.Cell.parameters_and_names
+_parameters_and_names = nn.Cell.parameters_and_names  # MindSpore's own (the wrappers replace it: below)
 
 
 def _settling_parameters_and_names(self: nn.Cell, *args: Any, **kwargs: Any) -> Any:
@@ -55,7 +55,7 @@ def _settling_parameters_and_names(self: nn.Cell, *args: Any, **kwargs: Any) -> 
     return _parameters_and_names(self, *args, **kwargs)
 
 
-nn.Cell.parameters_and_names = _settling_parameters_and_names
+TRAINING_PATCHES.add(nn.Cell, "parameters_and_names", lambda original: _settling_parameters_and_names)
 
 
 class BucketUpdates:
@@ -155,7 +155,7 @@ class BucketUpdates:
             for name, value in frozen.items():
                 ms.ops.assign(self._step_counters[name], value)
         order = [self._index[id(p)] for p in optimizer.parameters]
-        with _no_grad():  # inside a forward being differentiated: the update is no part of it
+        with no_grad():  # inside a forward being differentiated: the update is no part of it
             optimizer(tuple(grads[i] for i in order))
         if first and self._advancing is None:  # learnt once: which counters the class's step advances
             self._advancing = {
@@ -182,9 +182,10 @@ class BucketUpdates:
         for key, value in list(optimizer.__dict__.items()):
             if isinstance(value, ParameterTuple) and not all(id(p) in self._own for p in value):
                 setattr(optimizer, key, ParameterTuple([self._shared(optimizer, p) for p in value]))
-        for key, param in list(optimizer._params.items()):
+        table = optimizer_parameter_table(optimizer)
+        for key, param in list(table.items()):
             if id(param) not in self._own:
-                optimizer._params[key] = self._shared(optimizer, param)
+                table[key] = self._shared(optimizer, param)
         return optimizer
 
     def _shared(self, optimizer: nn.Optimizer, param: Parameter) -> Parameter:
@@ -233,7 +234,9 @@ class BucketUpdates:
         """``cell``'s own parameters (not its sub-cells'), as indices into the network's trainable parameters."""
         found = self._own_of.get(id(cell))
         if found is None:
-            found = [self._index[id(p)] for p in cell._params.values() if p is not None and id(p) in self._index]
+            found = [
+                self._index[id(p)] for p in own_parameters(cell).values() if p is not None and id(p) in self._index
+            ]
             self._own_of[id(cell)] = found
         return found
 
@@ -241,11 +244,6 @@ class BucketUpdates:
 def _copy(value: ms.Tensor) -> ms.Tensor:
     """``value``'s values in memory of their own (a 0-d one too: concatenation needs an axis)."""
     return fresh_copy(value.reshape(-1)).reshape(tuple(value.shape))
-
-
-def _no_grad() -> contextlib.AbstractContextManager[Any]:
-    no_grad = getattr(ms, "_no_grad", None)
-    return no_grad() if no_grad is not None else contextlib.nullcontext()
 
 
 __all__ = ["BucketUpdates"]

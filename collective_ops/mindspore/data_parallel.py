@@ -52,6 +52,7 @@ from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ..online_tune import auto_tune_start, choose_online
 from ..options import WrapOptions, resolve_options, validate_bucket_mb
+from ._compat import TRAINING_PATCHES, amp_loss_scale_manager
 
 logger = logging.getLogger("collective_ops")
 
@@ -215,6 +216,7 @@ class DataParallel(nn.Cell):
         # the DistributedOptimizer whose per-bucket updates may be owed (its synchronize() applies them): set by it
         self._participant: Any = None
         _WRAPPED[id(network)] = self  # a training cell over the bare network is refused (see _adopt)
+        _install_training_patches(self)
 
     def _broadcast_parameters(self, src: int) -> None:
         """Rank ``src``'s parameters to every rank, in few fused collectives."""
@@ -738,11 +740,11 @@ def _adopting(init: Any, adopts_in_subclass: type | None) -> Any:
 # Model(net, ...) builds nn.TrainOneStepCell (or its loss-scale subclass) in mindspore.train.amp.build_train_network
 # and takes its reducer from MindSpore's parallel context alone; every construction of one passes through here so
 # that a wrapper in its network supplies the reduction. Networks without a wrapper are left exactly as they were.
-nn.TrainOneStepCell.__init__ = _adopting(nn.TrainOneStepCell.__init__, nn.TrainOneStepWithLossScaleCell)
-nn.TrainOneStepWithLossScaleCell.__init__ = _adopting(nn.TrainOneStepWithLossScaleCell.__init__, None)
+TRAINING_PATCHES.add(nn.TrainOneStepCell, "__init__", lambda init: _adopting(init, nn.TrainOneStepWithLossScaleCell))
+TRAINING_PATCHES.add(nn.TrainOneStepWithLossScaleCell, "__init__", lambda init: _adopting(init, None))
 
 
-_BUILD_TRAIN_NETWORK = amp.build_train_network
+_BUILD_TRAIN_NETWORK = amp.build_train_network  # MindSpore's own (the wrappers replace it: below)
 
 
 def _build_train_network(network: nn.Cell, optimizer: Any, loss_fn: Any = None, level: str = "O0", **kw: Any) -> Any:
@@ -751,7 +753,7 @@ def _build_train_network(network: nn.Cell, optimizer: Any, loss_fn: Any = None, 
     checks overflow with): collective_ops' ``TrainOneStepWithLossScaleCell`` trains it instead, skipping a step
     where any rank's reduced gradients hold an inf or NaN."""
     wrapper = _wrapper_in(network)
-    manager = kw.get("loss_scale_manager", getattr(amp, "_config_level", {}).get(level, {}).get("loss_scale_manager"))
+    manager = kw.get("loss_scale_manager", amp_loss_scale_manager(level))
     dynamic = manager is not None and manager.get_update_cell() is not None
     if wrapper is None or not dynamic or ms.get_context("device_target") != "CPU" or ms.get_context("enable_ge"):
         return _BUILD_TRAIN_NETWORK(network, optimizer, loss_fn, level, **kw)
@@ -765,7 +767,21 @@ def _build_train_network(network: nn.Cell, optimizer: Any, loss_fn: Any = None, 
     return TrainOneStepWithLossScaleCell(plain.network, optimizer, wrapper, manager.get_update_cell()).set_train()
 
 
-amp.build_train_network = _build_train_network
+TRAINING_PATCHES.add(amp, "build_train_network", lambda original: _build_train_network)
+
+
+def _install_training_patches(wrapper: DataParallel) -> None:
+    """MindSpore's training cells, ``build_train_network`` and ``Cell.parameters_and_names`` replaced while a
+    wrapper lives (:data:`~collective_ops.mindspore._compat.TRAINING_PATCHES`): MindSpore's own again at
+    ``co.shutdown()``, or once the last wrapper is gone."""
+    TRAINING_PATCHES.install()
+    runtime.release_at_shutdown(TRAINING_PATCHES.remove)
+    weakref.finalize(wrapper, _remove_training_patches_if_unwrapped)
+
+
+def _remove_training_patches_if_unwrapped() -> None:
+    if not list(_WRAPPED.values()):
+        TRAINING_PATCHES.remove()
 
 
 def _refuse_auto_in_graph(auto_tune_at: int | None) -> None:

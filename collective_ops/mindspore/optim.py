@@ -37,6 +37,7 @@ from mindspore import Parameter, mint, nn
 from ..bucketing import allreduce_hook
 from ..bucketing.shard import ShardLayout, ShardPiece
 from ..comm.mindspore_engine import fresh_copy
+from ._compat import version_of
 from .bucket_updates import BucketUpdates
 from .data_parallel import DataParallel, _pynative, _refuse_misordered
 
@@ -410,7 +411,7 @@ class DistributedOptimizer(nn.Optimizer):
 
 def _written_mark(param: Parameter) -> tuple[int, int]:
     """What a write to a parameter changes: its data address (``set_data``) and its version (``copy_``)."""
-    return param.data_ptr(), param._version
+    return param.data_ptr(), version_of(param)
 
 
 def _split(tensor: ms.Tensor, sizes: list[int]) -> tuple[ms.Tensor, ...]:

@@ -7,22 +7,23 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
+from ._compat import DDP_ACTIVE_MARKER, disable_dynamo
 
-@torch._disable_dynamo
+
+@disable_dynamo
 def start_compiled_forward(model: Any) -> None:
     model._start_forward(compiled=True)
 
 
-@torch._disable_dynamo
+@disable_dynamo
 def end_compiled_forward(model: Any) -> None:
     model._end_forward()
 
 
 @contextlib.contextmanager
-@torch._disable_dynamo(recursive=False)
+@disable_dynamo(recursive=False)
 def compiled_as_ddp(model: Any) -> Iterator[None]:
     """Under ``torch.compile``, have the module's graph split at bucket boundaries as DDP's is.
 
@@ -33,11 +34,12 @@ def compiled_as_ddp(model: Any) -> Iterator[None]:
     Skipped where this torch has no such marker.
     """
     ddp = nn.parallel.DistributedDataParallel
-    if not hasattr(ddp, "_active_ddp_module"):
+    if not hasattr(ddp, DDP_ACTIVE_MARKER):
         yield
         return
-    previous, ddp._active_ddp_module = ddp._active_ddp_module, model
+    previous = getattr(ddp, DDP_ACTIVE_MARKER)
+    setattr(ddp, DDP_ACTIVE_MARKER, model)
     try:
         yield
     finally:
-        ddp._active_ddp_module = previous
+        setattr(ddp, DDP_ACTIVE_MARKER, previous)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .. import runtime, tracing
 from ..bucketing import (
@@ -44,9 +44,8 @@ from ..comm.torch_engine import TorchEngine
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ..online_tune import auto_tune_start, choose_online, overlapped_steps
 from ..options import WrapOptions, names_text, resolve_options
-from . import guards
+from . import _compat, guards
 from .autograd_hooks import output_tensors, outputs_reached, remove_all, view_like, weak_grad_hook
-from .checkpoint_names import TORCH_DCP_MODULE, called_by_torch_dcp  # noqa: F401  (TORCH_DCP_MODULE: importable here)
 from .compile import compiled_as_ddp, end_compiled_forward, start_compiled_forward
 from .ddp_hooks import DDPCommHook, ddp_comm_hook
 from .ddp_keywords import check_ddp_keywords, inputs_to
@@ -88,7 +87,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         constructor keywords among them); each is documented there, and a MindSpore-only one is refused."""
         super().__init__()
         self.options = o = WrapOptions.build("torch", bucket_size_mb, options)
-        self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable: off outside join()
+        self._join_config = _compat.disabled_join_config()  # Joinable: off outside join()
         self._divide_by_initial_world_size = True
         self._auto_tune_at, bucket_size_mb = auto_tune_start(o.bucket_size_mb, o.auto_tune_step)
         guards.refuse_unwrappable(module, DistributedDataParallel, LIVE_WRAPPERS)
@@ -193,6 +192,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if tables:  # each forward's looked-up rows recorded, so the masks need not wait for the gradient
             self._hook_handles += record_lookups(tables, self.manager.row_sparse)
         weakref.finalize(self, remove_all, self._hook_handles)
+        runtime.release_at_shutdown(functools.partial(remove_all, self._hook_handles))  # the model plain again
         LIVE_WRAPPERS[self.module] = this
         self._planned = PlannedParameters(self._params, self.module)  # (watched while this wrapper lives)
         watch(self.module, self._planned)
@@ -271,7 +271,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.optimizer is not None:
                 self.optimizer.backward_starts(param)
             if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                _compat.queue_at_end_of_backward(self._end_of_backward)
             self._step_end_owed = True
         self._contribute(index, param, grad=grad)
 
@@ -288,7 +288,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._outputs_reached_at = time.perf_counter()
         if self._end_of_backward_queued or not self.manager.sync_enabled:
             return
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        _compat.queue_at_end_of_backward(self._end_of_backward)
         self._end_of_backward_queued = True
 
     def _end_of_backward(self) -> None:
@@ -562,7 +562,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         optimizer = self.optimizer
         if optimizer is not None and optimizer.in_flight and not torch.compiler.is_compiling():
             optimizer.synchronize()
-        if called_by_torch_dcp():
+        if _compat.called_by_torch_dcp():
             # torch.distributed.checkpoint names optimizer state by these; it drops torch DDP's "module." prefix
             # only: without ours too, the checkpoints' optimizer entries would not match the model's keys
             return self.module.named_parameters(*args, **kwargs)
@@ -572,7 +572,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """For torch.distributed.checkpoint (its hook for modules whose state-dict keys skip a level): the names
         under the wrapped model are the model's own, as this wrapper's state_dict() keys are, not ``module.*``."""
         inner = self.module
-        return {name: "module" for name in (*inner._modules, *inner._parameters, *inner._buffers)}
+        return {name: "module" for name in _compat.direct_member_names(inner)}
 
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:
         """``model.to(...)``, ``.half()``, ``.double()``, ``.cuda()``. One that changes a parameter's dtype,
@@ -800,7 +800,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Never below DDP's first bucket (1 MiB), which that splitting insists on: smaller buckets
         then share pieces (coarser overlap), rather than making compilation fail.
         """
-        floor = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", 0)
+        floor = _compat.ddp_first_bucket_bytes()
         return max(int(self.manager.plan.bucket_size_mb * 2**20), floor)
 
     def describe_plan(self) -> str:

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.utils import _to_kwargs  # DDP's own mover of a forward's inputs
+
+from . import _compat
 
 
 def input_device(
@@ -47,7 +48,7 @@ def input_device(
 
 def inputs_to(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The forward's tensors moved onto ``device`` (nested in tuples, lists, dicts, dataclasses, as DDP does)."""
-    moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, False)
+    moved_args, moved_kwargs = _compat.move_forward_inputs(args, kwargs, device)
     return moved_args[0], moved_kwargs[0]
 
 

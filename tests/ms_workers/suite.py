@@ -5,7 +5,9 @@ colons (``adapter:1e-06``); each script gets ``MODE`` as its first argument. Sta
 ~15-20 s on a 2-core machine (its scheduler and every worker import MindSpore and rendezvous), more
 than most checks take: one start per (mode, world size) keeps the suite short. Each part writes its
 result under its own name (``write_result``); a part that raises writes its traceback instead, and the later parts
-still run (a rank that dies, or a part that hangs until msrun's timeout, ends the start).
+still run (a rank that dies, or a part that hangs until msrun's timeout, ends the start). The part
+``after_shutdown`` runs after ``co.shutdown()``: which MindSpore class attributes differ from before the first
+part (none should: the wrappers' replacements are removed at shutdown).
 """
 
 from __future__ import annotations
@@ -22,8 +24,31 @@ from tests.msrun_harness import PART_ENV, PART_ERROR, write_result
 HERE = Path(__file__).resolve().parent
 
 
+def _mindspore_attributes() -> dict[str, dict]:
+    from mindspore import nn
+    from mindspore.train import amp
+
+    owners = {"Cell": nn.Cell, "TrainOneStepCell": nn.TrainOneStepCell, "amp": amp}
+    owners["TrainOneStepWithLossScaleCell"] = nn.TrainOneStepWithLossScaleCell
+    return {name: dict(vars(owner)) for name, owner in owners.items()}
+
+
+def _changed_since(before: dict[str, dict]) -> list[str]:
+    now = _mindspore_attributes()
+    return sorted(
+        f"{owner}.{key}"
+        for owner in before
+        for key in set(before[owner]) | set(now[owner])
+        if before[owner].get(key) is not now[owner].get(key)
+        and (callable(before[owner].get(key)) or callable(now[owner].get(key)))  # (not counters such as instances')
+    )
+
+
 def main() -> None:
     mode, *parts = sys.argv[1:]
+    before = _mindspore_attributes()
+    after_shutdown = "after_shutdown" in parts
+    parts = [part for part in parts if part != "after_shutdown"]
     for part in parts:
         script, *args = part.split(":")
         os.environ[PART_ENV] = part
@@ -33,7 +58,11 @@ def main() -> None:
         except Exception:  # this part's test fails with the traceback; the later parts still run
             write_result(co.get_rank(), {PART_ERROR: traceback.format_exc()})
         co.barrier()  # no part starts while a peer still finishes the last one
+    rank = co.get_rank()
     co.shutdown()  # ends with a barrier: no rank leaves while a peer still sends
+    if after_shutdown:
+        os.environ[PART_ENV] = "after_shutdown"
+        write_result(rank, {"changed": _changed_since(before)})
 
 
 main()

@@ -12,13 +12,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _compat
+
 
 def scaler_record(scaler: Any, optimizer: Any) -> dict[Any, torch.Tensor]:
     """GradScaler's per-device record of non-finite gradients for ``optimizer``'s step, unscaling the gradients
     first where nothing has (``scaler.unscale_(opt)`` before clipping already did)."""
     from torch.amp.grad_scaler import OptState
 
-    state = scaler._per_optimizer_states[id(optimizer)]
+    state = _compat.scaler_state_of(scaler, optimizer)
     if state["stage"] is OptState.READY:
         scaler.unscale_(optimizer)  # records found_inf for scaler.update()
     return state["found_inf_per_device"]
@@ -54,7 +56,7 @@ def unscale_(params: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
             by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for (device, _), grads in by_kind.items():
         found = torch.zeros((), dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+        _compat.non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
 
 
 SHARDED_SCALER_ATTRIBUTES = (

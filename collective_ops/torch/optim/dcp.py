@@ -11,24 +11,22 @@ layout needs: other world sizes, and plain optimizers' full tensors, both ways.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torch.distributed._shard.sharding_spec.api import custom_sharding_spec_op
 
 from ...bucketing.shard.layout import Box, ShardPiece, flat_range_boxes
-from ..ddp import TORCH_DCP_MODULE
-
-# DCP's function that reads an optimizer's state_dict(): for get_state_dict()/get_optimizer_state_dict(), and
-# while set_optimizer_state_dict(..., full_state_dict=True) copies a full state over the local one (which then
-# replaces our sharded values with full tensors: tested)
-_DCP_READS_STATE = "_get_optim_state_dict"
+from .._compat import (
+    EnumerableShardingSpec,
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    custom_sharding_spec_op,
+    sharded_tensor,
+)
 
 
 class CollectiveOpsPieceBoxes(EnumerableShardingSpec):
@@ -48,19 +46,6 @@ def _refuse_staging(types: Any, args: Any, kwargs: Any, process_group: Any) -> N
         "(it copies each rank's shards to the host before returning), save with dcp.save, or take the full state "
         "with get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))"
     )
-
-
-def dcp_asks_sharded_state() -> bool:
-    """Whether torch.distributed.checkpoint is reading the optimizer's ``state_dict()`` for a sharded state dict
-    (``full_state_dict=False``) that it will save as it is. Read off DCP's own frame (its ``info``); anything
-    else, including a torch whose DCP is laid out otherwise, gets the full state, which is always correct."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") != TORCH_DCP_MODULE:
-        frame = frame.f_back
-    if frame is None or frame.f_code.co_name != _DCP_READS_STATE:
-        return False
-    info = frame.f_locals.get("info")
-    return getattr(info, "full_state_dict", True) is False
 
 
 def memory_order(p: torch.Tensor) -> list[int]:
@@ -122,7 +107,7 @@ def sharded_state_tensor(
     properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
     metadata = ShardedTensorMetadata(shards_metadata=shards, size=p.shape, tensor_properties=properties)
     spec = CollectiveOpsPieceBoxes(shards)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, sharding_spec=spec)
+    return sharded_tensor(local_shards, metadata, spec)
 
 
 def piece_values(value: ShardedTensor, p: torch.Tensor, piece: ShardPiece) -> torch.Tensor:

@@ -22,13 +22,14 @@ from then on.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from ... import runtime
 from ...bucketing.alignment import StepMisalignedError
@@ -46,6 +47,8 @@ from ...bucketing.update.planner import (
 )
 from ...bucketing.update.schedule import OrderPrediction
 from ...bucketing.update.timeline import ForwardTimeline
+from .. import _compat
+from ..autograd_hooks import remove_all
 from ..ddp import DistributedDataParallel
 from ..inplace import InPlaceGuard
 from .amp import found_inf_here, scaler_record, unscale_
@@ -66,7 +69,7 @@ from .checks import (
 from .flat_update import FlatUpdates, steps_flat
 from .grads import clear_grad
 from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params, watch_given
-from .owed_reads import OwedReads, hook_model, is_compiled, without_autocast
+from .owed_reads import OwedReads, hook_model, without_autocast
 
 SCHEDULES = ("auto", "plan")
 
@@ -133,7 +136,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             groups = as_groups(model.module.parameters() if params is None else params)
         refuse_foreign_params(model, groups)
         self._index = {id(p): i for i, p in enumerate(model.param_list)}
-        self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable (Optimizer's init skips its)
+        self._join_config = _compat.disabled_join_config()  # Joinable (Optimizer's init skips its)
         self._stepping = False  # True while this optimizer calls the wrapped class's step()
         self._scaler_ref: weakref.ref | None = None  # the GradScaler that last stepped it (scaler.step(opt))
         self._optimizer = self._make_optimizer(optimizer_class, groups, args, kwargs)
@@ -161,6 +164,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._hooks = hook_model(model, self)
         for optimizer in self._given or ():  # the user's own optimizers, read or loaded directly
             self._hooks += watch_given(optimizer, self)
+        # after co.shutdown() the model's forwards and checkpoints run as without the library
+        runtime.release_at_shutdown(functools.partial(remove_all, self._hooks))
 
     def _make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], groups: list[dict], args: tuple, kwargs: dict
@@ -292,7 +297,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         start = time.perf_counter()
         self._follow_given_groups()
         for optimizer in self._given or ():  # an LR scheduler over one given: its step is taken (bucket by bucket)
-            optimizer._opt_called = True
+            _compat.mark_stepped(optimizer)
         # every bucket before any update: a step that would be wrong is refused whole
         self.model.owned_gradients.check_untouched(self._buckets(), sharded=self.shards)
         if self.model.check_finite:
@@ -494,7 +499,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             indices = self._reads_of(module)
             if timeline is not None:
                 timeline.needed(indices)
-            if self.in_flight and is_compiled(module) and module is not self.model.module:
+            if self.in_flight and _compat.is_compiled(module) and module is not self.model.module:
                 # A compiled submodule in an eager forward: no wait can sit inside its graph (and no torch function
                 # mode sees its reads), so every owed write lands first, as before a compiled model's forward.
                 indices = list(range(len(self._index)))
@@ -844,9 +849,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks (after a final synchronize)."""
         self.synchronize()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        remove_all(self._hooks)
 
 
 def _measure_cost() -> Any:

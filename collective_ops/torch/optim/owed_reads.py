@@ -5,12 +5,10 @@ of the module (an EMA's ``AveragedModel``) does not carry."""
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 from torch.overrides import TorchFunctionMode
 
 
@@ -89,12 +87,6 @@ class HookOf:
 
     def __reduce__(self) -> tuple:  # deepcopy and pickle both rebuild from it
         return _make_no_hook, ()
-
-
-def is_compiled(module: nn.Module) -> bool:
-    """``module`` is ``torch.compile``'s wrapper of a module (looked up: nobody compiled where dynamo is not imported)."""
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    return compiled is not None and isinstance(module, compiled)
 
 
 def without_autocast(device_type: str) -> Any:

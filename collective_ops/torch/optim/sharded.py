@@ -39,11 +39,12 @@ from ...bucketing.shard.step import ShardStep, reduction_of, sharded_orders, sha
 from ...bucketing.update.overlap import buckets_read
 from ...bucketing.update.pending import PendingUpdates
 from ...bucketing.update.schedule import OrderPrediction
-from ..ddp import DistributedDataParallel, called_by_torch_dcp
+from .. import _compat
+from ..ddp import DistributedDataParallel
 from ..inplace import InPlaceGuard
 from .amp import SHARDED_SCALER_ATTRIBUTES, found_inf_on_any_rank
 from .checks import frozen_setting
-from .dcp import ModelParamsGroup, dcp_asks_sharded_state
+from .dcp import ModelParamsGroup
 from .grads import clip_global_norm_, gather_gradients_whole, nonfinite_params
 from .joined_settings import share_settings
 from .optimizer import DistributedOptimizer
@@ -91,7 +92,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         optimizer numbers the model's parameters) through them, the model's parameters instead (settings written
         there, as its zero-lr initial step does, reach the groups)."""
         groups = DistributedOptimizer.param_groups.fget(self)
-        if not called_by_torch_dcp():
+        if not _compat.called_by_torch_dcp():
             return groups
         return [ModelParamsGroup(group, params) for group, params in zip(groups, self._model_groups)]
 
@@ -200,7 +201,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """The optimizer wrote this bucket's parameters (laid out, all-gathered): their version counters, where
         this rank holds fp32 masters of them."""
         if any(is_master(piece, tensor, self._param_buffers) for piece, tensor in self._bucket_pieces[bucket]):
-            self._written_versions[bucket] = [p._version for p in self._bucket_params(bucket)]
+            self._written_versions[bucket] = [_compat.version_of(p) for p in self._bucket_params(bucket)]
 
     def _masters_follow_edits(self) -> None:
         """Before a step's updates: low-precision parameters changed in place since the optimizer last wrote them
@@ -210,7 +211,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         edited = [
             bucket
             for bucket, versions in self._written_versions.items()
-            if [p._version for p in self._bucket_params(bucket)] != versions
+            if [_compat.version_of(p) for p in self._bucket_params(bucket)] != versions
         ]
         if edited:
             self._take_params_into_masters(only_changed=True, buckets=edited)
@@ -672,7 +673,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         state, with no collective; on the others a ``RuntimeError``. torch.distributed.checkpoint, which calls it
         on every rank, gets each rank's state whatever was consolidated: its sharded state dict (see
         :mod:`.dcp`) or, asking for ``full_state_dict=True``, the full state."""
-        if self._consolidated is not None and not called_by_torch_dcp():
+        if self._consolidated is not None and not _compat.called_by_torch_dcp():
             to, full = self._consolidated
             if full is None:
                 raise RuntimeError(
@@ -683,7 +684,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             return self._in_plain_format(full)
         self._wait_for_every_rank("state_dict()")
         self.synchronize()
-        if dcp_asks_sharded_state():
+        if _compat.dcp_asks_sharded_optimizer_state():
             return self._in_plain_format(self._state_view().sharded())
         return self._in_plain_format(self._state_view().full())
 
