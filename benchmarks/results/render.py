@@ -22,16 +22,19 @@ def render(path: Path) -> str:
     if "tables" not in data:  # (fault_matrix.json has its own shape: benchmarks/fault_matrix.py --table prints it)
         return f"## {path.stem}\n\n`python benchmarks/fault_matrix.py --table benchmarks/results/fault_matrix.json` prints this file.\n"
     lines = [f"## {path.stem}: {data['benchmark']}", "", f"Machine: {data['machine']}", ""]
+    if "command" in data:  # one command for every table (host_overhead.json): rows as records
+        lines += [f"`{data['command']}` (commit `{data['commit']}`)", ""]
     for table in data["tables"]:
-        lines += [
-            f"### {table['title']}",
-            "",
-            f"`{table['command']}` (commit `{table['commit']}`, {table['network']})",
-            "",
-        ]
-        lines.append("| " + " | ".join(table["columns"]) + " |")
-        lines.append("|" + "---|" * len(table["columns"]))
-        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table["rows"]]
+        lines += [f"### {table['title']}", ""]
+        if "command" in table:
+            lines += [f"`{table['command']}` (commit `{table['commit']}`, {table['network']})", ""]
+        rows = table["rows"]
+        columns = table.get("columns") or list(rows[0]) if rows else table.get("columns", [])
+        if rows and isinstance(rows[0], dict):
+            rows = [[row.get(column) for column in columns] for row in rows]
+        lines.append("| " + " | ".join(columns) + " |")
+        lines.append("|" + "---|" * len(columns))
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
         if table.get("notes"):
             lines += ["", table["notes"]]
         lines.append("")
