@@ -29,7 +29,7 @@ def render(path: Path) -> str:
         if "command" in table:
             lines += [f"`{table['command']}` (commit `{table['commit']}`, {table['network']})", ""]
         rows = table["rows"]
-        columns = table.get("columns") or list(rows[0]) if rows else table.get("columns", [])
+        columns = table.get("columns") or (list(rows[0]) if rows else [])
         if rows and isinstance(rows[0], dict):
             rows = [[row.get(column) for column in columns] for row in rows]
         lines.append("| " + " | ".join(columns) + " |")

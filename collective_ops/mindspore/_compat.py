@@ -70,8 +70,9 @@ class ClassPatches:
         self._makers[(owner, name)] = make
 
     @property
-    def installed(self) -> bool:
-        return bool(self._originals)
+    def owners(self) -> tuple[Any, ...]:
+        """The classes and modules whose attributes these patches replace."""
+        return tuple(dict.fromkeys(owner for owner, _ in self._makers))
 
     def install(self) -> None:
         """Every replacement in place (once: a second call changes nothing)."""
@@ -95,6 +96,3 @@ class ClassPatches:
 # (owed per-bucket updates applied before a checkpoint reads the parameters). Filled in by the modules that
 # define the replacements; installed by wrap().
 TRAINING_PATCHES = ClassPatches()
-
-# The classes and module the library replaces attributes of (for the test that import changes none)
-PATCHED_OWNERS = (nn.Cell, nn.TrainOneStepCell, nn.TrainOneStepWithLossScaleCell, amp)

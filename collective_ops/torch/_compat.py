@@ -52,7 +52,7 @@ OVERRIDDEN_HOOKS: dict[str, str] = {
     "_join_config": "Join reads a Joinable's configuration from it",
 }
 
-# Shard and its metadata classes (torch.distributed._shard), for the sharded optimizer's DCP state
+# Re-exported: torch.distributed._shard's classes, for the sharded optimizer's DCP state (torch/optim/dcp.py)
 __all__ = [
     "EnumerableShardingSpec",
     "Shard",
