@@ -56,7 +56,7 @@ def tune(model: Any, step_fn: Any, **options: Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     # Loaded on first use: importing collective_ops imports no deep-learning framework.
-    if name == "DistributedOptimizer":  # a factory: a torch model gets torch's optimizer, a MindSpore one MindSpore's
+    if name == "DistributedOptimizer":  # a torch model gets torch's optimizer, a MindSpore one MindSpore's
         from .frameworks import DistributedOptimizer
 
         return DistributedOptimizer

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from .bucketing import DEFAULT_BUCKET_MB
 from .ddp_keywords import translate_ddp_keywords
-from .factory import factory_type
 
 
 def _framework_of(model: Any) -> str | None:
@@ -35,33 +33,19 @@ def wrap(model: Any, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options:
     raise TypeError(f"wrap() takes a torch.nn.Module or a mindspore.nn.Cell, got {type(model).__name__}")
 
 
-# The framework packages' optimizer modules: imported by the factory below when a model needs them, and
-# looked up (never imported) by isinstance checks, so that importing collective_ops imports no framework.
-_OPTIMIZER_MODULES = ("collective_ops.torch.optim", "collective_ops.mindspore.optim")
-
-
-def _loaded_optimizer_classes() -> list[type]:
-    modules = [sys.modules.get(name) for name in _OPTIMIZER_MODULES]
-    return [module.DistributedOptimizer for module in modules if module is not None]
-
-
-class DistributedOptimizer(metaclass=factory_type(_loaded_optimizer_classes)):
+def DistributedOptimizer(model: Any, *args: Any, **kwargs: Any) -> Any:  # (named as the classes it builds)
     """``DistributedOptimizer(model, optimizer_class, ..., shard=False, ...)`` for a model made by :func:`wrap`:
-    torch's (:mod:`collective_ops.torch.optim`) for a torch model, MindSpore's (:mod:`collective_ops.mindspore.optim`)
-    for a MindSpore network; each takes the settings its framework's optimizers take."""
-
-    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if _is_mindspore(model):
-            from .mindspore.optim import DistributedOptimizer as MindSporeDistributedOptimizer
-
-            return MindSporeDistributedOptimizer(model, *args, **kwargs)
+    torch's class (:class:`collective_ops.torch.DistributedOptimizer`) for a torch model, MindSpore's
+    (:class:`collective_ops.mindspore.DistributedOptimizer`) for a MindSpore network; each takes the settings its
+    framework's optimizers take. ``isinstance`` checks name the framework's class."""
+    if _is_mindspore(model):
+        from .mindspore.optim import DistributedOptimizer as framework_optimizer
+    else:
         try:
-            from .torch.optim import DistributedOptimizer as TorchDistributedOptimizer
+            from .torch.optim import DistributedOptimizer as framework_optimizer
         except ModuleNotFoundError:  # MindSpore without torch: its own optimizer explains what it takes
-            from .mindspore.optim import DistributedOptimizer as MindSporeDistributedOptimizer
-
-            return MindSporeDistributedOptimizer(model, *args, **kwargs)
-        return TorchDistributedOptimizer(model, *args, **kwargs)
+            from .mindspore.optim import DistributedOptimizer as framework_optimizer
+    return framework_optimizer(model, *args, **kwargs)
 
 
 def _is_mindspore(model: Any) -> bool:

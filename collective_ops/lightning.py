@@ -31,6 +31,7 @@ from torch import nn
 import collective_ops as co
 
 from .torch.ddp import DistributedDataParallel as WrappedModel
+from .torch.optim import DistributedOptimizer
 from .torch.rank_states import RankCompressionStates
 
 _log = logging.getLogger(__name__)
@@ -110,14 +111,14 @@ class CollectiveOpsStrategy(DDPStrategy):
         by_norm, by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            if isinstance(_unwrapped(optimizer), co.DistributedOptimizer):
+            if isinstance(_unwrapped(optimizer), DistributedOptimizer):
                 _unwrapped(optimizer).clip_grad_norm_(clip_val)
             else:
                 by_norm(optimizer, clip_val)
 
         def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
             inner = _unwrapped(optimizer)
-            if not isinstance(inner, co.DistributedOptimizer):
+            if not isinstance(inner, DistributedOptimizer):
                 return by_value(optimizer, clip_val)
             inner.gather_gradients()
             # over its parameters as the model holds them: reading opt.param_groups would bind the shards again
@@ -126,7 +127,7 @@ class CollectiveOpsStrategy(DDPStrategy):
 
         plugin.clip_grad_by_norm, plugin.clip_grad_by_value = clip_grad_by_norm, clip_grad_by_value
 
-    def _distributed(self, optimizer: torch.optim.Optimizer) -> co.DistributedOptimizer:
+    def _distributed(self, optimizer: torch.optim.Optimizer) -> DistributedOptimizer:
         """``optimizer`` as a DistributedOptimizer. Unsharded it is given whole (its parameter groups stay the ones
         its schedulers change); sharded, its class is rebuilt over its groups and its schedulers follow."""
         if not self._shard:
@@ -173,7 +174,7 @@ class CollectiveOpsStrategy(DDPStrategy):
         """Unwrap: the LightningModule leaves as it came, without the wrapper's hooks."""
         if isinstance(self.model, WrappedModel):
             for optimizer in self.optimizers:
-                if isinstance(optimizer, co.DistributedOptimizer):
+                if isinstance(optimizer, DistributedOptimizer):
                     optimizer.remove_hooks()
             self.model.remove_hooks()
             self.model = self.lightning_module

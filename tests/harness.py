@@ -29,6 +29,8 @@ from typing import Any
 # bare pytest run.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _RANK_CONTEXT = mp.get_context("forkserver")
+# Set to a file's path: rank 0 of every run_checks group appends each check's seconds there (what to trim first).
+CHECK_TIMES_ENV = "COLLECTIVE_OPS_CHECK_TIMES"
 _RANK_CONTEXT.set_forkserver_preload(["torch"])
 
 
@@ -188,9 +190,16 @@ def _checks_entry(
     except BaseException:
         results.put((rank, "setup error", traceback.format_exc()))
         return
-    for index, check in enumerate(list(checks.values())[start:], start):
+    times = os.environ.get(CHECK_TIMES_ENV) if rank == 0 else None
+    for index, (name, check) in enumerate(list(checks.items())[start:], start):
         try:
+            began = time.perf_counter()
             value = check()
+            if times:
+                with open(times, "a") as out:
+                    out.write(
+                        f"{time.perf_counter() - began:8.2f} s  {checks_fn.__module__}.{checks_fn.__name__}: {name}\n"
+                    )
             pickle.dumps(value)
             results.put((rank, index, ("ok", value)))
         except BaseException:

@@ -15,24 +15,32 @@ optional_package("accelerate", "accelerate")
 import torch  # noqa: E402
 
 
-def _torchrun(script: str, out: Path, *args: str) -> dict[int, dict]:
+def _torchrun(script: str, out: Path, *args: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     run_torchrun(ROOT / "tests" / "integrations" / script, "--out", str(out), *args)
-    return {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    """Every run's per-rank records: three launches, two at a time (each is two processes on this machine's cores),
+    each training our route first (a fresh process, as users start one), then Accelerate's own."""
     base = tmp_path_factory.mktemp("accelerate")
-    jobs = {
-        f"{route}_{precision}": ("accelerate_train.py", "--route", route, "--precision", precision)
-        for route in ("ddp", "ours")
-        for precision in ("no", "bf16")
+    jobs = {precision: ("accelerate_train.py", "--precision", precision) for precision in ("no", "bf16")}
+    jobs["trainer"] = ("trainer_train.py",)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(_torchrun, job[0], base / name, *job[1:], "--route", "ours", "ddp")
+            for name, job in jobs.items()
+        ]
+        for future in futures:
+            future.result()
+    return {
+        f"{route}_{name}" if name != "trainer" else f"trainer_{route}": {
+            r: torch.load(base / name / route / f"rank{r}.pt") for r in range(2)
+        }
+        for name in jobs
+        for route in ("ours", "ddp")
     }
-    jobs |= {f"trainer_{route}": ("trainer_train.py", "--route", route) for route in ("ddp", "ours")}
-    with ThreadPoolExecutor(2) as pool:  # each run is two processes; two runs at a time on this machine
-        futures = {name: pool.submit(_torchrun, job[0], base / name, *job[1:]) for name, job in jobs.items()}
-        return {name: future.result() for name, future in futures.items()}
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])

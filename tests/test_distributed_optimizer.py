@@ -103,7 +103,7 @@ def clipped_step(rank: int, model, optimizer) -> tuple[float, dict]:
     loss = torch.nn.functional.cross_entropy(model(x), y) * 50
     optimizer.zero_grad()
     loss.backward()
-    if isinstance(optimizer, co.DistributedOptimizer):
+    if isinstance(optimizer, co.torch.DistributedOptimizer):
         norm = optimizer.clip_grad_norm_(0.5)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)

@@ -24,13 +24,12 @@ SCRIPT = ROOT / "tests" / "integrations" / "lightning_train.py"
 TIMEOUT_S = 300
 
 
-def _run(out: Path, *args: str, torchrun_nodes: int = 0) -> dict[int, dict]:
-    """The script with ``args``, launched by Lightning (or by ``torchrun_nodes`` torchrun agents of one process
-    each, as separate nodes); each rank's record."""
-    out.mkdir(parents=True, exist_ok=True)
+def _launch(runs: dict[str, list[str]], torchrun_nodes: int = 0) -> None:
+    """One launch of the script fitting each of ``runs`` in turn (name -> ``--fit`` fields), launched by Lightning (or
+    by ``torchrun_nodes`` torchrun agents of one process each, as separate nodes)."""
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-    script = [str(SCRIPT), "--out", str(out), *args]
+    script = [str(SCRIPT)] + [arg for fields in runs.values() for arg in ("--fit", ",".join(fields))]
     if not torchrun_nodes:
         commands = [[sys.executable, *script]]
     else:
@@ -42,36 +41,39 @@ def _run(out: Path, *args: str, torchrun_nodes: int = 0) -> dict[int, dict]:
     ]
     logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, f"{' '.join(args)} failed (rc {proc.returncode}):\n{log[-4000:]}"
-    return {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
+        assert proc.returncode == 0, f"{' '.join(runs)} failed (rc {proc.returncode}):\n{log[-4000:]}"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    """Every run's per-rank records. Three launches, two at a time (each is two processes on this machine's cores):
+    each fits several runs in turn, one of ours first (a fresh process, as users start one), a resumed run after
+    the run that saved its checkpoint."""
     base = tmp_path_factory.mktemp("lightning")
     checkpoint, compressed = base / "one_epoch.ckpt", base / "one_epoch_powersgd.ckpt"
-    with ThreadPoolExecutor(2) as pool:  # two runs at a time: each is two processes on this machine's cores
-        futures = {
-            "ddp": pool.submit(_run, base / "ddp", "--strategy", "ddp"),
-            "ours": pool.submit(
-                _run, base / "ours", "--strategy", "collective_ops", "--save-checkpoint", str(checkpoint)
-            ),
-            "optimizer": pool.submit(_run, base / "optimizer", "--strategy", "collective_ops_optimizer"),
-            "sharded": pool.submit(_run, base / "sharded", "--strategy", "collective_ops_sharded"),
-            "two_nodes": pool.submit(_run, base / "two_nodes", "--strategy", "collective_ops", torchrun_nodes=2),
-        }
-        futures["powersgd"] = pool.submit(
-            _run, base / "powersgd", "--strategy", "collective_ops_powersgd", "--save-checkpoint", str(compressed)
-        )
-        futures["ours"].result()  # the checkpoint it saved after the first epoch, resumed for the second
-        futures["resumed"] = pool.submit(
-            _run, base / "resumed", "--strategy", "collective_ops", "--resume", str(checkpoint)
-        )
-        futures["powersgd"].result()
-        futures["powersgd_resumed"] = pool.submit(
-            _run, base / "powersgd_resumed", "--strategy", "collective_ops_powersgd", "--resume", str(compressed)
-        )
-        out = {name: future.result() for name, future in futures.items()}
+    launches = [
+        {
+            "ours": ["collective_ops", f"save={checkpoint}"],
+            "resumed": ["collective_ops", f"resume={checkpoint}"],
+            "ddp": ["ddp"],
+            "optimizer": ["collective_ops_optimizer"],
+        },
+        {
+            "powersgd": ["collective_ops_powersgd", f"save={compressed}"],
+            "powersgd_resumed": ["collective_ops_powersgd", f"resume={compressed}"],
+            "sharded": ["collective_ops_sharded"],
+        },
+    ]
+    for launch in launches:  # the --fit fields: strategy, out directory, options
+        for name, fields in launch.items():
+            fields.insert(1, str(base / name))
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(_launch, launch) for launch in launches]
+        futures.append(pool.submit(_launch, {"two_nodes": ["collective_ops", str(base / "two_nodes")]}, 2))
+        for future in futures:
+            future.result()
+    names = [name for launch in launches for name in launch] + ["two_nodes"]
+    out = {name: {r: torch.load(base / name / f"rank{r}.pt") for r in range(2)} for name in names}
     out["saved_after_fit"] = {"ours": Path(f"{checkpoint}.after_fit"), "powersgd": Path(f"{compressed}.after_fit")}
     return out
 

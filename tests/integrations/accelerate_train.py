@@ -1,10 +1,11 @@
 """An Accelerate training loop under torchrun (2 CPU processes), for the integration tests.
 
-    torchrun --nproc-per-node 2 tests/integrations/accelerate_train.py --route ddp|ours --out DIR [--precision bf16]
+    torchrun --nproc-per-node 2 tests/integrations/accelerate_train.py --route ours [ddp] --out DIR [--precision bf16]
 
-``ddp`` is Accelerate's own ``prepare`` (torch's DDP); ``ours`` is ``collective_ops.accelerate.prepare``. Each rank
-writes ``DIR/rank{r}.pt``: losses, weights and buffers, the evaluation metric, what ``unwrap_model`` returned, the
-weights ``save_state`` wrote and those ``load_state`` restored into a fresh model.
+``ddp`` is Accelerate's own ``prepare`` (torch's DDP); ``ours`` is ``collective_ops.accelerate.prepare``; several
+routes run in turn in the same processes (as a script that trains twice: importing Accelerate costs seconds of CPU a
+process). Each rank writes ``DIR/ROUTE/rank{r}.pt``: losses, weights and buffers, the evaluation metric, what
+``unwrap_model`` returned, the weights ``save_state`` wrote and those ``load_state`` restored into a fresh model.
 """
 
 from __future__ import annotations
@@ -41,12 +42,18 @@ def prepare(accelerator: Accelerator, route: str, *objects: object) -> object:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--route", choices=("ddp", "ours"), required=True)
+    parser.add_argument("--route", choices=("ddp", "ours"), nargs="+", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--precision", default="no")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision=args.precision)
+    for route in args.route:
+        train_route(route, args.precision, os.path.join(args.out, route))
+
+
+def train_route(route: str, precision: str, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision=precision)
     train, val = data()
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -56,7 +63,7 @@ def main() -> None:
         DataLoader(val, batch_size=8),
     )
     model, optimizer, train_loader, val_loader, scheduler = prepare(
-        accelerator, args.route, model, optimizer, *loaders, scheduler
+        accelerator, route, model, optimizer, *loaders, scheduler
     )
     loss_fn = nn.CrossEntropyLoss()
     losses, metrics = [], []
@@ -86,16 +93,16 @@ def main() -> None:
         "unwrapped": type(accelerator.unwrap_model(model)).__name__,
         "output_dtype": str(model(torch.randn(4, 12)).dtype),
     }
-    folder = os.path.join(args.out, "state")
+    folder = os.path.join(out, "state")
     accelerator.save_state(folder)
     accelerator.wait_for_everyone()  # the main process writes it
     saved = [f for f in os.listdir(folder) if f.startswith("model")]
     record["saved_model_files"] = sorted(saved)
     fresh_accelerator = Accelerator(cpu=True)
-    fresh = prepare(fresh_accelerator, args.route, nn.Sequential(*build()))
+    fresh = prepare(fresh_accelerator, route, nn.Sequential(*build()))
     fresh_accelerator.load_state(folder)
     record["restored"] = {k: v.detach().clone() for k, v in fresh_accelerator.unwrap_model(fresh).state_dict().items()}
-    torch.save(record, os.path.join(args.out, f"rank{accelerator.process_index}.pt"))
+    torch.save(record, os.path.join(out, f"rank{accelerator.process_index}.pt"))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""A Lightning training run, launched by Lightning itself (``devices=2`` on CPU), for the integration tests.
+"""Lightning training runs, launched by Lightning itself (``devices=2`` on CPU), for the integration tests.
 
-    python tests/integrations/lightning_train.py --strategy ddp|collective_ops|collective_ops_optimizer|\
-        collective_ops_sharded|collective_ops_powersgd \
-        --out DIR [--epochs N] [--save-checkpoint PATH] [--resume PATH] [--num-nodes 2]
+    python tests/integrations/lightning_train.py --fit STRATEGY,DIR[,save=PATH][,resume=PATH] [--fit ...] \
+        [--epochs N] [--num-nodes 2]
 
-Each rank writes ``DIR/rank{r}.pt``: its weights and buffers, the metrics Lightning logged, the model's class after
-training (teardown unwrapped it?) and how many gradient collectives the wrapper issued.
+STRATEGY: ddp|collective_ops|collective_ops_optimizer|collective_ops_sharded|collective_ops_powersgd. Each ``--fit``
+is one ``Trainer.fit`` of a fresh model, in the order given, in the same processes (as a script that fits twice:
+importing Lightning costs ~10 s of CPU a process); ``save=`` writes a checkpoint after its first epoch (and
+``PATH.after_fit`` after fit), ``resume=`` starts from one. Each rank writes ``DIR/rank{r}.pt``: its weights and
+buffers, the metrics Lightning logged, the model's class after training (teardown unwrapped it?) and how many
+gradient collectives the wrapper issued.
 """
 
 from __future__ import annotations
@@ -101,27 +104,36 @@ def strategy(name: str) -> object:
     )
 
 
+def run_spec(text: str) -> dict[str, str]:
+    """``STRATEGY,DIR[,save=PATH][,resume=PATH]`` as a dict."""
+    name, out, *options = text.split(",")
+    return {"strategy": name, "out": out, **dict(option.split("=", 1) for option in options)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--fit", type=run_spec, action="append", required=True)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--save-checkpoint")
-    parser.add_argument("--resume")
     parser.add_argument("--num-nodes", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    for run in args.fit:
+        fit(run, args.epochs, args.num_nodes)
+
+
+def fit(run: dict[str, str], epochs: int, num_nodes: int) -> None:
     L.seed_everything(0, verbose=False)
     model = Classifier()
     buffer_log = BufferLog()
-    callbacks = [buffer_log] + ([SaveAfterFirstEpoch(args.save_checkpoint)] if args.save_checkpoint else [])
+    save = run.get("save")
+    callbacks = [buffer_log] + ([SaveAfterFirstEpoch(save)] if save else [])
     trainer = L.Trainer(
         callbacks=callbacks,
         accelerator="cpu",
-        devices=2 // args.num_nodes,
-        num_nodes=args.num_nodes,
-        strategy=strategy(args.strategy),
-        max_epochs=args.epochs,
+        devices=2 // num_nodes,
+        num_nodes=num_nodes,
+        strategy=strategy(run["strategy"]),
+        max_epochs=epochs,
         accumulate_grad_batches=2,
         gradient_clip_val=0.05,  # by value: under shard=True after the averaged gradients are gathered, so
         gradient_clip_algorithm="value",  # every run's arithmetic is DDPStrategy's
@@ -132,10 +144,11 @@ def main() -> None:
         enable_model_summary=False,
     )
     train, val = loaders()
-    trainer.fit(model, train, val, ckpt_path=args.resume)
-    if args.save_checkpoint:  # after fit, the strategy unwrapped: the checkpoint still holds what it did in fit
-        trainer.save_checkpoint(f"{args.save_checkpoint}.after_fit")
+    trainer.fit(model, train, val, ckpt_path=run.get("resume"))
+    if save:  # after fit, the strategy unwrapped: the checkpoint still holds what it did in fit
+        trainer.save_checkpoint(f"{save}.after_fit")
     rank = trainer.global_rank
+    os.makedirs(run["out"], exist_ok=True)
     torch.save(
         {
             "state": {k: v.clone() for k, v in model.state_dict().items()},
@@ -145,7 +158,7 @@ def main() -> None:
             "trained_through": buffer_log.trained_through,
             "world_size": trainer.world_size,
         },
-        os.path.join(args.out, f"rank{rank}.pt"),
+        os.path.join(run["out"], f"rank{rank}.pt"),
     )
 
 

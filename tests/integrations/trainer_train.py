@@ -1,9 +1,10 @@
 """A transformers ``Trainer`` run of a tiny GPT-2 built from a config (no download), under torchrun (2 CPU processes).
 
-    torchrun --nproc-per-node 2 tests/integrations/trainer_train.py --route ddp|ours --out DIR
+    torchrun --nproc-per-node 2 tests/integrations/trainer_train.py --route ours [ddp] --out DIR
 
-``ours`` hands the Trainer's accelerator to ``collective_ops.accelerate.use`` before ``train()``. Each rank writes
-``DIR/rank{r}.pt``: the logged losses, the final weights and the wrapper class the Trainer trained through.
+``ours`` hands the Trainer's accelerator to ``collective_ops.accelerate.use`` before ``train()``; several routes run
+in turn in the same processes. Each rank writes ``DIR/ROUTE/rank{r}.pt``: the logged losses, the final weights and
+the wrapper class the Trainer trained through.
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ class Tokens(torch.utils.data.Dataset):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--route", choices=("ddp", "ours"), required=True)
+    parser.add_argument("--route", choices=("ddp", "ours"), nargs="+", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    for route in args.route:
+        train_route(route, os.path.join(args.out, route))
+
+
+def train_route(route: str, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     training = TrainingArguments(
-        output_dir=os.path.join(args.out, "trainer"),
+        output_dir=os.path.join(out, "trainer"),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         max_steps=6,
@@ -50,7 +57,7 @@ def main() -> None:
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=training, train_dataset=Tokens())
-    if args.route == "ours":
+    if route == "ours":
         import collective_ops.accelerate as co_accelerate
 
         co_accelerate.use(trainer.accelerator, bucket_size_mb=0.05)
@@ -62,7 +69,7 @@ def main() -> None:
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "trained_through": type(trainer.model_wrapped).__module__,
         },
-        os.path.join(args.out, f"rank{rank}.pt"),
+        os.path.join(out, f"rank{rank}.pt"),
     )
 
 

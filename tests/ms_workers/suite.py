@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -53,11 +54,13 @@ def main() -> None:
         script, *args = part.split(":")
         os.environ[PART_ENV] = part
         sys.argv = [str(HERE / f"{script}.py"), mode, *args]
+        start = time.perf_counter()
         try:
             runpy.run_path(sys.argv[0], run_name="__main__")
         except Exception:  # this part's test fails with the traceback; the later parts still run
             write_result(co.get_rank(), {PART_ERROR: traceback.format_exc()})
         co.barrier()  # no part starts while a peer still finishes the last one
+        print(f"suite.py: part {part} took {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     rank = co.get_rank()
     co.shutdown()  # ends with a barrier: no rank leaves while a peer still sends
     if after_shutdown:

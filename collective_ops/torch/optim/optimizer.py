@@ -56,6 +56,7 @@ from .checks import (
     UNREDUCED_ACCUMULATION,
     as_groups,
     changed_settings,
+    check_settings_agree,
     frozen_setting,
     given_stepped_directly,
     nonfinite_gradients,
@@ -97,6 +98,23 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     """
 
     shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
+
+    def __new__(cls, model: Any = None, *args: Any, shard: bool = False, **kwargs: Any) -> DistributedOptimizer:
+        """``shard=True`` builds the sharded optimizer (:class:`~.sharded.ShardedDistributedOptimizer`, an
+        instance of this class). Every rank's settings are compared first, before any process group is made
+        (the sharded optimizer makes some): a difference raises on every rank, naming it."""
+        if isinstance(model, DistributedDataParallel):
+            check_settings_agree(model, args, shard or cls.shards, kwargs)
+        if shard and not cls.shards:
+            if cls is not DistributedOptimizer:
+                raise TypeError(
+                    f"{cls.__name__}(..., shard=True): shard=True builds a ShardedDistributedOptimizer, which is not "
+                    f"a {cls.__name__}; subclass collective_ops.torch.ShardedDistributedOptimizer for a sharded one"
+                )
+            # the sharded subclass (sharded.py, which this module does not import: the package's __init__ does)
+            cls = next(subclass for subclass in cls.__subclasses__() if subclass.shards)
+        return super().__new__(cls)
+
     _chunk_candidates_mib: tuple[float, ...] = CHUNK_CANDIDATES_MIB
     # GradScaler.step(opt) then calls step(grad_scaler=scaler) instead of unscaling gradients itself:
     # it would read them while their reductions are still in flight.
@@ -161,7 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._readers: list[nn.Module] = []
         self._reads = OwedReads(self)
         self._timeline = ForwardTimeline()  # the forward's use of buckets over time (schedule="auto" plans from it)
-        self._hooks = hook_model(model, self)
+        self._hooks = hook_model(model, self, self._index)
         for optimizer in self._given or ():  # the user's own optimizers, read or loaded directly
             self._hooks += watch_given(optimizer, self)
         # after co.shutdown() the model's forwards and checkpoints run as without the library
@@ -678,6 +696,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         # (unwatched: the update's own reads of the parameters are not a forward's)
         with torch.inference_mode(False), without_autocast(self.model.engine.device.type), self._reads.paused():
             self._finish_buckets(buckets, module)
+        if self._reads.owed and not self._owed_writes():
+            self._reads.owed = {}  # nothing owed any more: the rest of this forward's functions pay one falsy test
 
     def _finish_buckets(self, buckets: list[int], module: str) -> None:
         manager = self.model.manager

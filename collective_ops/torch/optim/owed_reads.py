@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Container
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from .. import _compat
 
 
 class OwedReader(Protocol):
@@ -96,6 +100,17 @@ def without_autocast(device_type: str) -> Any:
     return contextlib.nullcontext()
 
 
+def _may_read_owed(module: nn.Module, root: nn.Module, trained: Container[int]) -> bool:
+    """Whether ``module``'s forward needs the optimizer's pre-hook: the root (the forward's start), a module with
+    trained parameters of its own, or a compiled one (no wait can sit inside its graph). A module without them
+    (a container, an activation, a dropout) costs no hook: a read its forward makes of a submodule's parameter
+    that never ran (``F.linear(x, self.proj.weight)``) is one its nearest hooked ancestor waits for, learnt in
+    the first forward or caught by :class:`OwedReads`."""
+    if module is root or _compat.is_compiled(module):
+        return True
+    return any(id(p) in trained for p in module.parameters(recurse=False))
+
+
 def _no_hook(*args: Any) -> None:
     return None
 
@@ -104,16 +119,18 @@ def _make_no_hook() -> Any:
     return _no_hook
 
 
-def hook_model(model: Any, optimizer: Any) -> list[Any]:
+def hook_model(model: Any, optimizer: Any, trained: Container[int]) -> list[Any]:
     """The hooks through which ``optimizer`` (a DistributedOptimizer) follows ``model``'s forwards and
-    checkpoints (their handles): every module's forward waits for the owed updates of what it reads; the
-    inner module's and every submodule's state_dict/load_state_dict see every update first."""
+    checkpoints (their handles): the forward of every module that may read an owed parameter waits for the owed
+    updates of what it reads; the inner module's and every submodule's state_dict/load_state_dict see every
+    update first. ``trained``: the ids of the parameters the model's buckets hold."""
     before_forward, after_forward = HookOf(optimizer._before_forward_of), HookOf(optimizer._after_forward_of)
+    readers = [module for module in model.module.modules() if _may_read_owed(module, model.module, trained)]
     # First among each module's pre-hooks: those already there compute from the parameters too (the classic
     # torch.nn.utils.weight_norm / spectral_norm derive the weight from them there).
-    hooks = [module.register_forward_pre_hook(before_forward, prepend=True) for module in model.module.modules()]
+    hooks = [module.register_forward_pre_hook(before_forward, prepend=True) for module in readers]
     # always_call: a forward that raises leaves no module behind, nor the mode on torch's stack
-    hooks += [module.register_forward_hook(after_forward, always_call=True) for module in model.module.modules()]
+    hooks += [module.register_forward_hook(after_forward, always_call=True) for module in readers]
     hooks.append(model.module.register_forward_hook(HookOf(optimizer._after_forward)))
     # on the wrapper: runs before its buffer broadcast
     hooks.append(model.register_forward_pre_hook(HookOf(optimizer._forward_starts)))
