@@ -21,6 +21,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,7 @@ SETUPS = {
     "wrap(compression=PowerSGD) + AdamW": ("wrap-powersgd", "adamw", "DDP + powerSGD_hook + AdamW"),
 }
 BARE = {"adamw": "bare loop + AdamW", "sgd": "bare loop + SGD"}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 POWERSGD_RANK = 2
 POWERSGD_START = 2  # both start compressing at the same step (DDP's hook counts its own iterations)
 
@@ -159,7 +161,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
             for label in labels:
                 model, optimizer = build_setup(label, name, tensors, args.bucket_size_mb, world)
                 setups[label] = (_Loss(model, name), optimizer, data)
-            times = alternate_steps(setups, args.rounds, args.block)
+            times = alternate_steps(setups, args.rounds, args.block, clock=CLOCKS[args.clock])
             count = sum(1 for _ in setups[labels[0]][0].parameters())
             results[f"{name}/{tensors}"] = {
                 "model": name,
@@ -264,6 +266,13 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=10, help="steps per setup per round")
     parser.add_argument("--bucket-size-mb", type=float, default=25.0, help="DDP's bucket_cap_mb and wrap's size")
     parser.add_argument("--setups", nargs="*", choices=list(SETUPS), help="only these (and their peers, bare loop)")
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU seconds (all its threads: the host's work, unmoved by "
+        "other tenants of a shared machine)",
+    )
     parser.add_argument("--json", help="write the tables here (a data file with command, commit and machine)")
     args = parser.parse_args(argv)
     tables = []
@@ -272,7 +281,7 @@ def main(argv=None) -> int:
         for result in results.values():
             title = (
                 f"{result['model']}, {result['tensors']} tensors, world {world} (Gloo), "
-                f"bucket_size_mb={args.bucket_size_mb}"
+                f"bucket_size_mb={args.bucket_size_mb}, {args.clock} clock"
             )
             rows = table(result)
             print_table(title, rows)
@@ -287,6 +296,7 @@ def main(argv=None) -> int:
             "machine": machine(),
             "rounds": args.rounds,
             "block": args.block,
+            "clock": args.clock,
             "tables": tables,
         }
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")

@@ -104,6 +104,7 @@ def _version() -> None:
     before = torch_compat.version_of(t)
     t.add_(1)
     assert torch_compat.version_of(t) == before + 1
+    assert torch_compat.versions_of([t, torch.zeros(1)]) == [before + 1, 0]
 
 
 def _direct_members() -> None:

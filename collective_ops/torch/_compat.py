@@ -9,7 +9,7 @@ attributes of torch's classes that the library's own classes define because torc
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -134,6 +134,11 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
 def version_of(tensor: torch.Tensor) -> int:
     """``tensor``'s in-place version counter."""
     return tensor._version
+
+
+def versions_of(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Each tensor's in-place version counter (one call for a bucket's tensors, not one per tensor)."""
+    return [tensor._version for tensor in tensors]
 
 
 def direct_member_names(module: nn.Module) -> list[str]:

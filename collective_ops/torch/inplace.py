@@ -26,7 +26,7 @@ class InPlaceGuard:
         self._noted: dict[Hashable, tuple[list[weakref.ref], list[int]]] = {}
 
     def note(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> None:
-        self._noted[key] = ([weakref.ref(t) for t in tensors], [_compat.version_of(t) for t in tensors])
+        self._noted[key] = ([weakref.ref(t) for t in tensors], _compat.versions_of(tensors))
 
     def changed(self, key: Hashable, tensors: Sequence[torch.Tensor], release: bool = True) -> list[int]:
         """Positions in ``tensors`` of those changed in place since ``key`` was noted (none if it was not noted,
@@ -39,7 +39,10 @@ class InPlaceGuard:
         refs, versions = noted
         if len(refs) != len(tensors) or any(ref() is not t for ref, t in zip(refs, tensors)):
             return []
-        changed = [i for i, (t, version) in enumerate(zip(tensors, versions)) if _compat.version_of(t) != version]
+        now = _compat.versions_of(tensors)
+        if now == versions:
+            return []
+        changed = [i for i, (version, noted_version) in enumerate(zip(now, versions)) if version != noted_version]
         if changed:
             self._noted.clear()
         return changed

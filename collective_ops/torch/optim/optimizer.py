@@ -365,6 +365,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         pending = self._pending
         if pending is None and self.model.manager.deferred_pending:
             self.synchronize()  # reductions in flight into the gradients: never cleared under them
+        if pending is None and set_to_none:
+            for p in self._model_params():  # (as torch's own zero_grad: the loop's per-step cost)
+                p.grad = None
+            return
         owed = set()
         if pending is not None:
             pending.clear_after = set_to_none
@@ -509,6 +513,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
         if torch.compiler.is_compiling():
             return  # inside a compiled graph: every owed update was applied before it (compiled_forward_starts)
+        if (
+            self._pending is None
+            and not self.model.manager.deferred_pending
+            and self._forward_reads.ran is None
+            and not self._times_forward()
+        ):  # nothing owed, learnt or timed (the usual forward after a step that finished its buckets)
+            if self._readers:
+                self._readers.append(module)  # inside a watched forward: the innermost reader (its hook pops it)
+            return
         self._forward_reads.module_runs(module)
         timeline = self._timeline if self._times_forward() else None
         if timeline is not None and module is self.model.module:
@@ -659,7 +672,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _bucket_members(self, bucket: int) -> list[torch.Tensor]:
         """Every parameter of this bucket."""
-        return [self.model.param_list[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
+        params = self.model.param_list  # (a property: read once, not per parameter)
+        return [params[i] for i in self.model.manager.plan.buckets[bucket].param_indices]
 
     def _bucket_params(self, bucket: int) -> list[torch.Tensor]:
         """The parameters of this bucket that this optimizer writes (not those of an optimizer beside it)."""

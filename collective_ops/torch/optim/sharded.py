@@ -201,7 +201,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """The optimizer wrote this bucket's parameters (laid out, all-gathered): their version counters, where
         this rank holds fp32 masters of them."""
         if any(is_master(piece, tensor, self._param_buffers) for piece, tensor in self._bucket_pieces[bucket]):
-            self._written_versions[bucket] = [_compat.version_of(p) for p in self._bucket_params(bucket)]
+            self._written_versions[bucket] = _compat.versions_of(self._bucket_params(bucket))
 
     def _masters_follow_edits(self) -> None:
         """Before a step's updates: low-precision parameters changed in place since the optimizer last wrote them
@@ -211,7 +211,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         edited = [
             bucket
             for bucket, versions in self._written_versions.items()
-            if [_compat.version_of(p) for p in self._bucket_params(bucket)] != versions
+            if _compat.versions_of(self._bucket_params(bucket)) != versions
         ]
         if edited:
             self._take_params_into_masters(only_changed=True, buckets=edited)
