@@ -4,20 +4,26 @@ the Python and dispatch work each wrapper and optimizer adds per tensor and per 
     python benchmarks/host_overhead.py                                # mlp, transformer, cnn; 400 and 2000 tensors; world 1 and 2
     python benchmarks/host_overhead.py --models mlp --tensors 400 --worlds 1 --rounds 3
     python benchmarks/host_overhead.py --json benchmarks/results/host_overhead.json
+    python benchmarks/host_overhead.py --clock cpu --calls 10     # CPU seconds, and Python calls per step
 
 Every setup of one (model, tensors, world) lives in the same processes and alternates with the others in blocks of
 steps, the order reversed every round (benchmarks/ddp_compare.py ``alternate_steps``), so machine noise hits them
 alike. Per setup it prints the median step, its spread over rounds, the ratio to its peer (DDP with the same
 optimizer, ``foreach=True``; DDP + ``ZeroRedundancyOptimizer`` for ``shard=True``; DDP + ``powerSGD_hook`` for
 PowerSGD) and to the bare loop (the model with no wrapper and the same optimizer: the limit), and the microseconds
-per parameter tensor and per bucket beyond the bare loop.
+per parameter tensor and per bucket beyond the bare loop. On a shared machine whose speed swings between runs,
+``--calls`` adds a figure noise cannot move: the Python function calls of one step (cProfile's count), and their
+ratio to the peer's; DDP's per-gradient work is C++ and costs it no Python call.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
@@ -31,7 +37,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import spawn  # noqa: E402
-from benchmarks.ddp_compare import alternate_steps  # noqa: E402
+from benchmarks.ddp_compare import alternate_steps, one_step  # noqa: E402
 
 MODELS = ("mlp", "transformer", "cnn")
 WIDTH = 16  # every layer this wide: a tensor costs its host work and next to no arithmetic
@@ -169,12 +175,30 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                 "steps": {label: [t * 1e3 for t in values] for label, values in times.items()},
                 "buckets": {label: _buckets(setups[label][0].inner) for label in labels},
                 "block": args.block,
+                "calls": {label: python_calls_per_step(*setups[label], args.calls) for label in labels}
+                if args.calls
+                else {},
             }
             del setups
     co.barrier()
     co.shutdown()
     if rank == 0:
         queue.put(results)
+
+
+def python_calls_per_step(model, optimizer, data, steps: int) -> float:
+    """The Python function calls (cProfile's count, C functions included) of one step, the mean of ``steps`` steps
+    after the timed ones: the host's work as a count, which other tenants of the machine do not move."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for i in range(steps):
+        one_step(model, optimizer, data[i % len(data)])
+    profile.disable()
+    calls = sum(entry[1] for entry in pstats.Stats(profile, stream=io.StringIO()).stats.values())
+    synchronize = getattr(optimizer, "synchronize", None)
+    if synchronize is not None:
+        synchronize()  # (as after a timed block: nothing in flight into the next setup)
+    return calls / steps
 
 
 def _wanted(label: str, chosen: list[str] | None) -> bool:
@@ -202,6 +226,7 @@ def table(result: dict) -> list[dict]:
         bare = median.get(BARE[opt])
         beyond = None if bare is None else (median[label] - bare) * 1e3
         buckets = result["buckets"].get(label)
+        calls = result.get("calls", {})
         rows.append(
             {
                 "setup": label,
@@ -213,6 +238,8 @@ def table(result: dict) -> list[dict]:
                 "us_per_tensor_beyond_bare": None if beyond is None else round(beyond / result["tensors"], 2),
                 "buckets": buckets,
                 "us_per_bucket_beyond_bare": None if beyond is None or not buckets else round(beyond / buckets, 1),
+                "python_calls_per_step": round(calls[label]) if label in calls else None,
+                "x_peer_calls": round(calls[label] / calls[peer], 3) if label in calls and peer in calls else None,
             }
         )
     return rows
@@ -222,7 +249,7 @@ def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print(
         f"  {'setup':<42} {'ms/step':>8} {'spread':>15} {'x peer':>7} {'x bare':>7} {'us/tensor':>9} "
-        f"{'buckets':>7} {'us/bucket':>9}"
+        f"{'buckets':>7} {'us/bucket':>9} {'calls/step':>10} {'x peer':>7}"
     )
     for r in rows:
 
@@ -233,7 +260,8 @@ def print_table(title: str, rows: list[dict]) -> None:
         print(
             f"  {r['setup']:<42} {r['ms_per_step']:>8.2f} {spread:>15} {fmt(r['x_peer'], '7.3f')} "
             f"{fmt(r['x_bare'], '7.3f')} {fmt(r['us_per_tensor_beyond_bare'], '9.2f')} "
-            f"{fmt(r['buckets'], '7d')} {fmt(r['us_per_bucket_beyond_bare'], '9.1f')}"
+            f"{fmt(r['buckets'], '7d')} {fmt(r['us_per_bucket_beyond_bare'], '9.1f')} "
+            f"{fmt(r.get('python_calls_per_step'), '10d')} {fmt(r.get('x_peer_calls'), '7.3f')}"
         )
 
 
@@ -272,6 +300,13 @@ def main(argv=None) -> int:
         default="wall",
         help="wall: elapsed time; cpu: this process's CPU seconds (all its threads: the host's work, unmoved by "
         "other tenants of a shared machine)",
+    )
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also count each setup's Python function calls per step (cProfile, over STEPS steps after the timed ones)",
     )
     parser.add_argument("--json", help="write the tables here (a data file with command, commit and machine)")
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
 """The optimizer's layout: the core after the collective imports no framework, the torch optimizer imports
-neither its sharded subclass nor MindSpore's, and the factories keep isinstance working."""
+neither its sharded subclass nor MindSpore's; one class per framework, the top-level name a function."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import collective_ops
 
@@ -67,3 +69,15 @@ def test_one_class_per_framework_and_the_top_level_name_a_function_importing_no_
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_subclass_asked_to_shard_is_told_which_class_shards() -> None:
+    import torch
+
+    import collective_ops.torch as ct
+
+    class Mine(ct.DistributedOptimizer):
+        pass
+
+    with pytest.raises(TypeError, match="subclass collective_ops.torch.ShardedDistributedOptimizer"):
+        Mine(None, torch.optim.SGD, shard=True)

@@ -48,8 +48,8 @@ def test_the_wrapper_calls_only_the_declared_participant_members() -> None:
 
 
 def test_both_torch_optimizers_provide_every_declared_member() -> None:
-    from collective_ops.torch.optim import PerBucketOptimizer, ShardedDistributedOptimizer
+    from collective_ops.torch.optim import DistributedOptimizer, ShardedDistributedOptimizer
 
-    for cls in (PerBucketOptimizer, ShardedDistributedOptimizer):
+    for cls in (DistributedOptimizer, ShardedDistributedOptimizer):
         missing = [name for name in DECLARED if not hasattr(cls, name)]
         assert not missing, f"{cls.__name__} lacks {missing}"

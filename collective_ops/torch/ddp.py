@@ -227,6 +227,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._views.append(view_like(p, buffer, offset))
         # where each view lies: a conversion of the inner module (net.to(...)) re-points p.grad, our view
         self._view_addresses = [view.data_ptr() for view in self._views]
+        self._view_strides = [view.stride() for view in self._views]  # (compared with each fresh gradient's)
         # References to a view held by this list and one local name alone (as _contribute counts): more, and a
         # p.grad from before zero_grad(set_to_none=True) is kept somewhere, which the next backward overwrites.
         probe = self._views[0]
@@ -273,6 +274,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
                 _compat.queue_at_end_of_backward(self._end_of_backward)
             self._step_end_owed = True
+            self._scale_in = manager.copy_in_scale  # (the hook is set between steps: read once a backward)
         self._contribute(index, param, grad=grad)
 
     def _outputs_reached(self) -> None:
@@ -312,7 +314,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             view = self._views[index]
             # The usual fresh gradient passes this first test (autograd makes it on its parameter's device: one
             # elsewhere comes of a conversion after wrap, refused at the backward's start); the full checks else.
-            if grad.dtype is not view.dtype or grad.stride() != view.stride():
+            if grad.dtype is not view.dtype or grad.stride() != self._view_strides[index]:
                 self._check_fresh_gradient(index, grad, view)
             if view.data_ptr() != self._view_addresses[index]:
                 raise guards.view_moved_error(self._param_names[index])
@@ -320,7 +322,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
             if sys.getrefcount(view) > self._view_references_alone and not self._warned_gradient_kept:
                 self._warn_gradient_kept(index)
-            scale = manager.copy_in_scale
+            scale = self._scale_in if self._step_end_owed else manager.copy_in_scale
             if scale is None:
                 view.copy_(grad)
             else:

@@ -513,12 +513,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
         if torch.compiler.is_compiling():
             return  # inside a compiled graph: every owed update was applied before it (compiled_forward_starts)
-        if (
-            self._pending is None
-            and not self.model.manager.deferred_pending
-            and self._forward_reads.ran is None
-            and not self._times_forward()
-        ):  # nothing owed, learnt or timed (the usual forward after a step that finished its buckets)
+        if not self.in_flight and self._forward_reads.ran is None and not self._times_forward():
+            # nothing owed (sharded: no all-gather unwaited), learnt or timed: the usual forward after a step
+            # that finished its buckets
             if self._readers:
                 self._readers.append(module)  # inside a watched forward: the innermost reader (its hook pops it)
             return
