@@ -225,6 +225,17 @@ def _local_bytes(value) -> int:
     return value.numel() * value.element_size() if is_vector else 0
 
 
+def memory_goal(peaks: dict[str, tuple[float, float, float]]) -> str:
+    """The memory goal's line: ``shard=True``'s peak-RSS growth (over the RSS before its setup was built) no more
+    than DDP + ZeroRedundancyOptimizer's, each setup alone in processes of its own, at the defaults."""
+    ours, zero = peaks.get(SETUPS[3]), peaks.get(SETUPS[1])
+    if ours is None or zero is None:
+        return ""
+    grown, limit = ours[1] - ours[2], zero[1] - zero[2]
+    verdict = "met" if grown <= limit else "NOT met"
+    return f"goal: {SETUPS[3]} peak RSS growth {grown:.0f} MiB <= {SETUPS[1]}'s {limit:.0f} MiB: {verdict}"
+
+
 def _size(value: str) -> float | str:
     return value if value == "auto" else float(value)
 
@@ -312,6 +323,9 @@ def main(argv=None) -> int:
         print(f"    {'setup':<46} {'live tensors':>12}  {'peak RSS':>9}  {'RSS before setup':>16}")
         for key, (live, peak, before) in peaks.items():
             print(f"    {key:<46} {live:>8.1f} MiB  {peak:>5.0f} MiB  {before:>12.0f} MiB")
+        goal = memory_goal(peaks)
+        if goal:
+            print(f"  {goal}")
     for full, (held, grown, seconds) in saves.items():
         kind = "full_state_dict=True " if full else "sharded (DCP's default)"
         print(
