@@ -48,9 +48,10 @@ def parse_args(argv=None):
     parser.add_argument("--graph", action="store_true", help="GRAPH mode (both reducers run after backward)")
     parser.add_argument(
         "--model",
-        choices=["convnet", "mlp", "cnn23m", "transformer-5m"],
+        choices=["convnet", "mlp", "cnn23m", "transformer-5m", "tiny400"],
         default="convnet",
         help="convnet: compute-heavy (examples/train_mindspore.py); mlp: 24 Dense layers, communication-heavy; "
+        "tiny400: 200 Dense(16, 16) layers, 400 tensors and near-zero compute (the host's share of a step); "
         "cnn23m: a CNN with 22 MB of float32 gradients; transformer-5m: benchmarks/ddp_compare.py's link workload "
         "(5.7 M parameters, 23 MB of float32 gradients in 54 tensors); use the last two with --link",
     )
@@ -68,6 +69,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--paths", action="store_true", help="also time raw reference paths, per phase")
     parser.add_argument("--shard", action="store_true", help="also time DistributedOptimizer(shard=True)")
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="also time the unsharded DistributedOptimizer in the functional loop (its wrapper reducing per bucket)",
+    )
     parser.add_argument("--optimizer", choices=["momentum", "adam"], default="momentum")
     parser.add_argument(
         "--step-check-cost",
@@ -121,6 +127,7 @@ def launch(args) -> int:
         + (["--paths"] if args.paths else [])
         + (["--train-cell"] if args.train_cell else [])
         + (["--shard"] if args.shard else [])
+        + (["--distributed-optimizer"] if args.distributed_optimizer else [])
         + (["--step-check-cost"] if args.step_check_cost else [])
         + ["--optimizer", args.optimizer]
         + (["--compression", args.compression] if args.compression else [])
@@ -166,6 +173,8 @@ def run(args) -> None:
             return _cnn23m()
         if args.model == "transformer-5m":
             return _transformer_5m()
+        if args.model == "tiny400":
+            return nn.SequentialCell(*[nn.Dense(16, 16) for _ in range(199)], nn.Dense(16, 10))
         layers = [cell for _ in range(24) for cell in (nn.Dense(256, 256), nn.ReLU())]
         return nn.SequentialCell(*layers, nn.Dense(256, 10))
 
@@ -189,6 +198,8 @@ def run(args) -> None:
         raise SystemExit("--shard times the functional loop (opt(grads)); it does not combine with --train-cell")
     if args.shard:
         kinds.append(SHARDED)
+    if args.distributed_optimizer:
+        kinds.append(FUNCTIONAL_OPTIMIZER)
     optimizer_class, optimizer_kwargs = {
         "momentum": (nn.Momentum, {"learning_rate": 0.01, "momentum": 0.9}),
         "adam": (nn.Adam, {"learning_rate": 1e-3, "weight_decay": 0.01}),
@@ -203,6 +214,10 @@ def run(args) -> None:
             wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=False)
             opt = co.DistributedOptimizer(wrapped, optimizer_class, **optimizer_kwargs)
             reduce = lambda grads: grads  # noqa: E731  (the optimizer reduces them itself)
+        elif kind == FUNCTIONAL_OPTIMIZER:
+            wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb)
+            opt = co.DistributedOptimizer(wrapped, optimizer_class, **optimizer_kwargs)
+            reduce = lambda grads: grads  # noqa: E731  (its wrapper reduces them, bucket by bucket)
         elif kind == SHARDED:
             wrapped = co.wrap(net, bucket_size_mb=args.bucket_size_mb, overlap=False)
             opt = co.DistributedOptimizer(wrapped, optimizer_class, shard=True, **optimizer_kwargs)
@@ -288,6 +303,9 @@ def run(args) -> None:
             OPTIMIZER: _collectives(setups[OPTIMIZER][3], "inside the optimizer") if OPTIMIZER in setups else "",
             "fused ops.AllReduce": "1 (after backward)",
             "per-gradient hook launch": f"{n_grads} (during backward)",
+            FUNCTIONAL_OPTIMIZER: _collectives(setups[FUNCTIONAL_OPTIMIZER][3], "its wrapper's")
+            if FUNCTIONAL_OPTIMIZER in setups
+            else "",
             SHARDED: f"{2 * len(setups[SHARDED][3].manager.plan.buckets)} (reduce-scatter + all-gather per bucket)"
             if SHARDED in setups
             else "",
@@ -333,6 +351,7 @@ def run(args) -> None:
 
 
 SHARDED = "collective_ops shard=True"
+FUNCTIONAL_OPTIMIZER = "collective_ops DistributedOptimizer, functional loop"
 OPTIMIZER = "collective_ops DistributedOptimizer"
 
 
@@ -380,8 +399,9 @@ def _batch(model: str, rng):
     if model == "transformer-5m":  # next-token labels over the flattened rows
         tokens = rng.integers(0, _VOCAB, (_ROWS, _SEQ + 1)).astype(np.int32)
         return ms.Tensor(tokens[:, :-1]), ms.Tensor(tokens[:, 1:].reshape(-1))
-    shape = (16, 256) if model == "mlp" else (16, 3, 32, 32)
-    return ms.Tensor(rng.standard_normal(shape).astype(np.float32)), ms.Tensor(rng.integers(0, 10, 16).astype(np.int32))
+    shape = {"mlp": (16, 256), "tiny400": (4, 16)}.get(model, (16, 3, 32, 32))
+    labels = rng.integers(0, 10, shape[0]).astype(np.int32)
+    return ms.Tensor(rng.standard_normal(shape).astype(np.float32)), ms.Tensor(labels)
 
 
 def _transformer_5m():
