@@ -2058,3 +2058,22 @@ def test_the_trace_shows_updates_and_forward_waits_and_one_schedule_for_every_ra
     assert len(steps) >= 4
     for step in steps:
         assert launches[(0, step)] == launches[(1, step)] and len(launches[(0, step)]) > 1, step
+
+
+def _forward_hooks_per_module(rank: int, world: int) -> dict[str, int]:
+    from torch import nn
+
+    import collective_ops as co
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Dropout(0.0), nn.Sequential(nn.Linear(8, 4), nn.Tanh()))
+    model = co.wrap(inner, bucket_size_mb=0.001)
+    co.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    return {name or "root": len(m._forward_pre_hooks) for name, m in inner.named_modules()}
+
+
+def test_only_modules_that_may_read_an_owed_parameter_carry_a_forward_pre_hook() -> None:
+    """The model's forward start and each module with trained parameters of its own: activations, dropouts and
+    containers cost the step no hook call (their reads, if any, are their nearest hooked ancestor's)."""
+    (hooks,) = run_ranks(1, _forward_hooks_per_module)
+    assert hooks == {"root": 1, "0": 1, "1": 0, "2": 0, "3": 0, "3.0": 1, "3.1": 0}, hooks
