@@ -159,7 +159,7 @@ def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3, cloc
             if not getattr(optimizer, "settling", False):
                 break
             one_step(wrapped, optimizer, batches[i % len(batches)])
-        _finish_block(optimizer)
+        finish_block(optimizer)
     times = {key: [] for key in setups}
     keys = list(setups)
     for round_ in range(rounds):
@@ -169,7 +169,7 @@ def alternate_steps(setups: dict, rounds: int, block: int, warmup: int = 3, cloc
                 seconds = one_step(wrapped, optimizer, batches[i % len(batches)], clock)
                 if i == block - 1:
                     start = clock()
-                    _finish_block(optimizer)
+                    finish_block(optimizer)
                     seconds += clock() - start
                 times[key].append(seconds)
     engine = get_engine("torch")
@@ -192,7 +192,7 @@ def slowest_rank_steps(seconds: list[float], block: int, engine) -> list[float]:
     return [slowest[i] - (slowest[i - 1] if i % block else 0.0) for i in range(len(slowest))]
 
 
-def _finish_block(optimizer) -> None:
+def finish_block(optimizer) -> None:
     synchronize = getattr(optimizer, "synchronize", None)
     if synchronize is not None:
         synchronize()

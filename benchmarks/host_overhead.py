@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import spawn  # noqa: E402
-from benchmarks.ddp_compare import alternate_steps, one_step  # noqa: E402
+from benchmarks.ddp_compare import alternate_steps, finish_block, one_step  # noqa: E402
 
 MODELS = ("mlp", "transformer", "cnn")
 WIDTH = 16  # every layer this wide: a tensor costs its host work and next to no arithmetic
@@ -195,9 +195,7 @@ def python_calls_per_step(model, optimizer, data, steps: int) -> float:
         one_step(model, optimizer, data[i % len(data)])
     profile.disable()
     calls = sum(entry[1] for entry in pstats.Stats(profile, stream=io.StringIO()).stats.values())
-    synchronize = getattr(optimizer, "synchronize", None)
-    if synchronize is not None:
-        synchronize()  # (as after a timed block: nothing in flight into the next setup)
+    finish_block(optimizer)  # (as after a timed block: nothing in flight into the next setup)
     return calls / steps
 
 
@@ -220,13 +218,13 @@ def table(result: dict) -> list[dict]:
     rows = []
     steps = result["steps"]
     median = {label: statistics.median(v) for label, v in steps.items()}
+    calls = result.get("calls", {})
     for label, values in steps.items():
         wrapper, opt, peer = SETUPS[label]
         rounds = block_medians(values, result["block"])
         bare = median.get(BARE[opt])
         beyond = None if bare is None else (median[label] - bare) * 1e3
         buckets = result["buckets"].get(label)
-        calls = result.get("calls", {})
         rows.append(
             {
                 "setup": label,

@@ -131,11 +131,6 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
     optimizer._opt_called = True
 
 
-def version_of(tensor: torch.Tensor) -> int:
-    """``tensor``'s in-place version counter."""
-    return tensor._version
-
-
 def versions_of(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Each tensor's in-place version counter (one call for a bucket's tensors, not one per tensor)."""
     return [tensor._version for tensor in tensors]

@@ -274,7 +274,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
                 _compat.queue_at_end_of_backward(self._end_of_backward)
             self._step_end_owed = True
-            self._scale_in = manager.copy_in_scale  # (the hook is set between steps: read once a backward)
         self._contribute(index, param, grad=grad)
 
     def _outputs_reached(self) -> None:
@@ -322,7 +321,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             # the bucket also applies the 1/world scale, one pass instead of two, as DDP does.
             if sys.getrefcount(view) > self._view_references_alone and not self._warned_gradient_kept:
                 self._warn_gradient_kept(index)
-            scale = self._scale_in if self._step_end_owed else manager.copy_in_scale
+            scale = manager.copy_in_scale
             if scale is None:
                 view.copy_(grad)
             else:

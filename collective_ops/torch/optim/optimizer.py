@@ -99,6 +99,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
 
     shards = False  # each rank holds all of the optimizer state (True: ShardedDistributedOptimizer)
 
+    _chunk_candidates_mib: tuple[float, ...] = CHUNK_CANDIDATES_MIB
+    # GradScaler.step(opt) then calls step(grad_scaler=scaler) instead of unscaling gradients itself:
+    # it would read them while their reductions are still in flight.
+    _step_supports_amp_scaling = True
+    _flat: FlatUpdates | None = None  # element-wise classes: each bucket stepped as one flat tensor
+
     def __new__(cls, model: Any = None, *args: Any, shard: bool = False, **kwargs: Any) -> DistributedOptimizer:
         """``shard=True`` builds the sharded optimizer (:class:`~.sharded.ShardedDistributedOptimizer`, an
         instance of this class). Every rank's settings are compared first, before any process group is made
@@ -114,12 +120,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             # the sharded subclass (sharded.py, which this module does not import: the package's __init__ does)
             cls = next(subclass for subclass in cls.__subclasses__() if subclass.shards)
         return super().__new__(cls)
-
-    _chunk_candidates_mib: tuple[float, ...] = CHUNK_CANDIDATES_MIB
-    # GradScaler.step(opt) then calls step(grad_scaler=scaler) instead of unscaling gradients itself:
-    # it would read them while their reductions are still in flight.
-    _step_supports_amp_scaling = True
-    _flat: FlatUpdates | None = None  # element-wise classes: each bucket stepped as one flat tensor
 
     def __init__(
         self,
@@ -513,14 +513,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """Forward pre-hook: the buckets holding the parameters this module reads are finished (and updated) first."""
         if torch.compiler.is_compiling():
             return  # inside a compiled graph: every owed update was applied before it (compiled_forward_starts)
-        if not self.in_flight and self._forward_reads.ran is None and not self._times_forward():
+        timed = self._times_forward()
+        if not timed and not self.in_flight and self._forward_reads.ran is None:
             # nothing owed (sharded: no all-gather unwaited), learnt or timed: the usual forward after a step
             # that finished its buckets
             if self._readers:
                 self._readers.append(module)  # inside a watched forward: the innermost reader (its hook pops it)
             return
         self._forward_reads.module_runs(module)
-        timeline = self._timeline if self._times_forward() else None
+        timeline = self._timeline if timed else None
         if timeline is not None and module is self.model.module:
             timeline.forward_started(follows_backward=self.in_flight)
         if self.in_flight or timeline is not None:
