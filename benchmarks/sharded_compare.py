@@ -183,6 +183,49 @@ def memory_rank(rank: int, world: int, port: int, args, label: str, queue) -> No
         queue.put(worst)
 
 
+BF16_SETUPS = ("bf16 model, forward and backward alone", "wrap + DistributedOptimizer(shard=True, master_weights=True)")
+
+
+def bf16_memory_rank(rank: int, world: int, port: int, args, label: str, queue) -> None:
+    """One bf16 setup alone for 3 steps: (peak RSS growth MiB over the RSS before the model was built, parameters),
+    the growth the max over ranks. The bare setup runs the same forward and backward (its p.grad kept, in bf16)."""
+    import collective_ops as co
+    from collective_ops.runtime import get_engine
+
+    torch.set_num_threads(1)
+    co.init("gloo", rank=rank, world_size=world, master_port=port)
+    batches = _batches(args.models[0], rank)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    model = build_model(args.models[0])[0].to(torch.bfloat16)
+    count = sum(p.numel() for p in model.parameters())
+    optimizer = None
+    if label == BF16_SETUPS[1]:
+        model = co.wrap(model, bucket_size_mb=args.bucket_size_mb)
+        optimizer = co.DistributedOptimizer(model, torch.optim.AdamW, shard=True, master_weights=True, **ADAMW)
+    for i in range(3):
+        if optimizer is None:
+            x, y = batches[i % len(batches)]
+            model.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            one_step(model, optimizer, batches[i % len(batches)])
+    getattr(optimizer, "synchronize", lambda: None)()
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    worst = get_engine("torch").reduce_floats([grown], "max")[0]
+    co.barrier()
+    co.shutdown()
+    if rank == 0:
+        queue.put((worst, count))
+
+
+def bf16_bytes_per_param(grown: dict[str, tuple[float, int]], world: int) -> tuple[float, float]:
+    """(measured, Megatron-core's 6 + 12/N) bytes per parameter of ``shard=True`` with fp32 main gradients and
+    masters on a bf16 model, beyond the bare model's activations: its peak RSS growth less the bare forward and
+    backward's, per parameter, plus the 4 bytes of bf16 parameter and gradient that the bare setup holds too."""
+    (bare, count), (ours, _) = grown[BF16_SETUPS[0]], grown[BF16_SETUPS[1]]
+    return (ours - bare) * 2**20 / count + 4, 6 + 12 / world
+
+
 def checkpoint_rank(rank: int, world: int, port: int, args, full: bool, queue) -> None:
     """``shard=True`` trained 4 steps, then saved through torch.distributed.checkpoint (``full_state_dict``
     as given): (state MiB in the state dict, peak-RSS growth MiB, seconds), each the max over ranks."""
@@ -269,6 +312,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--checkpoint", action="store_true", help="also save shard=True through torch.distributed.checkpoint"
     )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also measure bytes per parameter of shard=True with master_weights=True on the bf16 model (peak RSS)",
+    )
     parser.add_argument("--json")
     started = time.monotonic()
     outcome = run_benchmark(parser, argv, rank_main)
@@ -278,6 +326,7 @@ def main(argv=None) -> int:
     measure = args.memory or args.memory_only
     peaks = {label: spawn(memory_rank, args.world, args, label) for label in SETUPS} if measure else {}
     saves = {full: spawn(checkpoint_rank, args.world, args, full) for full in (True, False)} if args.checkpoint else {}
+    bf16 = {label: spawn(bf16_memory_rank, args.world, args, label) for label in BF16_SETUPS} if args.bf16 else {}
     timed = "" if args.memory_only else f"; median step, {args.rounds} rounds x {args.block} steps alternating"
     print(f"# sharded_compare: {args.world} Gloo ranks, {where()}, AdamW{timed} ({time.monotonic() - started:.0f} s)")
     for name, r in results.items():
@@ -332,10 +381,27 @@ def main(argv=None) -> int:
             f"  {args.models[0]}, shard=True saved by torch.distributed.checkpoint, {kind}: optimizer state held "
             f"{held:.2f} MiB/rank, peak RSS +{grown:.1f} MiB, {seconds:.2f} s (max over ranks)"
         )
+    if bf16:
+        measured, formula = bf16_bytes_per_param(bf16, args.world)
+        verdict = "met" if measured <= formula * 1.1 else "NOT met"
+        print(f"  {args.models[0]} in bf16, each setup alone for 3 steps, peak RSS growth (max over ranks):")
+        for key, (grown, count) in bf16.items():
+            print(f"    {key:<60} {grown:>7.1f} MiB ({count / 1e6:.2f}M parameters)")
+        print(
+            f"  goal: bf16 shard=True + master_weights {measured:.2f} bytes/parameter beyond the bare model's "
+            f"activations <= 1.1 x (6 + 12/{args.world} = {formula:.2f}): {verdict}"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"args": vars(args), "where": where(), "results": results, "peak_rss_mib": peaks, "dcp_saves": saves},
+                {
+                    "args": vars(args),
+                    "where": where(),
+                    "results": results,
+                    "peak_rss_mib": peaks,
+                    "dcp_saves": saves,
+                    "bf16_peak_growth_mib": bf16,
+                },
                 indent=1,
             )
         )

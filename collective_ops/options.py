@@ -197,9 +197,20 @@ class OptimizerOptions:
     tried on live steps; with ``shard``, whole buckets only). None: ``"plan"`` with a custom comm hook, else
     ``"auto"``."""
 
+    grad_dtype: Any = field(default=None, metadata=only("torch"))
+    """The dtype gradients are kept, accumulated across ``no_sync()`` micro-steps and averaged in:
+    ``torch.float32`` (or ``"float32"``) for fp32 main gradients of a bf16/fp16 model, in the bucket buffers (each
+    ``p.grad`` autograd makes is added into them and dropped); None: the parameters' own (fp32 with
+    ``master_weights``). Unsharded, fp32 main gradients need ``master_weights=True``."""
+
+    master_weights: bool | None = field(default=None, metadata=only("torch"))
+    """Keep fp32 masters of the bf16/fp16 parameters: the optimizer class updates them from fp32 main gradients
+    (its state in fp32 too) and rounds them into the parameters after each step; saved in ``state_dict()`` as
+    ``"master_param"``. None: on with ``shard`` (its 1/N of them), off without. Unsharded it takes SGD, Adam or
+    AdamW, each bucket updated as one tensor."""
+
     grad_reduce_dtype: str | None = field(default=None, metadata=only("torch"))
-    """With ``shard``: the dtype gradients are reduce-scattered in (e.g. ``"float32"`` for a bf16 model);
-    None: the gradients' own."""
+    """With ``shard``: the older spelling of ``grad_dtype`` (a DeprecationWarning)."""
 
     @classmethod
     def split(cls, framework: str, keywords: Mapping[str, Any]) -> tuple[OptimizerOptions, dict[str, Any]]:

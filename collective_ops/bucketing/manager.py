@@ -28,7 +28,7 @@ from .diagnosis import (  # noqa: F401  (the errors, importable from here as bef
     is_transport_error,
     stall_timeout_from_env,
 )
-from .hooks import BucketContext, CommHook, allreduce_hook, allreduce_prescale, reduces_rows
+from .hooks import WIRE_ITEMSIZE, BucketContext, CommHook, allreduce_hook, allreduce_prescale, reduces_rows
 from .interfaces import BucketEngine, ChunkedHandle, Handle, wait_with_timeout
 from .plan import BucketPlan, BucketSpec, chunk_bounds, chunk_counts, complete_order, plan_buckets
 from .row_sparse import RowSparseReduction, wire_nbytes
@@ -101,6 +101,9 @@ class BucketManager:
         self.totals = {"collectives": 0, "bytes": 0, "steps": 0, "exposed_comm_s": 0.0}
         # Buffers are padded to a multiple of this (the world size when they are reduce-scattered).
         self.pad_multiple = 1
+        # The gradient buffers' dtype where it is not the parameters' (fp32 main gradients of a bf16 model:
+        # set_grad_dtype); None: each bucket's own.
+        self.grad_dtype: str | None = None
         # Row-sparse tables reduced by rows (set by the adapter where the engine can): RowSparseReduction.
         self.row_sparse: RowSparseReduction | None = None
         # The adapter counts forwards (count_forward); each step's counts are compared across ranks.
@@ -126,7 +129,7 @@ class BucketManager:
 
     def _new_buffer(self, bucket: BucketSpec) -> Any:
         numel = bucket.numel if self.pad_multiple == 1 else padded_numel(bucket.numel, self.pad_multiple)
-        return self.engine.zeros(numel, bucket.dtype, bucket.device)
+        return self.engine.zeros(numel, self.grad_dtype or bucket.dtype, bucket.device)
 
     def set_comm_hook(self, hook: CommHook, prescale_on_copy: bool = False) -> None:
         """Reduce buckets with ``hook`` from the next step on (every rank alike).
@@ -163,6 +166,16 @@ class BucketManager:
             raise ValueError(f"padding multiple must be >= 1, got {multiple}")
         if multiple != self.pad_multiple:
             self.pad_multiple = multiple
+            self._move_to(self.plan)
+
+    def set_grad_dtype(self, dtype: str | None) -> None:
+        """Keep every bucket's gradients in ``dtype`` (moving the gradients held): the main gradients a
+        low-precision model accumulates and reduces in fp32, as Megatron-core's ``grad_reduce_in_fp32``. None:
+        the parameters' dtype. The adapter adds each gradient into its segment (:meth:`param_segment`)."""
+        if all(bucket.dtype == dtype for bucket in self.plan.buckets):
+            dtype = None  # (the parameters' own: nothing to add in)
+        if dtype != self.grad_dtype:
+            self.grad_dtype = dtype
             self._move_to(self.plan)
 
     def param_segment(self, index: int) -> tuple[Any, int, int]:
@@ -440,7 +453,8 @@ class BucketManager:
     @property
     def wire_itemsize(self) -> int | None:
         """The element size a compressing hook sends (fp16/bf16: 2), or None: each bucket's own."""
-        return getattr(self.comm_hook, "wire_itemsize", None)
+        itemsize = getattr(self.comm_hook, "wire_itemsize", None)
+        return WIRE_ITEMSIZE[self.grad_dtype] if itemsize is None and self.grad_dtype else itemsize
 
     def _wire_nbytes(self, bucket: Any) -> int:
         """What reducing ``bucket`` puts on the wire: its bytes, or its elements at a compressing hook's size, or

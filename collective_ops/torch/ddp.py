@@ -180,6 +180,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._nonfinite = NonfiniteWatch(self._param_names, self._params, self.engine.rank)  # (check_finite)
         self._warned_local_step = False  # a plain optimizer stepped on gradients never averaged: warned once
         self._warned_gradient_kept = False  # a kept p.grad about to be overwritten by its bucket: warned once
+        self._main_grads_stale: set[int] = set()  # buckets of main gradients zero_grad() cleared (zero_main_grads)
 
     def _install_hooks(self, tables: dict[str, nn.Module]) -> None:
         """Each parameter's gradient hook (holding the wrapper weakly: deleting it detaches them and frees its
@@ -228,6 +229,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         # where each view lies: a conversion of the inner module (net.to(...)) re-points p.grad, our view
         self._view_addresses = [view.data_ptr() for view in self._views]
         self._view_strides = [view.stride() for view in self._views]  # (compared with each fresh gradient's)
+        # Parameters whose bucket keeps main gradients in another dtype (set_grad_dtype): each gradient autograd
+        # makes in the parameter's dtype is added into the view and dropped, in every backward, no_sync() too.
+        self._adds_in = [view.dtype != p.dtype for view, p in zip(self._views, self._params)]
+        self._main_grads = any(self._adds_in)
         # References to a view held by this list and one local name alone (as _contribute counts): more, and a
         # p.grad from before zero_grad(set_to_none=True) is kept somewhere, which the next backward overwrites.
         probe = self._views[0]
@@ -237,9 +242,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         old = self._views
         self._make_views()
         if self.gradient_as_bucket_view:
-            for p, old_view, new_view in zip(self._params, old, self._views):
+            for p, old_view, new_view, adds_in in zip(self._params, old, self._views, self._adds_in):
                 if p.grad is not None and p.grad.data_ptr() == old_view.data_ptr():
-                    p.grad = new_view  # the manager already moved the values
+                    p.grad = None if adds_in else new_view  # the manager already moved the values
         del old  # (the old gradient buffers go before the optimizer lays its own out anew)
         logger.info("collective_ops: new bucket plan:\n%s", plan.describe())  # rebuild or set_bucket_size
         if self.optimizer is not None:
@@ -253,6 +258,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         optimizer = None if ref is None else ref()
         if optimizer is not None and optimizer.awaits_first_gradient:  # (under no_sync() too)
             optimizer.first_gradient_after_step(param)
+        if self._main_grads and self._adds_in[index]:
+            self._add_main_grad(index, param)
+            return
         if not manager.sync_enabled:
             manager.mark_ready(index)  # only noted: used while accumulating (the usage map counts it)
             return
@@ -265,16 +273,78 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.check_finite and not bool(torch.isfinite(grad).all()):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite.note_local(index)
-        if not self._step_end_owed:  # this backward's first gradient
-            self._refuse_training_if_model_changed()
-            self.backward_began = self._outputs_reached_at or time.perf_counter()
-            self._outputs_reached_at = None
-            if self.optimizer is not None:
-                self.optimizer.backward_starts(param)
-            if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
-                _compat.queue_at_end_of_backward(self._end_of_backward)
-            self._step_end_owed = True
+        if not self._step_end_owed:
+            self._start_reducing_backward(param)
         self._contribute(index, param, grad=grad)
+
+    def _start_reducing_backward(self, param: torch.Tensor) -> None:
+        """At a synchronised backward's first gradient (``param``'s)."""
+        self._refuse_training_if_model_changed()
+        self.backward_began = self._outputs_reached_at or time.perf_counter()
+        self._outputs_reached_at = None
+        if self.optimizer is not None:
+            self.optimizer.backward_starts(param)
+        if not self._end_of_backward_queued:  # a backward that did not pass through the outputs
+            _compat.queue_at_end_of_backward(self._end_of_backward)
+        self._step_end_owed = True
+
+    def _add_main_grad(self, index: int, param: torch.Tensor) -> None:
+        """Main gradients (``set_grad_dtype``): ``param.grad``, scaled for the average, added into its view of the
+        bucket in the bucket's dtype, then dropped, so that accumulation across ``no_sync()`` micro-steps sums in
+        the main dtype too (Megatron-core's ``main_grad``). A bucket's first gradient since ``zero_grad()``
+        starts it from zero."""
+        manager = self.manager
+        grad = param.grad
+        if grad.layout is not _STRIDED or grad.shape != param.shape:
+            self._check_fresh_gradient(index, grad, self._views[index])
+        syncs = manager.sync_enabled
+        if syncs:
+            if self.check_finite and not bool(torch.isfinite(grad).all()):
+                self._nonfinite.note_local(index)
+            if not self._step_end_owed:  # (before the buffer is touched: updates still owed read it)
+                self._start_reducing_backward(param)
+        bucket = manager.plan.location[index][0]
+        if bucket in self._main_grads_stale:
+            self._main_grads_stale.discard(bucket)
+            manager.buffers[bucket].zero_()
+        scale = manager.copy_in_scale
+        if scale is None:
+            self._views[index].add_(grad)
+        else:
+            self._views[index].add_(grad, alpha=scale)
+        param.grad = None
+        if syncs:
+            manager.mark_ready(index, prescaled=scale is not None)
+        else:
+            manager.mark_ready(index)  # only noted: used while accumulating (the usage map counts it)
+
+    def zero_main_grads(self) -> None:
+        """Main gradients (``set_grad_dtype``) cleared as ``zero_grad()`` clears ``p.grad``: each bucket starts
+        from zero at its next gradient (not now: an update still owed reads them)."""
+        if self._main_grads:
+            self._main_grads_stale = set(range(len(self.manager.plan.buckets)))
+
+    def set_grad_dtype(self, dtype: torch.dtype | None) -> None:
+        """Keep the gradients in ``dtype`` buffers from now on (None: the parameters' dtype): the fp32 main
+        gradients of a bf16/fp16 model, accumulated and averaged in fp32. A parameter whose dtype differs has no
+        ``p.grad`` after backward; its gradient is its view of the buffer (:meth:`main_grad`)."""
+        name = None if dtype is None else str(dtype).removeprefix("torch.")
+        if name is not None and name != self.manager.grad_dtype:
+            refuse = guards.main_grads_unsupported(self.options, self.manager.comm_hook is allreduce_hook)
+            if refuse:
+                raise ValueError(f"grad_dtype={name!r}: {refuse}")
+        self.manager.set_grad_dtype(name)
+        self.zero_main_grads()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``nn.Module.zero_grad``; main gradients (``set_grad_dtype``) are cleared too."""
+        super().zero_grad(set_to_none)
+        self.zero_main_grads()
+
+    def main_grad(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s (of :attr:`param_list`) gradient as its bucket holds it: its view of the bucket
+        buffer, in the buffer's dtype (the main gradient, with ``set_grad_dtype``)."""
+        return self._views[index]
 
     def _outputs_reached(self) -> None:
         """A backward reached this forward's outputs: the end of that backward finalizes the step.

@@ -99,3 +99,19 @@ def gradient_kept_warning(name: str) -> str:
         "of its bucket, so this backward overwrites it, where DDP's default (False) would have kept it. Keep "
         "p.grad.clone() instead, or wrap(..., gradient_as_bucket_view=False). (Warned once.)"
     )
+
+
+def main_grads_unsupported(options: Any, default_hook: bool) -> str | None:
+    """Why a wrapped model cannot keep main gradients in another dtype than its parameters', or None.
+
+    Each gradient is added into its bucket's buffer as it arrives (in no_sync() too), so the buffer must be where
+    the gradient goes (gradient_as_bucket_view), the reduction the plain average of it (no compression, no custom
+    comm hook), and every gradient of a step one that arrived (a parameter unused in the last micro-step keeps the
+    earlier ones in the buffer, which find_unused_parameters would zero)."""
+    if not options.gradient_as_bucket_view:
+        return "main gradients live in the bucket buffers: wrap with gradient_as_bucket_view=True (the default)"
+    if options.compression or not default_hook:
+        return "main gradients are reduced by the built-in average: wrap without compression or a comm_hook"
+    if options.find_unused_parameters:
+        return "not with find_unused_parameters=True: wrap without it (every trained parameter needs a gradient)"
+    return None

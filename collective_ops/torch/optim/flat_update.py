@@ -28,7 +28,9 @@ import torch
 
 from ...bucketing.plan import BucketPlan
 from ...bucketing.update.pending import PendingUpdates
+from .. import _compat
 from ..autograd_hooks import view_like
+from .precision import MASTER_KEY
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """The classes whose update of a tensor is element by element: one call over a concatenation of tensors gives,
@@ -55,6 +57,13 @@ class FlatBucket:
     optimizer: torch.optim.Optimizer | None = None  # the class over [param], made at the first flat step
     steps: torch.Tensor | None = None  # the per-parameter step counts, one tensor (their state's "step" views)
     packed: bool = False  # each parameter's state is views of this bucket's flat state
+    master: torch.Tensor | None = None  # master_weights: the fp32 copy of ``param`` the optimizer updates
+    written_version: int = -1  # ``param``'s version counter when the master was last written into it
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        """The flat tensor the optimizer class updates: the master where there is one, else the parameters."""
+        return self.param if self.master is None else self.master
 
     def grads_are_views(self, grad_buffer: torch.Tensor) -> bool:
         """Every parameter's gradient is its view of ``grad_buffer``: the flat gradient is theirs."""
@@ -72,10 +81,19 @@ class FlatUpdates:
     """The flat per-bucket steps of one unsharded DistributedOptimizer.
 
     ``state`` is the per-parameter state the optimizer exposes (the wrapped class's), which this keeps as views
-    of the flat state.
+    of the flat state. ``master_weights``: each bucket keeps an fp32 copy of its parameters (the masters) that the
+    class updates, from the bucket's gradient buffer in fp32 (the main gradients), rounded into the parameters
+    after each step; every bucket then steps flat (a bucket that cannot is refused at lay-out).
     """
 
-    def __init__(self, optimizer_class: type[torch.optim.Optimizer], args: tuple, kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        args: tuple,
+        kwargs: dict[str, Any],
+        master_weights: bool = False,
+    ) -> None:
+        self.master_weights = master_weights
         self._class = optimizer_class
         self._args = args
         self._kwargs = {k: v for k, v in kwargs.items() if k != "params"}
@@ -94,6 +112,8 @@ class FlatUpdates:
             owners = {id(group_of.get(id(p))) for p in members}
             group = group_of.get(id(members[0]))
             if group is None or len(owners) != 1 or any(p.layout != torch.strided for p in members):
+                if self.master_weights:
+                    raise ValueError(master_layout_error([plan.params[i].name for i in spec.param_indices]))
                 continue
             buffer = torch.zeros(spec.numel, dtype=getattr(torch, spec.dtype), device=spec.device)
             with torch.no_grad():
@@ -101,7 +121,11 @@ class FlatUpdates:
                     view = view_like(p, buffer, offset)
                     view.copy_(p.detach())
                     p.data = view
-            self._buckets[spec.index] = FlatBucket(members, list(spec.offsets), buffer, group)
+            bucket = FlatBucket(members, list(spec.offsets), buffer, group)
+            if self.master_weights:
+                bucket.master = buffer.float()
+                bucket.written_version = _compat.versions_of([buffer])[0]
+            self._buckets[spec.index] = bucket
 
     def unpack(self) -> None:
         """The per-parameter state was replaced (a load_state_dict): packed again before the next flat step."""
@@ -120,6 +144,11 @@ class FlatUpdates:
         left = []
         for index in buckets:
             bucket = self._buckets.get(index)
+            if self.master_weights:  # (main gradients: no p.grad; the buffer is the gradient)
+                if not self._ready(bucket, state):
+                    raise ValueError(master_state_error())
+                self._step_one(bucket, grad_buffers[index], state, frozen)
+                continue
             if bucket is None or not bucket.grads_are_views(grad_buffers[index]) or not self._ready(bucket, state):
                 left.append(index)
                 if bucket is not None:
@@ -144,6 +173,10 @@ class FlatUpdates:
         keys = set(entries[0])
         if any(set(entry) != keys for entry in entries):
             return False
+        if MASTER_KEY in keys:
+            keys.discard(MASTER_KEY)
+            if bucket.master is None or not self._take_masters(bucket, [entry[MASTER_KEY] for entry in entries]):
+                return False
         flat: dict[str, Any] = {}
         for key in keys:
             values = [entry[key] for entry in entries]
@@ -163,14 +196,14 @@ class FlatUpdates:
             else:
                 return False
         optimizer = self._optimizer_for(bucket)
-        optimizer.state[bucket.param] = flat
+        optimizer.state[bucket.stepped] = flat
         self._install_views(bucket, entries)
         return True
 
     def _optimizer_for(self, bucket: FlatBucket) -> torch.optim.Optimizer:
         if bucket.optimizer is None:
             settings = {k: v for k, v in bucket.group.items() if k != "params"}
-            bucket.optimizer = self._class([{**settings, "params": [bucket.param]}], *self._args, **self._kwargs)
+            bucket.optimizer = self._class([{**settings, "params": [bucket.stepped]}], *self._args, **self._kwargs)
         return bucket.optimizer
 
     def _step_one(
@@ -186,19 +219,45 @@ class FlatUpdates:
         if settings is None:
             settings = {k: v for k, v in bucket.group.items() if k != "params"}
         group.update(settings)
-        bucket.param.grad = grad_buffer
+        stepped = bucket.stepped
+        if bucket.master is not None:
+            self._take_changed_params(bucket)
+            grad_buffer = grad_buffer if grad_buffer.dtype == stepped.dtype else grad_buffer.to(stepped.dtype)
+        stepped.grad = grad_buffer
         try:
             optimizer.step()
         finally:
-            bucket.param.grad = None  # (the buffer is the wrapper's: not kept alive by this)
+            stepped.grad = None  # (the buffer is the wrapper's: not kept alive by this)
+        if bucket.master is not None:
+            bucket.param.copy_(bucket.master)  # (rounded to the parameters' dtype)
+            bucket.written_version = _compat.versions_of([bucket.param])[0]
         if not bucket.packed:
             self._install_views(bucket, [state[p] for p in bucket.params])
         elif bucket.steps is not None:
-            bucket.steps.fill_(optimizer.state[bucket.param][STEP_KEY])
+            bucket.steps.fill_(optimizer.state[stepped][STEP_KEY])
+
+    def _take_changed_params(self, bucket: FlatBucket) -> None:
+        """Parameters changed in place since the optimizer last wrote them (a loaded checkpoint, a re-initialised
+        layer) become their masters' values, except where a parameter is still its master rounded (a checkpoint
+        of the same run, whose saved masters hold more than the parameters can)."""
+        if _compat.versions_of([bucket.param])[0] == bucket.written_version:
+            return
+        changed = bucket.param != bucket.master.to(bucket.param.dtype)
+        bucket.master.copy_(torch.where(changed, bucket.param.float(), bucket.master))
+        bucket.written_version = _compat.versions_of([bucket.param])[0]
+
+    def _take_masters(self, bucket: FlatBucket, masters: list[Any]) -> bool:
+        """Loaded masters (one per parameter, shaped as it) copied into the bucket's; False where they are not."""
+        if not all(isinstance(m, torch.Tensor) and m.shape == p.shape for m, p in zip(masters, bucket.params)):
+            return False
+        for master, p, offset in zip(masters, bucket.params, bucket.offsets):
+            view_like(p, bucket.master, offset).copy_(master)
+        return True
 
     def _install_views(self, bucket: FlatBucket, entries: list[dict[str, Any]]) -> None:
-        """Each parameter's state (``entries``, in bucket order) made views of the flat state."""
-        flat = bucket.optimizer.state[bucket.param]
+        """Each parameter's state (``entries``, in bucket order) made views of the flat state (and of the bucket's
+        masters)."""
+        flat = bucket.optimizer.state[bucket.stepped]
         step = flat.get(STEP_KEY)
         # one tensor of step counts per bucket, each parameter's "step" a 0-dim view of it: one fill a step
         bucket.steps = step.detach().reshape(1).repeat(len(bucket.params)) if isinstance(step, torch.Tensor) else None
@@ -210,4 +269,45 @@ class FlatUpdates:
                     entry[key] = view_like(p, value, offset)
                 else:
                     entry[key] = value
+            if bucket.master is not None:
+                entry[MASTER_KEY] = view_like(p, bucket.master, offset)
         bucket.packed = True
+
+
+def keep_saved_dtypes(
+    state: dict[torch.Tensor, dict[str, Any]], params: list[torch.Tensor], saved: dict[int, dict[str, Any]]
+) -> None:
+    """The fp32 state and masters of ``saved`` (a state_dict's ``"state"``, numbered as ``params``) in ``state``
+    as saved: torch's ``load_state_dict`` casts floating state to each parameter's dtype (bf16), masters too."""
+    for number, entry in saved.items():
+        loaded = state.get(params[number])
+        for key, value in entry.items():
+            if loaded is not None and isinstance(value, torch.Tensor) and value.dtype != loaded[key].dtype:
+                loaded[key] = value.to(device=params[number].device, copy=True)
+
+
+def master_layout_error(names: list[str]) -> str:
+    return (
+        f"master_weights=True steps each bucket's fp32 masters as one tensor, but the bucket of {names[:3]} holds "
+        "parameters of several parameter groups (or ones not given to the optimizer, or not dense): give each "
+        "group parameters of whole buckets (wrap with a smaller bucket_size_mb), or leave master_weights off"
+    )
+
+
+def master_state_error() -> str:
+    return (
+        "master_weights=True: the optimizer state loaded for a bucket's parameters differs between them (keys, "
+        "shapes or step counts), so its fp32 masters cannot be stepped as one tensor: load a state_dict() saved by "
+        "a DistributedOptimizer or a torch optimizer of the same class over the same parameters"
+    )
+
+
+def refuse_unflat_masters(optimizer_class: Any, given: Any, kwargs: dict[str, Any]) -> None:
+    """Unsharded fp32 masters are one tensor per bucket, updated by one call: an element-wise class is needed."""
+    if given is not None or not steps_flat(optimizer_class, kwargs):
+        name = getattr(optimizer_class, "__name__", "optimizers built by the user")
+        raise ValueError(
+            f"master_weights=True updates each bucket's fp32 masters as one tensor, which takes an element-wise "
+            f"optimizer class (torch.optim.SGD, Adam or AdamW, not differentiable), not {name}: use one of those, "
+            "or shard=True (its fp32 masters take any element-wise class)"
+        )

@@ -30,6 +30,21 @@ def clear_grad(p: torch.Tensor, set_to_none: bool) -> None:
         p.grad.zero_()
 
 
+def clip_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s arithmetic on gradient tensors themselves (main gradients, which no
+    ``p.grad`` holds): the total norm, returned, and each scaled in place by ``max_norm / (norm + 1e-6)`` where
+    that is below 1."""
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.zeros(())
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+    total = torch.linalg.vector_norm(norms, norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient.to(g.dtype))
+    return total
+
+
 def clip_global_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, device: Any) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over every rank's ``grads`` (this rank's shards; one small allreduce):
     the global norm, returned, and each gradient scaled in place. Equal to torch's up to summation order (each

@@ -67,10 +67,11 @@ from .checks import (
     refuse_unusable,
     refuse_unwrapped,
 )
-from .flat_update import FlatUpdates, steps_flat
-from .grads import clear_grad
+from .flat_update import FlatUpdates, keep_saved_dtypes, refuse_unflat_masters, steps_flat
+from .grads import clear_grad, clip_norm_
 from .optimizer_set import OptimizerSet, given_optimizers, refuse_shared_params, watch_given
 from .owed_reads import OwedReads, hook_model, without_autocast
+from .precision import resolve_precision
 
 SCHEDULES = ("auto", "plan")
 
@@ -130,6 +131,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         overlap: bool = True,
         shard: bool = False,
         schedule: str | None = None,
+        grad_dtype: Any = None,
+        master_weights: bool | None = None,
         **kwargs: Any,
     ) -> None:
         refuse_unwrapped(model, DistributedDataParallel, shard and not self.shards)
@@ -140,6 +143,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self._given = given_optimizers(optimizer_class)  # optimizers built by the user, or None for a class
         refuse_unusable(optimizer_class, self._given, args, kwargs, params)
         refuse_shard_options(kwargs)
+        self.precision = resolve_precision(model.param_list, self.shards, grad_dtype, master_weights)
+        if self.precision.master_weights and not self.shards:
+            refuse_unflat_masters(optimizer_class, self._given, kwargs)
+        model.set_grad_dtype(self.precision.grad_dtype)
         self.model = model
         self.overlap = overlap
         self.schedule = schedule
@@ -161,7 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         super().__init__(self._optimizer.param_groups, self._optimizer.defaults)
         self._rebind()  # one list of groups and one state, shared with the class's own optimizer
         if not self.shards and self._given is None and steps_flat(optimizer_class, kwargs):
-            self._flat = FlatUpdates(optimizer_class, args, kwargs)  # one step per bucket, on its flat buffers
+            # one step per bucket, on its flat buffers (and fp32 masters)
+            self._flat = FlatUpdates(optimizer_class, args, kwargs, self.precision.master_weights)
             self._flat.lay_out(model.manager.plan, model.param_list, self._optimizer.param_groups)
         self._built = True  # add_param_group from now on is the user's (torch's __init__ called it above)
         self._pending: PendingUpdates | None = None
@@ -362,6 +370,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the class's zero_grad; gradients of buckets whose update is still owed are cleared after it."""
         self._follow_given_groups()  # (a group added to a given optimizer is cleared too, as by it)
+        self.model.zero_main_grads()
         pending = self._pending
         if pending is None and self.model.manager.deferred_pending:
             self.synchronize()  # reductions in flight into the gradients: never cleared under them
@@ -407,6 +416,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.synchronize()
         self._optimizer.load_state_dict(state_dict)
+        if self.precision.master_weights:  # torch's load casts the state to the bf16 parameters' dtype
+            params = [p for group in self._optimizer.param_groups for p in group["params"]]
+            keep_saved_dtypes(self._optimizer.state, params, state_dict["state"])
         self._rebind()
 
     # -- what the rest of the loop may call --------------------------------------------------------
@@ -433,6 +445,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if self._pending is not None:
             raise RuntimeError("clip_grad_norm_ after step(): clip between backward() and step(), as with torch")
         self.finish_reductions()
+        if self.model.manager.grad_dtype is not None:  # main gradients: the buffers, not p.grad
+            index = self._index
+            grads = [self.model.main_grad(index[id(p)]) for p in self._model_params()]
+            return clip_norm_(grads, max_norm, norm_type)
         return nn.utils.clip_grad_norm_(self._model_params(), max_norm, norm_type)
 
     def finish_reductions(self) -> None:

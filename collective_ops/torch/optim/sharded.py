@@ -48,6 +48,7 @@ from .dcp import ModelParamsGroup
 from .grads import clip_global_norm_, gather_gradients_whole, nonfinite_params
 from .joined_settings import share_settings
 from .optimizer import DistributedOptimizer
+from .precision import renamed_grad_reduce_dtype
 from .sharded_checks import (
     RankArrivals,
     SteppedGradients,
@@ -109,14 +110,16 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         overlap: bool = True,
         shard: bool = True,
         schedule: str | None = None,
+        grad_dtype: Any = None,
+        master_weights: bool | None = None,
         grad_reduce_dtype: str | None = None,
         assume_elementwise: bool = False,
         **kwargs: Any,
     ) -> None:
         check_sharded_arguments(optimizer_class, grad_reduce_dtype, assume_elementwise)
+        grad_dtype = renamed_grad_reduce_dtype(grad_dtype, grad_reduce_dtype)
         if isinstance(model, DistributedDataParallel):
-            refuse_unsupported(model, grad_reduce_dtype)
-        self.grad_reduce_dtype = grad_reduce_dtype
+            refuse_unsupported(model, grad_dtype)
         self._inner_args = (args, kwargs)
         self._kept: dict[int, torch.Tensor] = {}  # bucket -> reduced shard in another dtype (fp32, fp16)
         # the gather order, how far it got, the all-gathers in flight, the reduction the last step consumed
@@ -140,7 +143,16 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._gather_group = dist.new_group(backend=dist.get_backend()) if dist.get_world_size() > 1 else None
         self._arrivals = RankArrivals()  # "has every rank come to gather the full state?", on a group of its own
         super().__init__(
-            model, optimizer_class, *args, params=params, overlap=overlap, shard=True, schedule=schedule, **kwargs
+            model,
+            optimizer_class,
+            *args,
+            params=params,
+            overlap=overlap,
+            shard=True,
+            schedule=schedule,
+            grad_dtype=grad_dtype,
+            master_weights=master_weights,
+            **kwargs,
         )
 
     # -- building ------------------------------------------------------------------------------
@@ -179,7 +191,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         compression = self.model.compression
         if compression:
             return {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}[compression]
-        return self.grad_reduce_dtype
+        return None  # (main gradients in another dtype than the parameters' are the buffers' own: grad_dtype)
 
     def _lay_out(self, plan: BucketPlan) -> None:
         """Parameters as views of padded per-bucket buffers; this rank's pieces (views, or fp32 masters)."""
@@ -517,6 +529,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         on) or cleared by the module since: :meth:`backward_starts` decides those."""
         if self._consumed() or self._gradients_gathered or self._reduced_off_buffers():
             return
+        if self.model.manager.grad_dtype is not None:
+            return  # (main gradients: no p.grad to gather into)
         if self._stepped.marked_names(self._reduction()) is not None or self._cleared_but(None):
             return
         self._gather_whole()  # (every rank runs this backward: no meeting first, as gather_gradients() has)
@@ -614,11 +628,18 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         meet as ``state_dict()``'s do, so a call on one rank alone raises ``StallError`` rather than pair with
         the others' next collectives. Nothing to do where no backward reduced since the last step, or already
         gathered; refused where gradients are reduced in another dtype than the buffers'."""
+        if self.model.manager.grad_dtype is not None:
+            raise ValueError(
+                f"gather_gradients() with main gradients in {self.model.manager.grad_dtype} (grad_dtype): p.grad is "
+                "not in the gradient buffers (each gradient is added into them and dropped), so torch's clips over "
+                "the parameters see none. Clip with opt.clip_grad_norm_(max_norm), which takes the global norm "
+                "from the shards"
+            )
         if self._reduced_off_buffers():
             raise ValueError(
-                f"gather_gradients() with gradients reduced in {self._wire_dtype()} (grad_reduce_dtype or "
-                "compression): the reduced shards are not in the gradient buffers. Clip with "
-                "opt.clip_grad_norm_(max_norm), which takes the global norm from the shards"
+                f"gather_gradients() with gradients reduced in {self._wire_dtype()} (compression): the reduced "
+                "shards are not in the gradient buffers. Clip with opt.clip_grad_norm_(max_norm), which takes the "
+                "global norm from the shards"
             )
         if self._consumed() or self._gradients_gathered:
             return

@@ -59,7 +59,7 @@ def refuse_non_elementwise(optimizer_class: Any, assume_elementwise: bool) -> No
     )
 
 
-def refuse_unsupported(model: Any, grad_reduce_dtype: str | None) -> None:
+def refuse_unsupported(model: Any, grad_dtype: Any) -> None:
     manager = model.manager
     if manager.comm_hook is not allreduce_hook and not model.compression:
         raise ValueError(
@@ -71,8 +71,8 @@ def refuse_unsupported(model: Any, grad_reduce_dtype: str | None) -> None:
             f"shard=True reduce-scatters each bucket, and compression={model.compression!r} reduces whole gradient "
             "matrices: use DistributedOptimizer without shard=True, or compression='fp16'/'bf16'"
         )
-    if grad_reduce_dtype is not None and model.compression:
-        raise ValueError("pass either compression (on wrap) or grad_reduce_dtype, not both")
+    if grad_dtype is not None and model.compression:
+        raise ValueError("pass either compression (on wrap) or grad_dtype, not both")
 
 
 def params_moved(names: list[str]) -> RuntimeError:

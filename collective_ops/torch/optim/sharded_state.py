@@ -16,9 +16,7 @@ from ...bucketing.shard.layout import ShardLayout, ShardPiece
 from ..ddp import view_like
 from . import state_json as _state_json
 from .dcp import is_sharded, piece_values, sharded_state_tensor
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-MASTER_KEY = "master_param"  # fp32 master values of a low-precision parameter, in state_dict()
+from .precision import LOW_PRECISION, MASTER_KEY
 
 
 class ShardedState:
