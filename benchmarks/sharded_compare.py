@@ -195,6 +195,11 @@ def bf16_memory_rank(rank: int, world: int, port: int, args, label: str, queue) 
     torch.set_num_threads(1)
     co.init("gloo", rank=rank, world_size=world, master_port=port)
     batches = _batches(args.models[0], rank)
+    # torch's optimizer code loaded first, in both setups (a 1-element AdamW, stepped): its first optimizer
+    # imports its compile machinery, tens of MiB of code, not bytes per parameter
+    loaded = torch.zeros(1, requires_grad=True)
+    loaded.grad = torch.zeros(1)
+    torch.optim.AdamW([loaded], **ADAMW).step()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model = build_model(args.models[0])[0].to(torch.bfloat16)
     count = sum(p.numel() for p in model.parameters())
