@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 UNSUPPORTED = {
-    "mixed_precision": "cast the model to bf16/fp16 before wrap() and keep fp32 masters with "
-    "DistributedOptimizer(model, ..., shard=True), or run the forward under torch.autocast; "
+    "mixed_precision": "cast the model to bf16/fp16 before wrap() and keep fp32 main gradients and masters with "
+    "DistributedOptimizer(model, ..., master_weights=True), or run the forward under torch.autocast; "
     "compression='bf16' sends the gradients in bf16",
     "device_mesh": "wrap() reduces over every rank of the default process group; a mesh's data-parallel "
     "dimension alone is not supported",
