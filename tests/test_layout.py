@@ -27,6 +27,7 @@ FRAMEWORKS = ("torch", "mindspore")
 # The framework-free core: packages (every module under them) and modules.
 CORE_PACKAGES = ("collective_ops.bucketing",)
 CORE_MODULES = (
+    "collective_ops.adapter",
     "collective_ops.comm",
     "collective_ops.comm.base",
     "collective_ops.comm.measure",

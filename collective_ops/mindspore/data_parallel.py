@@ -36,22 +36,20 @@ import numpy as np
 from mindspore import nn
 from mindspore.train import amp
 
-from .. import runtime, tracing
+from .. import runtime
+from ..adapter import BucketedWrapper
 from ..bucketing import (
     DEFAULT_BUCKET_MB,
-    BucketManager,
-    CommHook,
     ParamSpec,
     allreduce_hook,
     fused_collective,
     plan_buckets,
 )
-from ..bucketing.compression import PowerSGD, load_hook_state
 from ..bucketing.hooks import COMPRESSIONS
 from ..comm.mindspore_engine import MindSporeEngine, dtype_name
 from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ..online_tune import auto_tune_start, choose_online
-from ..options import WrapOptions, resolve_options, validate_bucket_mb
+from ..options import WrapOptions, resolve_options
 from ._compat import TRAINING_PATCHES, amp_loss_scale_manager
 
 logger = logging.getLogger("collective_ops")
@@ -90,7 +88,7 @@ def _pynative() -> bool:
     return ms.get_context("mode") == ms.PYNATIVE_MODE
 
 
-class DataParallel(nn.Cell):
+class DataParallel(BucketedWrapper, nn.Cell):
     """A data-parallel MindSpore network: a ``Cell`` that runs the network it wraps.
 
     Functional loops: ``net = collective_ops.wrap(net)``; ``loss, grads = grad_fn(x, y)``;
@@ -100,34 +98,22 @@ class DataParallel(nn.Cell):
     network's names, so checkpoints load into the plain network and back.
     """
 
-    def __init__(
-        self,
-        network: nn.Cell,
-        bucket_size_mb: float = DEFAULT_BUCKET_MB,
-        *,
-        first_bucket_mb: float | None = None,
-        reduce_op: str = "avg",
-        find_unused_parameters: bool = False,
-        compression: str | PowerSGD | None = None,
-        comm_hook: CommHook | None = None,
-        broadcast_parameters: bool = True,
-        rebuild_buckets: bool = True,
-        overlap: bool | None = None,
-        compile_reduction: bool = True,
-        trace: bool | None = None,
-        check_step_alignment: bool = False,
-        auto_tune_step: int = 2,
-    ) -> None:
+    def __init__(self, network: nn.Cell, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options: Any) -> None:
+        """``options``: the keywords of :class:`collective_ops.options.WrapOptions` that MindSpore takes (each
+        documented there); a torch-only one is refused with what MindSpore does instead."""
         super().__init__(auto_prefix=False)  # the parameters keep the network's names (checkpoints stay plain)
         if isinstance(network, DataParallel):
             raise ValueError("this network is already wrapped by collective_ops; wrap the original network once")
         if not isinstance(network, nn.Cell):
             raise TypeError(f"wrap() takes a mindspore.nn.Cell, got {type(network).__name__}")
-        self._auto_tune_at, bucket_size_mb = auto_tune_start(bucket_size_mb, auto_tune_step)
+        self.options = o = WrapOptions.build("mindspore", bucket_size_mb, options)
+        compression, comm_hook, overlap = o.compression, o.comm_hook, o.overlap
+        check_step_alignment = bool(o.check_step_alignment)  # (WrapOptions: None is off on MindSpore)
+        self._auto_tune_at, bucket_size_mb = auto_tune_start(o.bucket_size_mb, o.auto_tune_step)
         _refuse_auto_in_graph(self._auto_tune_at)
         self.auto_tune_report: list | None = None  # with "auto": every candidate's prediction, best first
         bucket_size_mb, first_bucket_mb, reduce_op, hook = resolve_options(
-            bucket_size_mb, first_bucket_mb, reduce_op, compression, comm_hook
+            bucket_size_mb, o.first_bucket_mb, o.reduce_op, compression, comm_hook
         )  # first_bucket_mb None: chosen below, once overlap is known
         low_rank = hasattr(hook, "bind_shapes")  # PowerSGD: works on each gradient's matrix, eagerly
         if not runtime.is_initialized("mindspore"):
@@ -168,11 +154,11 @@ class DataParallel(nn.Cell):
         ]
         # the options that decide a step's collectives: a rank that differs would pair them wrongly
         options = {
-            "find_unused_parameters": find_unused_parameters,
-            "broadcast_parameters": broadcast_parameters,
-            "rebuild_buckets": rebuild_buckets,
+            "find_unused_parameters": o.find_unused_parameters,
+            "broadcast_parameters": o.broadcast_parameters,
+            "rebuild_buckets": o.rebuild_buckets,
             "overlap": overlap,
-            "compile_reduction": compile_reduction,
+            "compile_reduction": o.compile_reduction,
             "check_step_alignment": check_step_alignment,
             "reduce_op": reduce_op,
             "compression": compression if compression is None or isinstance(compression, str) else repr(compression),
@@ -180,26 +166,17 @@ class DataParallel(nn.Cell):
             "bucket_size_mb auto": self._auto_tune_at,
         }
         check_same_on_all_ranks([*signature, plan_entry(plan), options_entry(options)], self.engine.allgather_bytes)
-        if broadcast_parameters and self.engine.world_size > 1:
+        if o.broadcast_parameters and self.engine.world_size > 1:
             self._broadcast_parameters(src=0)
         if low_rank:  # the plan knows element counts only
             hook.bind_shapes([tuple(p.shape) for p in self._grad_params])
-        self.manager = BucketManager(
-            plan,
-            self.engine,
-            reduce_op=reduce_op,
-            comm_hook=hook,
-            find_unused_parameters=find_unused_parameters,
-            rebuild_after_first_step=rebuild_buckets,
-            observer=tracing.start(self.engine) if trace else tracing.get_tracer(),
-            check_step_alignment=check_step_alignment,
-        )
+        self.manager = self._start_manager(plan, reduce_op, hook, check_step_alignment)
         # After backward, the whole plan can be reduced by one compiled graph (CompiledReduction) when the
         # default hook or a dtype compression applies: no Python between kernels, as DistributedGradReducer's @jit.
         # PowerSGD reduces eagerly (its factors are formed between a bucket's two allreduces, its state kept
         # between steps): reduce() from Python, never inside a compiled step (graph_reducer refuses).
         self._low_rank = low_rank
-        self._compile = compile_reduction and (hook is allreduce_hook or isinstance(compression, str))
+        self._compile = o.compile_reduction and (hook is allreduce_hook or isinstance(compression, str))
         self._wire_dtype = COMPRESSIONS[compression.lower()] if isinstance(compression, str) else None
         # (plan fingerprint, gradient order) -> CompiledReduction, or None where unsupported
         self._compiled: dict[tuple[str, tuple[int, ...]], Any] = {}
@@ -366,20 +343,13 @@ class DataParallel(nn.Cell):
         self.set_bucket_size(tuned.bucket_size_mb, tuned.first_bucket_mb)
         self.auto_tune_report = tuned.predictions
 
-    def set_bucket_size(self, bucket_size_mb: float, first_bucket_mb: float | None = None) -> None:
-        """Replan with another bucket size between steps (every rank must call it with the same value;
-        PyNative: a GRAPH-mode step compiled the plan in)."""
+    def _check_replannable(self) -> None:
+        """PyNative only: a GRAPH-mode step compiled the plan in."""
         if not _pynative():
             raise ValueError(
                 "set_bucket_size() needs PyNative mode: a GRAPH-mode training step has the bucket plan compiled "
                 "into its graph; give wrap() the bucket_size_mb instead"
             )
-        if self._participant is not None:
-            self._participant.synchronize()  # owed updates belong to the buckets of the plan they were owed in
-        bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
-        if first_bucket_mb is not None:
-            first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
-        self.manager.replan(bucket_size_mb, first_bucket_mb)
 
     def _refuse_changed_gradients(self, given: dict[int, ms.Tensor], hooked: dict[int, ms.Tensor]) -> None:
         """With overlap, the buckets reduced the gradients the hooks saw during backward, not those given to
@@ -497,37 +467,15 @@ class DataParallel(nn.Cell):
                 raise
             return getattr(network, name)  # the wrapped network's attributes, as before it was wrapped
 
-    def compression_state_dict(self) -> dict[str, Any]:
-        """The compression's state between steps, for a checkpoint beside the network's and the optimizer's: with
-        ``compression=co.PowerSGD(...)`` each parameter's error-feedback memory and Q factor (MindSpore tensors),
-        the step count and the random state (``{}`` for the stateless compressions). As the torch wrapper's."""
-        hook = self.manager.comm_hook
-        if not hasattr(hook, "state_dict"):
-            return {}
+    @property
+    def comm_mode(self) -> str:
+        """How the last step reduced: ``"overlap"``, ``"fused-after-backward"`` or ``"in-graph (compiled)"``."""
+        return self._last_mode
+
+    def finish_owed_updates(self) -> None:
         if self._participant is not None:
-            self._participant.synchronize()  # a step's owed bucket updates land first
-        return hook.state_dict()
+            self._participant.synchronize()
 
-    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`compression_state_dict` (a network wrapped with the same options, before its next step)."""
-        load_hook_state(self.manager.comm_hook, state, self.engine)
-
-    def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-
-    def comm_stats(self) -> dict[str, Any]:
-        """Buckets, collectives and bytes per step, and communication time not hidden behind backward."""
-        return {
-            "mode": self._last_mode,
-            "backend": self.engine.backend,
-            "compression": self.compression,
-            **self.manager.stats_summary(),
-        }
-
-    def describe_plan(self) -> str:
-        return self.manager.plan.describe()
 
 
 class TrainOneStepCell(nn.TrainOneStepCell):
@@ -794,14 +742,10 @@ def _refuse_auto_in_graph(auto_tune_at: int | None) -> None:
         )
 
 
-def wrap(network: nn.Cell, bucket_size_mb: float = DEFAULT_BUCKET_MB, **options: Any) -> DataParallel:
+def wrap(network: nn.Cell, bucket_size_mb: float | str = DEFAULT_BUCKET_MB, **options: Any) -> DataParallel:
     """``DataParallel(network, bucket_size_mb, **options)``; the options checked against
     :class:`collective_ops.options.WrapOptions` (a torch-only one is refused with MindSpore's counterpart)."""
-    given = WrapOptions.build("mindspore", bucket_size_mb, options)
-    keywords = given.keywords("mindspore")
-    if given.check_step_alignment is None:  # (WrapOptions: None is off on MindSpore)
-        keywords["check_step_alignment"] = False
-    return DataParallel(network, **keywords)
+    return DataParallel(network, bucket_size_mb, **options)
 
 
 __all__ = ["DataParallel", "TrainOneStepCell", "wrap"]

@@ -27,16 +27,14 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .. import runtime, tracing
+from .. import runtime
+from ..adapter import BucketedWrapper
 from ..bucketing import (
     DEFAULT_BUCKET_MB,
     DEFAULT_FIRST_BUCKET_MB,
-    BucketManager,
     BucketPlan,
     RowSparseReduction,
-    validate_bucket_mb,
 )
-from ..bucketing.compression import load_hook_state
 from ..bucketing.diagnosis import agreeing
 from ..bucketing.hooks import allreduce_hook, reduces_rows
 from ..bucketing.participant import UpdateParticipant
@@ -66,7 +64,7 @@ _STRIDED = torch.strided  # (compared once per gradient)
 COLLECTIVE_OPTIONS = ("find_unused_parameters", "broadcast_buffers", "rebuild_buckets", "check_finite", "init_sync")
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
     """A data-parallel ``torch.nn.Module`` on the collective_ops bucketing core.
 
     Use it as the model itself: ``loss.backward(); optimizer.step()``. ``.module``
@@ -135,17 +133,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._verify_and_broadcast(plan, options_entry(collective_options), o.init_sync)
         if hasattr(hook, "bind_shapes"):  # a compression that works on each gradient's matrix (PowerSGD)
             hook.bind_shapes([tuple(p.shape) for p in self._params])
-        self.manager = BucketManager(
-            plan,
-            self.engine,
-            reduce_op=reduce_op,
-            comm_hook=hook,
-            find_unused_parameters=o.find_unused_parameters,
-            rebuild_after_first_step=o.rebuild_buckets,
-            on_rebuild=self._on_rebuild,
-            observer=tracing.start(self.engine) if o.trace else tracing.get_tracer(),
-            check_step_alignment=check_step_alignment,
-        )
+        self.manager = self._start_manager(plan, reduce_op, hook, check_step_alignment, on_rebuild=self._on_rebuild)
         self._start_side_groups(tables)
         self._views: list[torch.Tensor] = []
         self._make_views()
@@ -430,11 +418,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._after_step()
             self._settle(forward_ended=False)
 
-    @property
-    def tune_pending(self) -> bool:
-        """True until ``bucket_size_mb="auto"`` has settled on a size (False for a fixed size)."""
-        return self._auto_tune_at is not None
-
     def _let_go_of_groups(self) -> None:
         """co.shutdown(): the masks' and the buffers' groups let go of, so that destroying them joins their worker
         threads now."""
@@ -557,13 +540,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _overlapped_steps(self, predictions: list, cost: Any, contention: float) -> dict[tuple[float, float], float]:
         """The attached optimizer's simulated steps for each candidate (:func:`online_tune.overlapped_steps`)."""
         return overlapped_steps(self.optimizer, self.manager.plan, predictions, cost, contention)
-
-    def set_bucket_size(self, bucket_size_mb: float, first_bucket_mb: float | None = None) -> None:
-        """Replan with another bucket size between steps (every rank must call it with the same value)."""
-        bucket_size_mb = validate_bucket_mb(bucket_size_mb, "bucket_size_mb")
-        if first_bucket_mb is not None:
-            first_bucket_mb = validate_bucket_mb(first_bucket_mb, "first_bucket_mb")
-        self.manager.replan(bucket_size_mb, first_bucket_mb)
 
     def nonfinite_gradient_names(self) -> list[str]:
         """The parameters whose gradient holds a NaN or Inf (after the reduction: the same on every rank)."""
@@ -801,21 +777,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         self._before_forward_collectives(active=False)
         self.require_forward_param_sync = True  # as DDP's joined rank: the step it shadows reduces
-        self._finish_owed_updates()  # this rank's own last step, if a DistributedOptimizer deferred it
+        self.finish_owed_updates()  # this rank's own last step, if a DistributedOptimizer deferred it
         self._settle()
         self.manager.shadow_step()
         if self.optimizer is not None and self.optimizer.shards:
             self.optimizer.step_while_joined()  # it still owns shards: updated and all-gathered, as its peers expect
         self._after_step()
 
-    def _finish_owed_updates(self) -> None:
+    def finish_owed_updates(self) -> None:
         if self.optimizer is not None and self.optimizer.in_flight:
             self.optimizer.synchronize()
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After join: every rank takes the parameters and buffers of (the highest) rank that joined last."""
         self.manager.set_divisor(None)
-        self._finish_owed_updates()  # the last joiner's last step: its parameters are the ones broadcast
+        self.finish_owed_updates()  # the last joiner's last step: its parameters are the ones broadcast
         if self.engine.world_size == 1:
             return
         self._broadcast_model(src=highest_rank_where(self.engine, is_last_joiner))
@@ -831,38 +807,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             return getattr(module, name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        self._finish_owed_updates()  # updates still owed by a DistributedOptimizer land first
+        self.finish_owed_updates()  # updates still owed by a DistributedOptimizer land first
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def compression_state_dict(self) -> dict[str, Any]:
-        """The compression's state between steps, for a checkpoint beside the model's and the optimizer's:
-        with ``compression=co.PowerSGD(...)`` each bucket's error-feedback memory and Q factors, the step
-        count and the random state (``{}`` for the stateless compressions)."""
-        hook = self.manager.comm_hook
-        if not hasattr(hook, "state_dict"):
-            return {}
-        self._finish_owed_updates()  # the step's last buckets land (and their error) before it is read
-        return hook.state_dict()
-
-    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`compression_state_dict` (a model wrapped with the same options, before its next step)."""
-        load_hook_state(self.manager.comm_hook, state, self.engine)
-
-    def remove_hooks(self) -> None:
-        """Detach from the model's parameters (the model keeps working unwrapped)."""
-        remove_all(self._hook_handles)
-
-    def comm_stats(self) -> dict[str, Any]:
-        """Buckets, collectives and bytes per step, and communication time not hidden behind backward."""
-        return {
-            "mode": "overlap",
-            "backend": self.engine.backend,
-            "compression": self.compression,
-            **self.manager.stats_summary(),
-        }
 
     @property
     def bucket_bytes_cap(self) -> int:
@@ -873,9 +822,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         floor = _compat.ddp_first_bucket_bytes()
         return max(int(self.manager.plan.bucket_size_mb * 2**20), floor)
-
-    def describe_plan(self) -> str:
-        return self.manager.plan.describe()
 
     def extra_repr(self) -> str:
         plan = self.manager.plan
