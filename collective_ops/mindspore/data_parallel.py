@@ -477,7 +477,6 @@ class DataParallel(BucketedWrapper, nn.Cell):
             self._participant.synchronize()
 
 
-
 class TrainOneStepCell(nn.TrainOneStepCell):
     """``nn.TrainOneStepCell`` whose gradient reducer is collective_ops'.
 
