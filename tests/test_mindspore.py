@@ -9,10 +9,11 @@ from collective_ops.tools.heatmap import analyze, load_events
 from tests.msrun_harness import SuiteRun, requires_mindspore, run_msrun_suite
 from tests.reference import OPS, assert_identical, check_allreduce, check_gather_and_scatter
 
-pytestmark = requires_mindspore
+# the first test that reads a (mode, world) suite pays for its whole msrun start
+pytestmark = [requires_mindspore, pytest.mark.timeout(900)]
 
-# One msrun start per (mode, world size), each running these worker scripts in order (ms_workers/suite.py):
-# a start costs ~15-20 s here. The PyNative adapter runs last: it starts the trace its test reads. The
+# One msrun start per suite (its mode, world size), each running these worker scripts in order
+# (ms_workers/suite.py): a start costs ~10-20 s here. The PyNative adapter runs last: it starts the trace its test reads. The
 # GRAPH adapter sets MindSpore's data-parallel context (for nn.TrainOneStepCell's own reducer) and leaves it.
 SUITES = {
     ("pynative", 2): (
@@ -23,24 +24,35 @@ SUITES = {
         "loss_scale",
         "alignment",
         "sharded",
+        "auto_tune",
+        "dist_opt_overlap",
+        "powersgd",
+        "model_wrap",
         "adapter",
         "after_shutdown",
     ),
     ("pynative", 3): ("join", "sharded", "adapter:1e-06"),
     ("graph", 2): ("model_train", "loss_scale", "adapter"),
+    # GRAPH's Model over the wrapper apart: it traces (its test reads the trace), and a trace once started is
+    # joined by every later wrapper of the process
+    ("graph-model", 2): ("model_wrap",),
 }
-MODEL_WRAP_TIMEOUT_S = 500  # its own start: ~15 Model builds (a graph compiled for each in GRAPH mode)
-AUTO_TUNE_TIMEOUT_S = 280  # its own start (~1 min): the pynative-2 suite is near pytest's 300 s limit already
+SUITE_TIMEOUT_S = 800  # one start runs every part of its suite (pynative-2: ~2.5 min here)
+
+
+def suite_run(suite: str, world: int) -> SuiteRun:
+    """The (suite, world) suite's one msrun start (the suite names its mode first)."""
+    return run_msrun_suite(suite.split("-")[0], world, SUITES[(suite, world)], SUITE_TIMEOUT_S)
 
 
 def model_wrap_run(mode: str) -> SuiteRun:
-    """ms_workers/model_wrap.py (Model over the wrapper) at 2 workers, in an msrun start of its own."""
-    return run_msrun_suite(mode, 2, ("model_wrap",), MODEL_WRAP_TIMEOUT_S)
+    """ms_workers/model_wrap.py (Model over the wrapper) at 2 workers: in PyNative's suite, GRAPH's apart."""
+    return suite_run("pynative" if mode == "pynative" else "graph-model", 2)
 
 
 def results_of(mode: str, world: int, part: str) -> list[dict]:
     """Every rank's result of one worker script, from its (mode, world) suite's one msrun start."""
-    return run_msrun_suite(mode, world, SUITES[(mode, world)]).part(part)
+    return suite_run(mode, world).part(part)
 
 
 def test_primitives_match_numpy() -> None:
@@ -82,7 +94,7 @@ def test_wrap_equals_distributed_grad_reducer(mode: str, world: int, bucket_mb: 
     part = "adapter" if bucket_mb is None else f"adapter:{bucket_mb}"
     results = results_of(mode, world, part)
     if mode == "pynative":  # the same trace as the torch adapter's, merged from every msrun worker
-        analysis = analyze(load_events([run_msrun_suite(mode, world, SUITES[(mode, world)]).trace_file]))
+        analysis = analyze(load_events([suite_run(mode, world).trace_file]))
         assert analysis.ranks == list(range(world)) and len(analysis.steps) >= 3
         assert analysis.comm_ms.shape[1] == max(r["stats"]["buckets"] for r in results)
     for out in results:
@@ -454,7 +466,7 @@ def test_auto_bucket_size_settles_on_rank_0s_choice_everywhere_and_trains_as_tha
     """bucket_size_mb="auto" (PyNative, functional loop): pending until the profiled step's reduce(), then every
     rank on rank 0's cost-model best (rank 0's ranking reversed, so it differs from the others' own best and the
     default), the weights bit-equal to a run wrapped at that size; co.tune leaves every rank on its result."""
-    results = run_msrun_suite("pynative", 2, ("auto_tune",), AUTO_TUNE_TIMEOUT_S).part("auto_tune")
+    results = results_of("pynative", 2, "auto_tune")
     chosen = results[0]["own_best"]
     assert chosen != [25.0, 25.0], "the test needs rank 0's choice to differ from the default"
     for rank, out in enumerate(results):
@@ -466,7 +478,6 @@ def test_auto_bucket_size_settles_on_rank_0s_choice_everywhere_and_trains_as_tha
 
 
 # one start of their own (~30 s, ~50 s): the pynative-2 suite is near pytest's 300 s limit
-DIST_OPT_OVERLAP_START, DIST_OPT_OVERLAP_TIMEOUT_S = ("dist_opt_overlap", "powersgd"), 260
 
 
 def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equals_distributed_grad_reducer() -> None:
@@ -477,7 +488,7 @@ def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equal
     DistributedGradReducer + the same optimizer (Momentum, Adam); Model.train with it equals Model under
     MindSpore's DATA_PARALLEL, one reduction a step."""
     for rank, out in enumerate(
-        run_msrun_suite("pynative", 2, DIST_OPT_OVERLAP_START, DIST_OPT_OVERLAP_TIMEOUT_S).part("dist_opt_overlap")
+        results_of("pynative", 2, "dist_opt_overlap")
     ):
         for name in ("momentum", "adam"):
             what = f"{name}, rank {rank}"
@@ -502,7 +513,7 @@ def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equal
 
 def powersgd_results() -> list[dict]:
     """ms_workers/powersgd.py's results, from the start it shares with dist_opt_overlap."""
-    return run_msrun_suite("pynative", 2, DIST_OPT_OVERLAP_START, DIST_OPT_OVERLAP_TIMEOUT_S).part("powersgd")
+    return results_of("pynative", 2, "powersgd")
 
 
 class _NumpyNormals:

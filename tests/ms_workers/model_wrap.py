@@ -27,8 +27,9 @@ STEPS = 3
 BUCKET_MB, FIRST_MB = 0.002, 0.001  # several buckets
 # The compiled reduction sends gradients this large alone, the rest of a bucket concatenated: with these small
 # networks' weights above it and their biases below, every path runs (fused groups, single members, buckets of
-# gradients sent alone only).
-mindspore_engine.ALONE_NUMEL = 64
+# gradients sent alone only). Restored at the end: the parts after this one in the same process reduce at the
+# default threshold.
+DEFAULT_ALONE_NUMEL, mindspore_engine.ALONE_NUMEL = mindspore_engine.ALONE_NUMEL, 64
 ms.set_context(mode=ms.PYNATIVE_MODE if MODE == "pynative" else ms.GRAPH_MODE)
 ctx = co.init()
 rank, world = ctx.rank, ctx.world_size
@@ -193,3 +194,4 @@ if MODE == "graph":  # join() shadows steps from Python: in GRAPH mode refused b
 out["errors"] = errors
 co.barrier()
 write_result(rank, out)
+mindspore_engine.ALONE_NUMEL = DEFAULT_ALONE_NUMEL
