@@ -122,6 +122,7 @@ class BucketManager:
         self._launch_position: dict[int, int] | None = None  # bucket -> its last place in _launch_order
         self._chunks = [1] * len(plan.buckets)  # collectives per bucket (the launch order's repeats)
         self._param_names = [p.name for p in plan.params]
+        self._param_count = len(plan.params)  # (mark_ready's bounds, read per gradient)
 
     def wire_shares(self, plan: BucketPlan | None = None) -> dict[int, float]:
         """parameter index -> the share of its bytes its bucket sends (row-sparse tables; the rest send all)."""
@@ -245,12 +246,12 @@ class BucketManager:
         (accumulated earlier), contributed although this step did not use the parameter;
         with ``find_unused_parameters`` it does not count as used in the usage map.
         """
-        if self.alignment is not None:
-            self.alignment.backward_started()
         if not self.sync_enabled:
+            if self.alignment is not None:
+                self.alignment.backward_started()
             self._accumulated.add(index)
             return
-        if not 0 <= index < len(self._param_names):
+        if not 0 <= index < self._param_count:
             raise IndexError(f"parameter index {index} is out of range for this plan")
         if self._deferred:
             raise RuntimeError(
@@ -280,7 +281,9 @@ class BucketManager:
                 self.engine.write(buffer, offset, grad)
             if write_back:
                 self._copy_targets[index] = grad
-        if not self._marked:
+        if not self._marked:  # this backward's first gradient
+            if self.alignment is not None:
+                self.alignment.backward_started()  # (its later gradients find nothing more to count)
             self._stats.backward_start = now
             self._start_step_collectives()
         self._marked.add(index)
