@@ -117,6 +117,9 @@ class BucketManager:
 
     # -- plan & buffers ----------------------------------------------------------
     def _set_plan(self, plan: BucketPlan) -> None:
+        if plan is not getattr(self, "plan", None):  # (the same plan, padded or in another dtype: they stand)
+            self._param_buffers: list[Any] | None = None
+            self._param_multiple = 1
         self.plan = plan
         self._launch_order: tuple[int, ...] | None = None
         self._launch_position: dict[int, int] | None = None  # bucket -> its last place in _launch_order
@@ -178,6 +181,20 @@ class BucketManager:
         if dtype != self.grad_dtype:
             self.grad_dtype = dtype
             self._move_to(self.plan)
+
+    def param_buffers(self, multiple: int = 1) -> tuple[list[Any], bool]:
+        """Per bucket of the plan, one flat buffer for its parameters' values, in the plan's dtype, padded to a
+        multiple of ``multiple`` elements (the world size, where the buckets are sharded), laid out as the
+        gradient buffers are (each parameter at its offset): for an optimizer that updates or all-gathers whole
+        buckets. The same buffers while the plan and ``multiple`` stand; True where they were made now (zeros:
+        the adapter moves the parameters' values into them)."""
+        if self._param_buffers is not None and self._param_multiple == multiple:
+            return self._param_buffers, False
+        self._param_buffers = [
+            self.engine.zeros(padded_numel(b.numel, multiple), b.dtype, b.device) for b in self.plan.buckets
+        ]
+        self._param_multiple = multiple
+        return self._param_buffers, True
 
     def param_segment(self, index: int) -> tuple[Any, int, int]:
         """(buffer, offset, numel) of parameter ``index``'s gradient in its bucket."""

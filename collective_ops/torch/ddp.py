@@ -332,6 +332,23 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
         super().zero_grad(set_to_none)
         self.zero_main_grads()
 
+    def param_buffers(self, multiple: int = 1) -> list[torch.Tensor]:
+        """Per bucket, the flat buffer of its parameters (the manager's, padded to a multiple of ``multiple``
+        elements), each planned parameter made a view of it with its values kept: for an optimizer that updates a
+        bucket as one tensor, or all-gathers it in place. The same buffers while the plan and ``multiple`` stand;
+        a new plan's are laid out at the next call."""
+        buffers, made = self.manager.param_buffers(multiple)
+        if made:
+            with torch.no_grad():
+                for spec, buffer in zip(self.manager.plan.buckets, buffers):
+                    for index, offset in zip(spec.param_indices, spec.offsets):
+                        p = self._params[index]
+                        if p.layout is _STRIDED:  # (a sparse-layout parameter keeps its storage)
+                            view = view_like(p, buffer, offset)
+                            view.copy_(p.detach())
+                            p.data = view
+        return buffers
+
     def main_grad(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s (of :attr:`param_list`) gradient as its bucket holds it: its view of the bucket
         buffer, in the buffer's dtype (the main gradient, with ``set_grad_dtype``)."""

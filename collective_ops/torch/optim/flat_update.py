@@ -50,7 +50,7 @@ class FlatBucket:
 
     params: list[torch.Tensor]  # the model's parameters in the bucket, in bucket order
     offsets: list[int]
-    param: torch.Tensor  # the flat parameter buffer the parameters are views of
+    param: torch.Tensor  # the flat parameter buffer the parameters are views of (the wrapper's)
     group: dict[str, Any]  # the parameter group every one of them belongs to
     grad_addresses: list[int] = field(default_factory=list)  # where each p.grad is when it is its bucket view
     grad_buffer_address: int | None = None  # the gradient buffer grad_addresses are in
@@ -98,16 +98,19 @@ class FlatUpdates:
         self._args = args
         self._kwargs = {k: v for k, v in kwargs.items() if k != "params"}
         self._buckets: dict[int, FlatBucket] = {}
-        self._plan: BucketPlan | None = None
+        self._buffers: Sequence[torch.Tensor] | None = None  # the parameter buffers the buckets were laid on
 
-    def lay_out(self, plan: BucketPlan, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
-        """Parameters of each bucket whose parameters share one group made views of a flat buffer (values kept)."""
-        if plan is self._plan:
-            return  # (the same plan with fresh gradient buffers: the parameters' views stand)
-        self._plan = plan
+    def lay_out(
+        self, plan: BucketPlan, buffers: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], params: Sequence
+    ) -> None:
+        """Each bucket whose parameters share one group stepped on its flat parameter buffer (``buffers``, the
+        wrapper's: its parameters are views of it)."""
+        if buffers is self._buffers:
+            return  # (the same parameter buffers, with fresh gradient buffers: the parameters' views stand)
+        self._buffers = buffers
         group_of = {id(p): group for group in groups for p in group["params"]}
         self._buckets = {}
-        for spec in plan.buckets:
+        for spec, buffer in zip(plan.buckets, buffers):
             members = [params[i] for i in spec.param_indices]
             owners = {id(group_of.get(id(p))) for p in members}
             group = group_of.get(id(members[0]))
@@ -115,12 +118,6 @@ class FlatUpdates:
                 if self.master_weights:
                     raise ValueError(master_layout_error([plan.params[i].name for i in spec.param_indices]))
                 continue
-            buffer = torch.zeros(spec.numel, dtype=getattr(torch, spec.dtype), device=spec.device)
-            with torch.no_grad():
-                for p, offset in zip(members, spec.offsets):
-                    view = view_like(p, buffer, offset)
-                    view.copy_(p.detach())
-                    p.data = view
             bucket = FlatBucket(members, list(spec.offsets), buffer, group)
             if self.master_weights:
                 bucket.master = buffer.float()

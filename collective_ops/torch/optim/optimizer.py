@@ -170,7 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         if not self.shards and self._given is None and steps_flat(optimizer_class, kwargs):
             # one step per bucket, on its flat buffers (and fp32 masters)
             self._flat = FlatUpdates(optimizer_class, args, kwargs, self.precision.master_weights)
-            self._flat.lay_out(model.manager.plan, model.param_list, self._optimizer.param_groups)
+            self._lay_out_flat()
         self._built = True  # add_param_group from now on is the user's (torch's __init__ called it above)
         self._pending: PendingUpdates | None = None
         # Parameters this step still writes (their update, sharded their all-gather, lands at the next forward),
@@ -892,7 +892,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """The model's buckets were replanned (first-step rebuild, auto-tune): a trial of the old plan's orders ends."""
         self._planner.on_plan_change()
         if self._flat is not None:
-            self._flat.lay_out(plan, self.model.param_list, self._optimizer.param_groups)
+            self._lay_out_flat()
+
+    def _lay_out_flat(self) -> None:
+        """The flat steps on the wrapper's parameter buffers of its current plan."""
+        model = self.model
+        buffers = model.param_buffers()
+        self._flat.lay_out(model.manager.plan, buffers, self._optimizer.param_groups, model.param_list)
 
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks (after a final synchronize)."""

@@ -65,7 +65,6 @@ from .sharded_state import (
     in_plain_format,
     inner_state_dict,
     is_master,
-    params_into_buffers,
     pieces_of,
     return_freed_memory,
     settings_of,
@@ -199,7 +198,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._bound_guard.clear()  # (noted per bucket of the old layout)
         self._layout = ShardLayout(plan, engine.world_size)
         # model index -> where its view of the buffers starts (see _refuse_params_moved)
-        self._param_buffers, self._param_addresses = params_into_buffers(plan, self._layout, self.model.param_list)
+        self._param_buffers = self.model.param_buffers(engine.world_size)  # (padded: cut into equal shards)
+        self._param_addresses = {i: p.data_ptr() for i, p in enumerate(self.model.param_list)}
         self._pieces = pieces_of(self._layout.pieces(engine.rank), self._param_shard)
         self._bucket_pieces = [[] for _ in plan.buckets]
         for piece, tensor in self._pieces:

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from ...bucketing.shard.layout import ShardLayout, ShardPiece
-from ..ddp import view_like
 from . import state_json as _state_json
 from .dcp import is_sharded, piece_values, sharded_state_tensor
 from .precision import LOW_PRECISION, MASTER_KEY
@@ -240,26 +239,6 @@ def _unflat_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(p, dtype=flat.dtype, device=flat.device)
     out.as_strided((p.numel(),), (1,), 0).copy_(flat)
     return out
-
-
-def params_into_buffers(
-    plan: Any, layout: ShardLayout, params: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], dict[int, int]]:
-    """Parameters made views of one padded flat buffer per bucket (their values kept), so that a bucket's
-    all-gather lands in them without a copy: the buffers, and where each parameter's view starts (model index
-    -> data pointer)."""
-    buffers, addresses = [], {}
-    for spec, shards in zip(plan.buckets, layout.buckets):
-        buffer = torch.zeros(shards.padded_numel, dtype=getattr(torch, spec.dtype), device=spec.device)
-        with torch.no_grad():
-            for index, offset in zip(spec.param_indices, spec.offsets):
-                p = params[index]
-                view = view_like(p, buffer, offset)
-                view.copy_(p.detach())
-                p.data = view
-                addresses[index] = view.data_ptr()
-        buffers.append(buffer)
-    return buffers, addresses
 
 
 def pieces_of(pieces: list[ShardPiece], param_shard: Any) -> list[tuple[ShardPiece, torch.Tensor]]:
