@@ -210,7 +210,7 @@ class OptimizerOptions:
     AdamW, each bucket updated as one tensor."""
 
     grad_reduce_dtype: str | None = field(default=None, metadata=only("torch"))
-    """With ``shard``: the older spelling of ``grad_dtype`` (a DeprecationWarning)."""
+    """With ``shard``: a deprecated alias of ``grad_dtype`` (a DeprecationWarning)."""
 
     @classmethod
     def split(cls, framework: str, keywords: Mapping[str, Any]) -> tuple[OptimizerOptions, dict[str, Any]]:

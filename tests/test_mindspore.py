@@ -487,9 +487,7 @@ def test_distributed_optimizer_owes_bucket_updates_to_the_next_forward_and_equal
     rank's evaluations, checkpoint and weights are bit-equal to
     DistributedGradReducer + the same optimizer (Momentum, Adam); Model.train with it equals Model under
     MindSpore's DATA_PARALLEL, one reduction a step."""
-    for rank, out in enumerate(
-        results_of("pynative", 2, "dist_opt_overlap")
-    ):
+    for rank, out in enumerate(results_of("pynative", 2, "dist_opt_overlap")):
         for name in ("momentum", "adam"):
             what = f"{name}, rank {rank}"
             reference, ours = out[f"{name}_reference"], out[name]

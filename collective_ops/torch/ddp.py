@@ -169,6 +169,7 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
         self._warned_local_step = False  # a plain optimizer stepped on gradients never averaged: warned once
         self._warned_gradient_kept = False  # a kept p.grad about to be overwritten by its bucket: warned once
         self._main_grads_stale: set[int] = set()  # buckets of main gradients zero_grad() cleared (zero_main_grads)
+        self._stale_plan: BucketPlan | None = None  # the plan those bucket indices are of
 
     def _install_hooks(self, tables: dict[str, nn.Module]) -> None:
         """Each parameter's gradient hook (holding the wrapper weakly: deleting it detaches them and frees its
@@ -229,6 +230,8 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
     def _on_rebuild(self, plan: BucketPlan) -> None:
         old = self._views
         self._make_views()
+        if self._main_grads_stale and self._stale_plan is not plan:
+            self._zero_stale_main_grads()
         if self.gradient_as_bucket_view:
             for p, old_view, new_view, adds_in in zip(self._params, old, self._views, self._adds_in):
                 if p.grad is not None and p.grad.data_ptr() == old_view.data_ptr():
@@ -280,10 +283,9 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
         self._step_end_owed = True
 
     def _add_main_grad(self, index: int, param: torch.Tensor) -> None:
-        """Main gradients (``set_grad_dtype``): ``param.grad``, scaled for the average, added into its view of the
-        bucket in the bucket's dtype, then dropped, so that accumulation across ``no_sync()`` micro-steps sums in
-        the main dtype too (Megatron-core's ``main_grad``). A bucket's first gradient since ``zero_grad()``
-        starts it from zero."""
+        """Main gradients (``set_grad_dtype``): ``param.grad`` added into its view of the bucket in the bucket's
+        dtype, then dropped, so that accumulation across ``no_sync()`` micro-steps sums in the main dtype too
+        (Megatron-core's ``main_grad``). A bucket's first gradient since ``zero_grad()`` starts it from zero."""
         manager = self.manager
         grad = param.grad
         if grad.layout is not _STRIDED or grad.shape != param.shape:
@@ -298,34 +300,47 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
         if bucket in self._main_grads_stale:
             self._main_grads_stale.discard(bucket)
             manager.buffers[bucket].zero_()
-        scale = manager.copy_in_scale
-        if scale is None:
-            self._views[index].add_(grad)
-        else:
-            self._views[index].add_(grad, alpha=scale)
+        # Added as it is, not prescaled: the buffer may hold an earlier backward's average (no zero_grad() in
+        # between), which the reduction's own 1/world pass over the bucket scales as DDP's does.
+        self._views[index].add_(grad)
         param.grad = None
-        if syncs:
-            manager.mark_ready(index, prescaled=scale is not None)
-        else:
-            manager.mark_ready(index)  # only noted: used while accumulating (the usage map counts it)
+        manager.mark_ready(index)
 
     def zero_main_grads(self) -> None:
         """Main gradients (``set_grad_dtype``) cleared as ``zero_grad()`` clears ``p.grad``: each bucket starts
         from zero at its next gradient (not now: an update still owed reads them)."""
         if self._main_grads:
             self._main_grads_stale = set(range(len(self.manager.plan.buckets)))
+            self._stale_plan = self.manager.plan
+
+    @property
+    def main_grads_cleared(self) -> bool:
+        """True from ``zero_grad()`` until the next gradient (main gradients)."""
+        return bool(self._main_grads_stale)
+
+    def _zero_stale_main_grads(self) -> None:
+        """A new plan's buffers hold the old one's values: the parameters of buckets zero_grad() cleared are zeroed
+        in them now (no update is owed at a replan, so nothing reads the old values any more)."""
+        stale, self._main_grads_stale = self._main_grads_stale, set()
+        for bucket in stale:
+            for index in self._stale_plan.buckets[bucket].param_indices:
+                self._views[index].zero_()
 
     def set_grad_dtype(self, dtype: torch.dtype | None) -> None:
         """Keep the gradients in ``dtype`` buffers from now on (None: the parameters' dtype): the fp32 main
         gradients of a bf16/fp16 model, accumulated and averaged in fp32. A parameter whose dtype differs has no
         ``p.grad`` after backward; its gradient is its view of the buffer (:meth:`main_grad`)."""
+        self.check_grad_dtype(dtype)
+        self.manager.set_grad_dtype(None if dtype is None else str(dtype).removeprefix("torch."))
+        self.zero_main_grads()
+
+    def check_grad_dtype(self, dtype: torch.dtype | None) -> None:
+        """Raise where this model cannot keep its gradients in ``dtype`` buffers (:meth:`set_grad_dtype`)."""
         name = None if dtype is None else str(dtype).removeprefix("torch.")
         if name is not None and name != self.manager.grad_dtype:
             refuse = guards.main_grads_unsupported(self.options, self.manager.comm_hook is allreduce_hook)
             if refuse:
                 raise ValueError(f"grad_dtype={name!r}: {refuse}")
-        self.manager.set_grad_dtype(name)
-        self.zero_main_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``nn.Module.zero_grad``; main gradients (``set_grad_dtype``) are cleared too."""
@@ -511,13 +526,7 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
 
     def attach_optimizer(self, optimizer: UpdateParticipant) -> None:
         """Called by DistributedOptimizer: its updates follow this model's buckets (one optimizer per model)."""
-        if self.optimizer is not None and self.optimizer is not optimizer:
-            raise ValueError(
-                "this model already has a DistributedOptimizer; use that one (one per model: a second one would "
-                "update parameters of buckets whose updates the first still owes). For two optimizer classes over "
-                "parts of the model (e.g. Muon for the matrices, AdamW for the rest) give both to one: "
-                "DistributedOptimizer(model, [torch.optim.Muon(matrices, ...), torch.optim.AdamW(rest, ...)])"
-            )
+        self.refuse_second_optimizer(optimizer)
         self._optimizer_ref = weakref.ref(optimizer)
         # The next forward's buffer broadcast must not queue behind the reductions still in flight on the model's
         # group (a transport runs a group's collectives in issue order): with BatchNorm it made every forward wait
@@ -526,6 +535,16 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
         if self._buffer_group is None and self.broadcast_buffers and self.engine.world_size > 1 and has_buffers:
             self._buffer_group = self.engine.new_group()
             runtime.finish_in_flight_before_leaving(self._let_go_of_groups)
+
+    def refuse_second_optimizer(self, optimizer: UpdateParticipant) -> None:
+        """Raise where another DistributedOptimizer trains this model already."""
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            raise ValueError(
+                "this model already has a DistributedOptimizer; use that one (one per model: a second one would "
+                "update parameters of buckets whose updates the first still owes). For two optimizer classes over "
+                "parts of the model (e.g. Muon for the matrices, AdamW for the rest) give both to one: "
+                "DistributedOptimizer(model, [torch.optim.Muon(matrices, ...), torch.optim.AdamW(rest, ...)])"
+            )
 
     def _check_requires_grad_unchanged(self) -> None:
         """The plan holds the parameters trainable at wrap time: one frozen or unfrozen since is refused (a
@@ -563,7 +582,11 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
 
     def nonfinite_gradient_names(self) -> list[str]:
         """The parameters whose gradient holds a NaN or Inf (after the reduction: the same on every rank)."""
-        return self._nonfinite.names()
+        names = self._nonfinite.names()
+        if self._main_grads:  # (their gradients are the buffers' views, no p.grad)
+            views = zip(self._param_names, self._views, self._adds_in)
+            names += [name for name, view, adds_in in views if adds_in and not bool(torch.isfinite(view).all())]
+        return names
 
     def take_nonfinite_origin(self) -> str:
         """With ``check_finite``: the parameters whose gradient was not finite on this rank before the reduction
@@ -592,6 +615,12 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
             raise RuntimeError(
                 "sync_gradients() inside no_sync() (require_backward_grad_sync is False): leave the no_sync() "
                 "block (or set it True) first"
+            )
+        if self._main_grads:
+            raise RuntimeError(
+                "sync_gradients() with main gradients (grad_dtype / master_weights): each gradient is added into "
+                "its bucket as it arrives; run the last micro-step's backward outside no_sync(), which reduces "
+                "everything accumulated"
             )
         manager.set_sync(True)  # (the last forward may have run inside the block)
         if self._step_end_owed:

@@ -58,7 +58,9 @@ class FlatBucket:
     steps: torch.Tensor | None = None  # the per-parameter step counts, one tensor (their state's "step" views)
     packed: bool = False  # each parameter's state is views of this bucket's flat state
     master: torch.Tensor | None = None  # master_weights: the fp32 copy of ``param`` the optimizer updates
-    written_version: int = -1  # ``param``'s version counter when the master was last written into it
+    # each parameter's version counter when the masters were last written into them (a parameter keeps a counter
+    # of its own, apart from the buffer it is a view of): a change in place since is taken into its master
+    written_versions: list[int] = field(default_factory=list)
 
     @property
     def stepped(self) -> torch.Tensor:
@@ -121,7 +123,7 @@ class FlatUpdates:
             bucket = FlatBucket(members, list(spec.offsets), buffer, group)
             if self.master_weights:
                 bucket.master = buffer.float()
-                bucket.written_version = _compat.versions_of([buffer])[0]
+                bucket.written_versions = _compat.versions_of(members)
             self._buckets[spec.index] = bucket
 
     def unpack(self) -> None:
@@ -226,8 +228,7 @@ class FlatUpdates:
         finally:
             stepped.grad = None  # (the buffer is the wrapper's: not kept alive by this)
         if bucket.master is not None:
-            bucket.param.copy_(bucket.master)  # (rounded to the parameters' dtype)
-            bucket.written_version = _compat.versions_of([bucket.param])[0]
+            bucket.param.copy_(bucket.master)  # (rounded to the parameters' dtype; their own counters stay)
         if not bucket.packed:
             self._install_views(bucket, [state[p] for p in bucket.params])
         elif bucket.steps is not None:
@@ -237,11 +238,12 @@ class FlatUpdates:
         """Parameters changed in place since the optimizer last wrote them (a loaded checkpoint, a re-initialised
         layer) become their masters' values, except where a parameter is still its master rounded (a checkpoint
         of the same run, whose saved masters hold more than the parameters can)."""
-        if _compat.versions_of([bucket.param])[0] == bucket.written_version:
+        versions = _compat.versions_of(bucket.params)
+        if versions == bucket.written_versions:
             return
         changed = bucket.param != bucket.master.to(bucket.param.dtype)
         bucket.master.copy_(torch.where(changed, bucket.param.float(), bucket.master))
-        bucket.written_version = _compat.versions_of([bucket.param])[0]
+        bucket.written_versions = versions
 
     def _take_masters(self, bucket: FlatBucket, masters: list[Any]) -> bool:
         """Loaded masters (one per parameter, shaped as it) copied into the bucket's; False where they are not."""
@@ -274,13 +276,14 @@ class FlatUpdates:
 def keep_saved_dtypes(
     state: dict[torch.Tensor, dict[str, Any]], params: list[torch.Tensor], saved: dict[int, dict[str, Any]]
 ) -> None:
-    """The fp32 state and masters of ``saved`` (a state_dict's ``"state"``, numbered as ``params``) in ``state``
-    as saved: torch's ``load_state_dict`` casts floating state to each parameter's dtype (bf16), masters too."""
+    """The floating state of ``saved`` (a state_dict's ``"state"``, numbered as ``params``) in ``state`` in fp32,
+    the masters' dtype: torch's ``load_state_dict`` casts it to each parameter's dtype (bf16), masters too; a
+    state saved without masters (bf16 moments) is widened."""
     for number, entry in saved.items():
         loaded = state.get(params[number])
         for key, value in entry.items():
-            if loaded is not None and isinstance(value, torch.Tensor) and value.dtype != loaded[key].dtype:
-                loaded[key] = value.to(device=params[number].device, copy=True)
+            if loaded is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+                loaded[key] = value.to(device=params[number].device, dtype=torch.float32, copy=True)
 
 
 def master_layout_error(names: list[str]) -> str:

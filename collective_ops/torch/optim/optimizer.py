@@ -146,7 +146,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         self.precision = resolve_precision(model.param_list, self.shards, grad_dtype, master_weights)
         if self.precision.master_weights and not self.shards:
             refuse_unflat_masters(optimizer_class, self._given, kwargs)
-        model.set_grad_dtype(self.precision.grad_dtype)
+        model.refuse_second_optimizer(self)
+        model.check_grad_dtype(self.precision.grad_dtype)
         self.model = model
         self.overlap = overlap
         self.schedule = schedule
@@ -177,6 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         # against in-place changes by the loop in between, which the owed write would lose or build on.
         self._params_guard = InPlaceGuard()
         self.update_seconds = 0.0  # time spent in per-bucket updates (the last step)
+        model.set_grad_dtype(self.precision.grad_dtype)  # (once nothing is left to refuse: the model unchanged else)
         model.attach_optimizer(self)
         # Which parameters each module's forward reads is learnt from the first forward: its own, plus those
         # of submodules whose forward never runs (MultiheadAttention reads out_proj.weight itself).
@@ -491,9 +493,20 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         buckets = self._buckets()
         return [b for b in buckets if any(id(p) in param_ids for p in self._bucket_members(b))]
 
+    def _refuse_scaler_on_main_grads(self) -> None:
+        """A GradScaler unscales and checks ``p.grad``, which main gradients leave None: it would step on scaled
+        gradients."""
+        if self.model.manager.grad_dtype is not None:
+            raise RuntimeError(
+                "GradScaler with main gradients (master_weights / grad_dtype): the scaler reads p.grad, which main "
+                "gradients leave None, so it would step on scaled gradients. Train the bf16 model without a "
+                "GradScaler (bf16 needs no loss scaling), or leave master_weights off for an fp16 model with one"
+            )
+
     def _scaled_step(self, scaler: Any) -> None:
         """``GradScaler.step(opt)``: every reduction finished (the inf check needs all gradients), the
         gradients unscaled and checked, the step skipped where one is not finite, as torch does."""
+        self._refuse_scaler_on_main_grads()
         self._scaler_ref = weakref.ref(scaler)  # (sharded, a rank that joins keeps stepping through it)
         self.finish_reductions()
         if self._found_inf_anywhere(scaler_record(scaler, self)):
@@ -508,6 +521,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         reductions first, so every rank judged the same averaged gradients. Skipped where one was not finite;
         else the gradients unscaled as ``GradScaler.unscale_`` does (the same reciprocal, the same kernel), then
         the step. Ignored, the step would apply the scaled gradients."""
+        self._refuse_scaler_on_main_grads()
         self.found_inf = self.grad_scale = None  # (GradScaler deletes both afterwards) the step below is plain
         if float(found_inf.item()):
             self._skip_step()

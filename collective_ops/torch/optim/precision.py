@@ -54,16 +54,16 @@ def as_dtype(value: Any, option: str) -> torch.dtype | None:
 
 
 def renamed_grad_reduce_dtype(grad_dtype: Any, grad_reduce_dtype: Any) -> Any:
-    """``grad_reduce_dtype`` (``shard=True``'s older spelling) as ``grad_dtype``, with a DeprecationWarning."""
+    """``grad_reduce_dtype`` (``shard=True``'s deprecated alias) as ``grad_dtype``, with a DeprecationWarning."""
     if grad_reduce_dtype is None:
         return grad_dtype
     warnings.warn(
-        "grad_reduce_dtype is spelled grad_dtype now (gradients are accumulated in it too, as main gradients)",
+        "grad_reduce_dtype is deprecated: pass grad_dtype (gradients are accumulated in it too, as main gradients)",
         DeprecationWarning,
         stacklevel=4,
     )
     if grad_dtype is not None and as_dtype(grad_dtype, "grad_dtype") != as_dtype(grad_reduce_dtype, "grad_dtype"):
-        raise ValueError("pass grad_dtype alone (grad_reduce_dtype is its older spelling), not both")
+        raise ValueError("pass grad_dtype alone (grad_reduce_dtype is its deprecated alias), not both")
     return grad_reduce_dtype
 
 

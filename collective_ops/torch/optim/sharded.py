@@ -580,7 +580,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _cleared_but(self, param: torch.Tensor | None) -> bool:
         """Whether every model parameter's gradient is None or all zeros, ``param``'s aside (its gradient just
-        arrived)."""
+        arrived). Main gradients leave every p.grad None: there, whether zero_grad() came since."""
+        if self.model.manager.grad_dtype is not None:
+            return self.model.main_grads_cleared
         return all(p.grad is None or not bool(p.grad.any()) for p in self._model_params() if p is not param)
 
     def _refuse_tainted(self, call: str) -> None:
