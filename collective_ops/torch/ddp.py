@@ -266,9 +266,6 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
             self._nonfinite.note_local(index)
         if not self._step_end_owed:
             self._start_reducing_backward(param)
-        if self.gradient_as_bucket_view and grad.data_ptr() == self._view_addresses[index]:
-            manager.mark_ready(index)  # autograd accumulated it into its bucket view: nothing to copy
-            return
         self._contribute(index, param, grad=grad)
 
     def _start_reducing_backward(self, param: torch.Tensor) -> None:
