@@ -257,16 +257,19 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
             return
         grad = param.grad
         if grad.layout is not _STRIDED:
-            raise ValueError(
-                f"parameter {self._param_names[index]!r} received a sparse gradient; collective_ops reduces dense "
-                "gradients only: use sparse=False (nn.Embedding/EmbeddingBag) or densify the gradient"
-            )
+            raise self._sparse_gradient_error(index)
         if self.check_finite and not bool(torch.isfinite(grad).all()):
             # Not raised here: this rank's peers would wait for it. Every rank raises after the reduction.
             self._nonfinite.note_local(index)
         if not self._step_end_owed:
             self._start_reducing_backward(param)
         self._contribute(index, param, grad=grad)
+
+    def _sparse_gradient_error(self, index: int) -> ValueError:
+        return ValueError(
+            f"parameter {self._param_names[index]!r} received a sparse gradient; collective_ops reduces dense "
+            "gradients only: use sparse=False (nn.Embedding/EmbeddingBag) or densify the gradient"
+        )
 
     def _start_reducing_backward(self, param: torch.Tensor) -> None:
         """At a synchronised backward's first gradient (``param``'s)."""
@@ -285,8 +288,8 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
         (Megatron-core's ``main_grad``). A bucket's first gradient since ``zero_grad()`` starts it from zero."""
         manager = self.manager
         grad = param.grad
-        if grad.layout is not _STRIDED or grad.shape != param.shape:
-            self._check_fresh_gradient(index, grad, self._views[index])
+        if grad.layout is not _STRIDED:
+            raise self._sparse_gradient_error(index)
         syncs = manager.sync_enabled
         if syncs:
             if self.check_finite and not bool(torch.isfinite(grad).all()):
