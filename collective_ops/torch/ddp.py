@@ -43,11 +43,10 @@ from ..consistency import check_same_on_all_ranks, options_entry, plan_entry
 from ..online_tune import auto_tune_start, choose_online, overlapped_steps
 from ..options import WrapOptions, names_text, resolve_options
 from . import _compat, guards
+from ._compat import DDP_ACTIVE_MARKER, disable_dynamo
 from .autograd_hooks import output_tensors, outputs_reached, remove_all, view_like, weak_grad_hook
-from .compile import compiled_as_ddp, end_compiled_forward, start_compiled_forward
 from .ddp_hooks import DDPCommHook, ddp_comm_hook
 from .ddp_keywords import check_ddp_keywords, inputs_to
-from .join import ShadowingHook, join_context
 from .model_sync import broadcast_tensors, highest_rank_where, model_signature, sync_buffers
 from .model_watch import PlannedParameters, converted_error, requires_grad_change_error, stop_watching, watch
 from .nonfinite import NonfiniteWatch
@@ -791,7 +790,7 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
         self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
     ) -> Join:
         """``with model.join():`` ranks with fewer batches shadow the others' collectives until all are done
-        (:func:`collective_ops.torch.join.join_context`, as DDP's ``join()``)."""
+        (:func:`join_context`, as DDP's ``join()``)."""
         return join_context(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -875,6 +874,75 @@ class DistributedDataParallel(BucketedWrapper, nn.Module, Joinable):
     def extra_repr(self) -> str:
         plan = self.manager.plan
         return f"buckets={len(plan.buckets)}, bucket_size_mb={plan.bucket_size_mb:g}, backend={self.engine.backend}"
+
+
+# -- the forward under torch.compile: what runs around the compiled graph (not traced), and the graph split at
+# bucket boundaries as torch's DDP has it ------------------------------------------------------------------------
+@disable_dynamo
+def start_compiled_forward(model: DistributedDataParallel) -> None:
+    model._start_forward(compiled=True)
+
+
+@disable_dynamo
+def end_compiled_forward(model: DistributedDataParallel) -> None:
+    model._end_forward()
+
+
+@contextlib.contextmanager
+@disable_dynamo(recursive=False)
+def compiled_as_ddp(model: DistributedDataParallel) -> Iterator[None]:
+    """Under ``torch.compile``, have the module's graph split at bucket boundaries as DDP's is.
+
+    Dynamo splits a compiled graph into bucket-sized pieces (its DDPOptimizer) while torch's DDP
+    marks itself active around its module's forward; without the split the compiled backward
+    is one piece that hands every gradient over at its end, and no bucket overlaps it. The
+    same marker, with this model's bucket size, gives collective_ops' buckets the same pieces.
+    Skipped where this torch has no such marker.
+    """
+    ddp = nn.parallel.DistributedDataParallel
+    if not hasattr(ddp, DDP_ACTIVE_MARKER):
+        yield
+        return
+    previous = getattr(ddp, DDP_ACTIVE_MARKER)
+    setattr(ddp, DDP_ACTIVE_MARKER, model)
+    try:
+        yield
+    finally:
+        setattr(ddp, DDP_ACTIVE_MARKER, previous)
+
+
+# -- uneven inputs (torch.distributed.algorithms.Join): the hook a joined rank runs, shadowing its active peers'
+# collectives with zeros until every rank has joined, then taking the final model of the rank that joined last -----
+class ShadowingHook(JoinHook):
+    """The wrapper's join hook: each shadowed step (``main_hook``), then the final model (``post_hook``)."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.model = model
+
+    def main_hook(self) -> None:
+        self.model._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.model._sync_final_model(is_last_joiner)
+
+
+def join_context(
+    model: DistributedDataParallel, divide_by_initial_world_size: bool, enable: bool, throw_on_early_termination: bool
+) -> Join:
+    """``with model.join():`` ranks with fewer batches shadow the others' collectives until all are done.
+
+    As DDP's ``join()``: gradients of the steps some ranks sit out are divided by the initial
+    world size (with ``divide_by_initial_world_size=False``: by the ranks still active, agreed
+    on by one small collective per step); a joined rank contributes zeros; at the end every
+    rank gets the parameters and buffers of a rank that joined last. ``Join([model])`` works
+    the same.
+    """
+    return Join(
+        [model],
+        enable=enable,
+        throw_on_early_termination=throw_on_early_termination,
+        divide_by_initial_world_size=divide_by_initial_world_size,
+    )
 
 
 def release_process_hooks() -> None:
